@@ -1,0 +1,174 @@
+"""The ``tfdist`` command: ``tfdist launch`` runs local workers, ``tfdist env`` shows the
+cluster environment tfdist detects.
+
+Each subcommand has one small function adding its flags and one running it. Nothing here imports
+TensorFlow, so ``tfdist --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from tfdist.errors import TfdistError
+
+__all__ = ["build_parser", "main"]
+
+_Handler = Callable[[argparse.Namespace], int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tfdist`` command line.
+
+    Args:
+        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: the subcommand's, or 2 for a :class:`TfdistError` (printed as
+        ``tfdist: <message>``, without a traceback). Bad flags exit 2 through argparse.
+    """
+    args = build_parser().parse_args(argv)
+    handler: _Handler = args.handler
+    try:
+        return handler(args)
+    except TfdistError as err:
+        print(f"tfdist: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``tfdist`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="tfdist", description="Data-parallel TensorFlow/Keras training on Slurm."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_launch(commands)
+    _add_env(commands)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tfdist")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _add_launch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="run N workers of a script on this machine",
+        description="Run N worker processes of SCRIPT on this machine, each with its own "
+        "TF_CONFIG, TFDIST_LOCAL_RANK and CPU core. Everything after SCRIPT goes to the script. "
+        "Output lines are prefixed with [rank]; a carriage return (progress bars) ends a line.",
+        usage="tfdist launch -n N [options] (SCRIPT.py | -m MODULE | EXECUTABLE) [ARGS ...]",
+    )
+    _add_launch_workers(parser.add_argument_group("workers"))
+    _add_launch_cpus(parser.add_argument_group("CPU pinning"))
+    _add_launch_output(parser.add_argument_group("output and shutdown"))
+    parser.add_argument(
+        "-m", dest="module", action="store_true", help="run SCRIPT as a module, like python -m"
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="a .py script, module or executable")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="script arguments")
+    parser.set_defaults(handler=_run_launch)
+
+
+def _add_launch_workers(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "-n",
+        "--num-workers",
+        type=_at_least(1),
+        required=True,
+        metavar="N",
+        help="number of workers (>= 1)",
+    )
+    group.add_argument(
+        "--port-base",
+        type=int,
+        metavar="P",
+        help="use ports P, P+1, ... for the workers (default: free ports)",
+    )
+
+
+def _add_launch_cpus(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin workers to CPU cores"
+    )
+    group.add_argument(
+        "--cpus-per-worker",
+        type=_at_least(1),
+        metavar="K",
+        help="pin each worker to K consecutive cores (default: one core each)",
+    )
+
+
+def _add_launch_output(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="after a failure, SIGKILL workers still running this long after SIGTERM (default: 10)",
+    )
+    group.add_argument(
+        "--no-prefix",
+        dest="prefix",
+        action="store_false",
+        help="do not prefix output lines with [rank]",
+    )
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from tfdist.launch import build_command, launch
+
+    command = build_command(args.script, args.args, module=args.module)
+    return launch(
+        command,
+        args.num_workers,
+        port_base=args.port_base,
+        pin=args.pin,
+        cpus_per_worker=args.cpus_per_worker,
+        grace_period=args.grace_period,
+        prefix=args.prefix,
+    )
+
+
+def _add_env(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "env",
+        help="print the detected cluster environment",
+        description="Print the cluster environment tfdist detects (rank, world size, ...).",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of name: value")
+    parser.set_defaults(handler=_run_env)
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    from tfdist.env import detect
+
+    fields = dataclasses.asdict(detect())
+    if args.json:
+        print(json.dumps(fields, indent=2, default=str))
+    else:
+        print("\n".join(f"{name}: {value}" for name, value in fields.items()))
+    return 0
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse

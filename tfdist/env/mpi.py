@@ -1,0 +1,47 @@
+"""horovodrun and mpirun (Open MPI, MPICH/Intel MPI hydra).
+
+These are the variables the launchers put in each process's environment before MPI starts.
+``srun --mpi=pmix`` sets ``PMIX_RANK`` but none of these: such a step is Slurm's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tfdist.env.base import ClusterEnvironment, get_int
+
+__all__ = ["detect"]
+
+# (launcher, rank, size, local rank, local size, node rank); the first present rank wins.
+_FLAVOURS = (
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+     "HOROVOD_CROSS_RANK"),
+    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK"),
+    # Hydra sets PMI_RANK like Slurm's pmi2 plugin does; MPI_LOCALRANKID is hydra's alone.
+    ("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),
+)
+
+
+def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
+    """Reads the first launcher's variables present, Horovod's own before MPI's."""
+    for launcher, rank_var, size_var, local_var, local_size_var, node_var in _FLAVOURS:
+        if rank_var in environ and local_var in environ:
+            rank = get_int(environ, rank_var)
+            local_size = get_int(environ, local_size_var, 1)
+            size = get_int(environ, size_var)
+            node_rank = get_int(environ, node_var, rank // local_size) if node_var else (
+                rank // local_size)
+            coordinator = None
+            if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in environ:
+                coordinator = (f"{environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
+                               f"{environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}")
+            return ClusterEnvironment(
+                launcher=launcher, rank=rank, world_size=size,
+                local_rank=get_int(environ, local_var), local_world_size=local_size,
+                node_rank=node_rank, num_nodes=get_int(
+                    environ, "HOROVOD_CROSS_SIZE", -(-size // local_size)),
+                coordinator=coordinator, job_id=environ.get("SLURM_JOB_ID"),
+                visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+                reason=f"{launcher} ({rank_var}={rank}, {size_var}={size})")
+    return None

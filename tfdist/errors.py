@@ -1,0 +1,24 @@
+"""The errors tfdist raises. Each message says what went wrong and how to fix it."""
+
+from __future__ import annotations
+
+__all__ = ["TfdistError", "LaunchError", "InitOrderError", "ConfigError"]
+
+
+class TfdistError(RuntimeError):
+    """Base class of every error tfdist raises on purpose."""
+
+
+class LaunchError(TfdistError):
+    """The processes were not launched in a way tfdist can run distributed.
+
+    For example the script runs in the sbatch shell of a multi-task job instead of under srun.
+    """
+
+
+class InitOrderError(TfdistError):
+    """TensorFlow was initialised before tfdist could configure the distribution strategy."""
+
+
+class ConfigError(TfdistError, ValueError):
+    """An argument, flag or ``TFDIST_*`` environment variable has an impossible value."""

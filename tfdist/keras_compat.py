@@ -1,0 +1,111 @@
+"""Fixes for Keras 3's ``fit``/``evaluate`` under multi-worker MultiWorkerMirroredStrategy.
+
+Upstream keras-team/keras#20585 (tensorflow/tensorflow#72388), open on every Keras 3 release up
+to the one tfdist pins. Two defects, both only with more than one worker:
+
+1. ``TensorFlowTrainer._maybe_symbolic_build`` averages the first *data* batch across replicas
+   with ``strategy.reduce("MEAN", batch, axis=None)`` to learn its shapes; the collective
+   all-reduce cannot reduce a nested structure ("Attempt to convert a value (PerReplica...)").
+   Only the shapes matter there, so one local replica's batch does.
+2. ``reduce_per_replica(..., "mean")`` calls ``strategy.reduce("MEAN", v, axis=0)`` on scalar
+   losses and metrics ("Invalid reduction dimension 0 for input with 0 dimensions"). The
+   single-worker path means across replicas, which is ``axis=None``.
+
+Both fixes wrap the upstream functions and defer to them everywhere else. They are applied by
+tfdist.init only for a multi-worker strategy and only on the Keras versions in ``AFFECTED``;
+``tests/test_keras_compat.py`` fails loudly when the pinned Keras no longer has the defects or
+moved the patched functions. ``TFDIST_KERAS_FIX=0`` turns the fix off (to reproduce the bug).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["AFFECTED", "needs_fix", "apply"]
+
+logger = logging.getLogger("tfdist")
+
+# Half-open range of Keras versions with the defects. Raise the upper bound only after the
+# upstream issue is fixed in a release and the tests pass without the fix there.
+AFFECTED = ((3, 0), (4, 0))
+_applied = False
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def needs_fix() -> bool:
+    """True when Keras 3 drives ``tf.keras`` and its version is in ``AFFECTED``."""
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
+        return False  # tf_keras (Keras 2) has its own multi-worker code, which works
+    import keras
+
+    return AFFECTED[0] <= _version_tuple(keras.__version__) < AFFECTED[1]
+
+
+def apply() -> bool:
+    """Installs both fixes once. Returns whether they are installed."""
+    global _applied
+    if _applied:
+        return True
+    if os.environ.get("TFDIST_KERAS_FIX", "1") == "0" or not needs_fix():
+        return False
+    from keras.src.backend.tensorflow import trainer
+
+    trainer.TensorFlowTrainer._maybe_symbolic_build = _wrap_symbolic_build(
+        trainer.TensorFlowTrainer._maybe_symbolic_build)
+    trainer.reduce_per_replica = _wrap_reduce_per_replica(trainer.reduce_per_replica)
+    _applied = True
+    import keras
+
+    logger.debug("tfdist: applied the Keras %s multi-worker fit fix (keras#20585)",
+                 keras.__version__)
+    return True
+
+
+def _is_multi_worker(strategy: Any) -> bool:
+    import tensorflow as tf
+
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def _wrap_symbolic_build(original: Any) -> Any:
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = self._distribute_strategy
+        if iterator is None or strategy is None or not _is_multi_worker(strategy):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        import tensorflow as tf
+        from keras.src import tree
+
+        for _, _, it in iterator:
+            data_batch = next(it)
+            break
+
+        def local(value: Any) -> Any:
+            if isinstance(value, tf.distribute.DistributedValues):
+                return strategy.experimental_local_results(value)[0]
+            return value
+
+        return original(self, iterator=None, data_batch=tree.map_structure(local, data_batch))
+
+    return _maybe_symbolic_build
+
+
+def _wrap_reduce_per_replica(original: Any) -> Any:
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+        import tensorflow as tf
+
+        if (reduction in ("auto", "mean") and _is_multi_worker(strategy)
+                and not isinstance(strategy, tf.distribute.TPUStrategy)):
+            from keras.src import tree
+
+            return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+        return original(values, strategy, reduction)
+
+    reduce_per_replica.__wrapped__ = original  # type: ignore[attr-defined]
+    return reduce_per_replica

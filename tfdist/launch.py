@@ -1,0 +1,397 @@
+"""Run one script as N worker processes on this machine, each with its own ``TF_CONFIG``.
+
+The ``build_*``/``assign_cpus``/``split_lines`` functions are pure and tested as tables;
+:func:`run_workers` is the thin runner: it starts the processes, streams their output with a
+``[rank] `` prefix and stops every worker as soon as one fails. Nothing here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, NoReturn, TextIO
+
+from tfdist.errors import ConfigError, LaunchError
+
+__all__ = [
+    "WorkerSpec",
+    "assign_cpus",
+    "build_command",
+    "build_workers",
+    "exit_code",
+    "free_ports",
+    "launch",
+    "port_range",
+    "run_workers",
+    "split_lines",
+    "tf_config",
+    "worker_env",
+]
+
+LOCALHOST = "127.0.0.1"
+_POLL_S = 0.05
+_JOIN_S = 2.0
+# "\r" ends a line too, so a Keras progress bar prints one line per update instead of one
+# endless line; "\r\n" is a single line end.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+_Popen = subprocess.Popen[bytes]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker process: its ``rank`` (index in ``TF_CONFIG`` and local rank), ``argv``, full
+    ``env``, and the ``cpus`` it is pinned to (``None``: inherit the launcher's affinity)."""
+
+    rank: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cpus: frozenset[int] | None
+
+
+def build_command(
+    target: str, args: Sequence[str] = (), *, module: bool = False, python: str = sys.executable
+) -> tuple[str, ...]:
+    """Build the workers' argv the way ``python`` reads its command line.
+
+    Args:
+        target: A ``.py`` script, a module name (with ``module=True``) or an executable.
+        args: The target's own arguments, passed through unparsed.
+        module: Run ``python -m target``.
+        python: Interpreter for scripts and modules (default: the launcher's).
+    """
+    if module:
+        return (python, "-m", target, *args)
+    if target.endswith(".py"):
+        return (python, target, *args)
+    return (target, *args)
+
+
+def free_ports(count: int, host: str = LOCALHOST) -> list[int]:
+    """Return ``count`` distinct free TCP ports on ``host``.
+
+    Every socket stays bound until all ports are picked, so no port comes back twice.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sockets[-1].bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def port_range(port_base: int, count: int) -> list[int]:
+    """Return ports ``port_base .. port_base + count - 1``.
+
+    Raises:
+        ConfigError: If a port would fall outside 1024..65535.
+    """
+    highest = 65536 - count
+    if not 1024 <= port_base <= highest:
+        raise ConfigError(
+            f"--port-base {port_base} does not fit {count} workers (ports {port_base}.."
+            f"{port_base + count - 1}); choose a base between 1024 and {highest}, or leave out "
+            "--port-base to use free ports."
+        )
+    return list(range(port_base, port_base + count))
+
+
+def tf_config(ports: Sequence[int], rank: int, host: str = LOCALHOST) -> str:
+    """Return the compact ``TF_CONFIG`` JSON of worker ``rank`` of a cluster on ``host``."""
+    config = {
+        "cluster": {"worker": [f"{host}:{port}" for port in ports]},
+        "task": {"type": "worker", "index": rank},
+    }
+    return json.dumps(config, separators=(",", ":"))
+
+
+def worker_env(base_env: Mapping[str, str], ports: Sequence[int], rank: int) -> dict[str, str]:
+    """Return ``base_env`` plus ``TF_CONFIG`` (replacing an inherited one),
+    ``TFDIST_LAUNCHER=local``, ``TFDIST_LOCAL_RANK``, ``TFDIST_LOCAL_WORLD_SIZE`` and
+    ``PYTHONUNBUFFERED=1`` (so output streams line by line) for worker ``rank``."""
+    env = dict(base_env)
+    env.update(
+        TF_CONFIG=tf_config(ports, rank),
+        TFDIST_LAUNCHER="local",
+        TFDIST_LOCAL_RANK=str(rank),
+        TFDIST_LOCAL_WORLD_SIZE=str(len(ports)),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def assign_cpus(
+    num_workers: int, cores: Sequence[int], cpus_per_worker: int | None = None
+) -> list[frozenset[int]]:
+    """Return the cores of each worker.
+
+    Args:
+        num_workers: Number of workers.
+        cores: Cores available to the launcher, any order.
+        cpus_per_worker: Give worker i the i-th block of this many consecutive cores. ``None``
+            pins worker i to ``sorted(cores)[i % len(cores)]``: with more workers than cores,
+            workers share cores.
+
+    Raises:
+        ConfigError: If there are no cores, or fewer than ``num_workers * cpus_per_worker``.
+    """
+    ordered = sorted(cores)
+    if not ordered:
+        raise ConfigError("no CPU cores to pin the workers to; pass --no-pin.")
+    if cpus_per_worker is None:
+        return [frozenset({ordered[i % len(ordered)]}) for i in range(num_workers)]
+    k = cpus_per_worker
+    if k < 1 or num_workers * k > len(ordered):
+        raise ConfigError(
+            f"--cpus-per-worker {k} with {num_workers} workers needs {num_workers * k} cores "
+            f"but {len(ordered)} are available ({ordered}); lower --cpus-per-worker or -n, or "
+            "leave out --cpus-per-worker to pin one core per worker."
+        )
+    return [frozenset(ordered[i * k : (i + 1) * k]) for i in range(num_workers)]
+
+
+def build_workers(
+    num_workers: int,
+    command: Sequence[str],
+    ports: Sequence[int],
+    base_env: Mapping[str, str],
+    cpu_sets: Sequence[frozenset[int]] | None = None,
+) -> list[WorkerSpec]:
+    """Describe the workers: one command, each with its own ``TF_CONFIG`` and cores.
+
+    Raises:
+        ConfigError: If ``num_workers < 1`` or ``ports``/``cpu_sets`` lack one entry per worker.
+    """
+    if num_workers < 1:
+        raise ConfigError(f"-n/--num-workers must be at least 1, got {num_workers}.")
+    if len(ports) != num_workers or (cpu_sets is not None and len(cpu_sets) != num_workers):
+        raise ConfigError(f"need one port and one CPU set per worker ({num_workers} workers).")
+    cpus = [None] * num_workers if cpu_sets is None else list(cpu_sets)
+    argv = tuple(command)
+    return [WorkerSpec(i, argv, worker_env(base_env, ports, i), cpus[i]) for i in range(len(cpus))]
+
+
+def split_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Split the complete lines off ``buffer``; return them and the unfinished rest.
+
+    ``\\n``, ``\\r\\n`` and ``\\r`` end a line; empty ``\\r``-ended lines are dropped. A final
+    ``\\r`` stays in the rest: it may be the first half of ``\\r\\n``.
+    """
+    lines, start = [], 0
+    for match in _LINE_END.finditer(buffer):
+        if match.group() == b"\r" and match.end() == len(buffer):
+            break
+        if match.start() > start or match.group() != b"\r":
+            lines.append(buffer[start : match.start()])
+        start = match.end()
+    return lines, buffer[start:]
+
+
+def exit_code(returncode: int) -> int:
+    """Map a ``Popen.returncode`` to a shell exit code (killed by signal N -> 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def launch(
+    command: Sequence[str],
+    num_workers: int,
+    *,
+    port_base: int | None = None,
+    pin: bool = True,
+    cpus_per_worker: int | None = None,
+    grace_period: float = 10.0,
+    prefix: bool = True,
+    base_env: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Run ``command`` as ``num_workers`` local workers: ``tfdist launch``.
+
+    Ports are free ones unless ``port_base`` is given. With ``pin`` each worker is pinned to
+    one core of the launcher's affinity (or ``cpus_per_worker`` consecutive cores).
+
+    Returns:
+        0 if every worker succeeds, else the first failing worker's exit code (128 + N if
+        killed by signal N); 130 on Ctrl-C and 143 on SIGTERM to the launcher.
+
+    Raises:
+        ConfigError: If an option is impossible; the message says which to change.
+        LaunchError: If a worker cannot be started.
+    """
+    if grace_period < 0:
+        raise ConfigError(f"--grace-period must be >= 0 seconds, got {grace_period}.")
+    if cpus_per_worker is not None and not pin:
+        raise ConfigError("--cpus-per-worker pins workers; do not combine it with --no-pin.")
+    ports = free_ports(num_workers) if port_base is None else port_range(port_base, num_workers)
+    cpu_sets = None
+    if pin and hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        cpu_sets = assign_cpus(num_workers, cores, cpus_per_worker)
+        if cpus_per_worker is None and num_workers > len(cores):
+            _warn(
+                f"{num_workers} workers on {len(cores)} cores {cores}: workers share cores "
+                "(worker i runs on core i mod cores); pass --no-pin to leave it to the OS."
+            )
+    env = os.environ if base_env is None else base_env
+    workers = build_workers(num_workers, command, ports, env, cpu_sets)
+    return run_workers(workers, grace_period=grace_period, prefix=prefix, out=out)
+
+
+def run_workers(
+    workers: Sequence[WorkerSpec],
+    *,
+    grace_period: float = 10.0,
+    prefix: bool = True,
+    out: TextIO | None = None,
+) -> int:
+    """Start ``workers``, stream their output to ``out`` and wait; returns as :func:`launch`.
+
+    Each worker runs in its own session (process group). When one fails, or the launcher gets
+    Ctrl-C or SIGTERM, every group gets SIGTERM, then SIGKILL after ``grace_period`` seconds.
+    """
+    procs: list[_Popen] = []
+    threads: list[threading.Thread] = []
+    lock = threading.Lock()
+    try:
+        with _handle([signal.SIGTERM], _raise_terminated):
+            procs.extend(_start(spec) for spec in workers)
+            # Readers start after every fork: preexec_fn is only safe while no thread runs.
+            for proc, spec in zip(procs, workers, strict=True):
+                head = f"[{spec.rank}] " if prefix else ""
+                args = (proc, head, lock, out)
+                threads.append(threading.Thread(target=_pump, args=args, daemon=True))
+                threads[-1].start()
+            failure = _wait_first_failure(procs)
+            if failure is None:
+                return 0
+            rank, returncode = failure
+            others = any(proc.poll() is None for proc in procs)
+            _warn(_describe(rank, returncode) + ("; stopping the other workers" if others else ""))
+            return exit_code(returncode)
+    except KeyboardInterrupt:
+        _warn("interrupted; stopping the workers")
+        return 130
+    except _SigtermError:
+        _warn("got SIGTERM; stopping the workers")
+        return 128 + signal.SIGTERM
+    finally:
+        # A second Ctrl-C while stopping must not leave workers behind; the stop is bounded.
+        with _handle([signal.SIGINT, signal.SIGTERM], signal.SIG_IGN):
+            _stop(procs, grace_period)
+        for thread in threads:
+            thread.join(_JOIN_S)  # Bounded: a detached grandchild may still hold the pipe.
+
+
+class _SigtermError(Exception):
+    """The launcher got SIGTERM."""
+
+
+def _raise_terminated(*_: object) -> NoReturn:
+    raise _SigtermError
+
+
+@contextmanager
+def _handle(
+    sigs: Sequence[int], handler: Callable[[int, Any], None] | signal.Handlers
+) -> Iterator[None]:
+    # signal.signal only works in the main thread; elsewhere leave the handlers alone.
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _start(spec: WorkerSpec) -> _Popen:
+    cpus = spec.cpus
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    try:
+        return subprocess.Popen(
+            spec.argv,
+            env=spec.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=pin,  # Safe: no reader thread runs yet (see run_workers).
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        raise LaunchError(
+            f"cannot start worker {spec.rank} ({shlex.join(spec.argv)}): {err}. Check that the "
+            "script or executable exists (scripts must end in .py; use -m for modules)."
+        ) from err
+
+
+def _pump(proc: _Popen, head: str, lock: threading.Lock, out: TextIO | None) -> None:
+    assert proc.stdout is not None
+    fd, rest = proc.stdout.fileno(), b""
+    while chunk := os.read(fd, 65536):
+        lines, rest = split_lines(rest + chunk)
+        _emit(lines, head, lock, out or sys.stdout)
+    rest = rest.rstrip(b"\r")
+    _emit([rest] if rest else [], head, lock, out or sys.stdout)
+    proc.stdout.close()
+
+
+def _emit(lines: list[bytes], head: str, lock: threading.Lock, out: TextIO) -> None:
+    text = "".join(f"{head}{line.decode('utf-8', errors='replace')}\n" for line in lines)
+    with lock:
+        try:
+            out.write(text)
+            out.flush()
+        except (OSError, ValueError):
+            pass  # Closed stdout (e.g. piped into head): keep draining so workers don't block.
+
+
+def _wait_first_failure(procs: Sequence[_Popen]) -> tuple[int, int] | None:
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code]
+        if failed or all(code == 0 for code in codes):
+            return failed[0] if failed else None
+        time.sleep(_POLL_S)
+
+
+def _stop(procs: Sequence[_Popen], grace_period: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_period
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:  # Also sweeps what a finished worker left behind in its group.
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _signal_group(proc: _Popen, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError, PermissionError):  # The group is already gone.
+        os.killpg(proc.pid, sig)
+
+
+def _describe(rank: int, returncode: int) -> str:
+    if returncode < 0:
+        return f"worker {rank} was killed by signal {-returncode}"
+    return f"worker {rank} exited with code {returncode}"
+
+
+def _warn(message: str) -> None:
+    print(f"tfdist launch: {message}", file=sys.stderr, flush=True)

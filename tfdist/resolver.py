@@ -1,0 +1,124 @@
+"""A Slurm cluster resolver for tf.distribute that fixes the stock one's defects.
+
+``tf.distribute.cluster_resolver.SlurmClusterResolver`` (TF 2.21) is fragile on real clusters
+(see ``shared/facts/tensorflow.md``). This resolver reads tfdist's pure Slurm detection instead:
+
+1. no ``nvidia-smi`` call: GPUs come from Slurm's ``CUDA_VISIBLE_DEVICES`` (or are counted by
+   tfdist.init through TensorFlow when Slurm sets none);
+2. CPU-only steps and 3. per-task GPU binding (``--gpus-per-task``) are ordinary cases;
+4. hosts keep Slurm's node order (n9 before n10), never string-sorted;
+5. physical GPU ids (``CUDA_VISIBLE_DEVICES=2,3``) are kept, each local task gets its own;
+6. every hostlist form Slurm accepts is expanded (``n[1-2]-ib``, ``rack[1-2]-n[01-02]``);
+7. in the batch shell it says to use srun instead of failing with a bare RuntimeError;
+8. ports derive from the job and step id (``TFDIST_PORT_BASE`` overrides);
+9. block, cyclic and plane distributions are laid out as Slurm does, and
+   ``TFDIST_HOST_TEMPLATE`` (e.g. ``{host}-ib0``) picks the interface name to dial.
+
+The resolver never mutates ``os.environ``; tfdist.init applies the GPU selection once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from tensorflow.python.distribute.cluster_resolver.cluster_resolver import ClusterResolver
+from tensorflow.python.training.server_lib import ClusterSpec
+
+from tfdist.env import slurm
+from tfdist.env.base import ClusterEnvironment
+from tfdist.errors import ConfigError, LaunchError
+
+__all__ = ["SlurmClusterResolver", "select_gpus"]
+
+_NO_GPUS = ("", "NoDevFiles", "-1", "none")
+
+
+def select_gpus(visible: str | None, local_rank: int, local_world_size: int,
+                bound_per_task: bool) -> str | None:
+    """Chooses this task's ``CUDA_VISIBLE_DEVICES`` from what Slurm gave it.
+
+    Args:
+        visible: the inherited ``CUDA_VISIBLE_DEVICES``; None when unset.
+        local_rank: the task's index on its node.
+        local_world_size: tasks on the node.
+        bound_per_task: Slurm already bound GPUs to each task (``SLURM_GPUS_PER_TASK`` is set,
+            or only one GPU is visible).
+
+    Returns:
+        The ids to make visible (physical ids kept, e.g. ``"3"`` from ``"2,3"``), ``""`` for a
+        CPU-only task, or None when nothing is known and TensorFlow must count the GPUs.
+
+    Raises:
+        ConfigError: fewer GPUs than tasks on the node, or a count that does not divide.
+    """
+    if visible is None:
+        return None
+    if visible.strip() in _NO_GPUS:
+        return ""
+    ids = [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    if bound_per_task or len(ids) == 1 or local_world_size == 1:
+        return ",".join(ids)
+    if len(ids) % local_world_size:
+        raise ConfigError(
+            f"{len(ids)} GPUs (CUDA_VISIBLE_DEVICES={visible}) cannot be shared evenly by "
+            f"{local_world_size} tasks on this node: run one task per GPU "
+            f"(`srun --ntasks-per-node={len(ids)}`) or bind them with `--gpus-per-task=1`")
+    per_task = len(ids) // local_world_size
+    return ",".join(ids[local_rank * per_task:(local_rank + 1) * per_task])
+
+
+class SlurmClusterResolver(ClusterResolver):
+    """Cluster resolver for one srun task per GPU (or per CPU worker), in Slurm's order.
+
+    Args:
+        environment: a detected Slurm environment; read from ``environ`` when None.
+        num_gpus: GPUs this task uses; derived from ``CUDA_VISIBLE_DEVICES`` when None.
+        environ: variables to read instead of ``os.environ`` (tests).
+        rpc_layer: the protocol TensorFlow's servers speak.
+
+    Raises:
+        LaunchError: not inside an srun step (e.g. the batch shell), with the srun command.
+    """
+
+    def __init__(self, environment: ClusterEnvironment | None = None, *,
+                 num_gpus: int | None = None, environ: Mapping[str, str] | None = None,
+                 rpc_layer: str = "grpc") -> None:
+        environ = os.environ if environ is None else environ
+        if environment is None:
+            environment = slurm.detect(environ)
+        if environment is None or environment.launcher != "slurm":
+            raise LaunchError("SlurmClusterResolver needs an srun step (SLURM_STEP_ID and "
+                              "SLURM_PROCID are not set): start the script with `srun python "
+                              "train.py` inside the job, one task per GPU")
+        self._env = environment
+        if num_gpus is None:
+            chosen = select_gpus(environment.visible_devices, environment.local_rank,
+                                 environment.local_world_size, "SLURM_GPUS_PER_TASK" in environ)
+            num_gpus = len([g for g in (chosen or "").split(",") if g])
+        self._num_gpus = num_gpus
+        self.task_type = "worker"
+        self.task_id = environment.rank
+        self.rpc_layer = rpc_layer
+
+    @property
+    def environment_info(self) -> ClusterEnvironment:
+        return self._env
+
+    def cluster_spec(self) -> ClusterSpec:
+        return ClusterSpec({"worker": list(self._env.worker_addresses)})
+
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
+        index = self.task_id if task_id is None else task_id
+        address = self._env.worker_addresses[index]
+        protocol = rpc_layer or self.rpc_layer
+        return f"{protocol}://{address}" if protocol else address
+
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: object = None) -> dict[str, int]:
+        return {"GPU": self._num_gpus} if self._num_gpus else {}
+
+    @property
+    def environment(self) -> str:
+        return ""
