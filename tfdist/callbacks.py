@@ -6,6 +6,8 @@ Imported only after :func:`tfdist.init`, when ``tf.keras`` resolves to Keras 3 o
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import shutil
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ __all__ = ["ChiefOnly", "AtomicCheckpoint", "LearningRateWarmup", "WorkerBackupA
            "build"]
 
 keras = tf.keras
+logger = logging.getLogger("tfdist")
 _KERAS3 = not keras.__version__.startswith("2.")
 
 
@@ -153,6 +156,17 @@ else:
         return keras.callbacks.BackupAndRestore(backup_dir, **kwargs)
 
 
+def _tensorboard_installed(dist: Distributed) -> bool:
+    # Keras writes summaries through the tensorboard package; without it the first summary
+    # raises mid-epoch on the chief alone and the other workers' collectives abort.
+    if importlib.util.find_spec("tensorboard") is not None:
+        return True
+    if dist.is_chief:
+        logger.warning("tfdist: TensorBoard logs are off: the `tensorboard` package is not "
+                       "installed (pip install tensorboard, or callbacks(tensorboard=False))")
+    return False
+
+
 def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoint: bool = True,
           tensorboard: bool = True, backup: bool = True, warmup_epochs: float = 0,
           chief_only: tuple[Any, ...] = ()) -> list[Any]:
@@ -181,7 +195,7 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
     writers = list(chief_only)
     if model_dir and checkpoint:
         writers.append(AtomicCheckpoint(os.path.join(model_dir, "checkpoint.keras")))
-    if model_dir and tensorboard:
+    if model_dir and tensorboard and _tensorboard_installed(dist):
         writers.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
     callbacks += [ChiefOnly(writer, dist.is_chief) for writer in writers]
     if not dist.is_chief:

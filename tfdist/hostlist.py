@@ -20,7 +20,8 @@ from tfdist.errors import ConfigError
 
 __all__ = ["expand_hostlist", "expand_tasks_per_node"]
 
-# [0-9], not \d: \d also matches other scripts' digits ("n[١-٣]"), which Slurm rejects.
+# [0-9], not \d: \d also matches other scripts' digits (Arabic-Indic "n[\u0661-\u0663]"),
+# which Slurm's strtoul rejects.
 _RANGE = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")
 _REPEAT = re.compile(r"^([0-9]+)(?:\(x([0-9]+)\))?$")
 

@@ -38,6 +38,9 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
 def _step(environ: Mapping[str, str]) -> ClusterEnvironment:
     rank = get_int(environ, "SLURM_PROCID")
     world_size = get_int(environ, "SLURM_STEP_NUM_TASKS", get_int(environ, "SLURM_NTASKS", 1))
+    if not 0 <= rank < world_size:
+        raise LaunchError(f"SLURM_PROCID={rank} is outside the step's {world_size} tasks "
+                          "(SLURM_STEP_NUM_TASKS): the variables come from different steps")
     hosts = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
     counts = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE", str(world_size)))
     if len(counts) != len(hosts) or sum(counts) != world_size:
@@ -71,7 +74,8 @@ def task_nodes(tasks_per_node: list[int], distribution: str) -> list[int]:
     ``plane=N``; only the part before ``:`` (distribution across nodes) matters here.
 
     Raises:
-        LaunchError: a distribution whose layout the variables do not determine (arbitrary).
+        LaunchError: a distribution whose layout the variables do not determine (arbitrary),
+            or a plane size that is not a positive integer.
     """
     across_nodes = distribution.split(":")[0].split(",")[0].strip() or "block"
     if across_nodes in ("block", "*"):

@@ -1,0 +1,50 @@
+"""examples/keras_train.py end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, launch
+
+pytestmark = pytest.mark.multiprocess
+EXAMPLE = str(ROOT / "examples" / "keras_train.py")
+
+
+def _accuracy(output: str) -> float:
+    found = re.findall(r"test accuracy (\d\.\d+)", output)
+    assert found, output[-3000:]
+    return float(found[-1])
+
+
+def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
+    flagfile = tmp_path / "flags.txt"
+    flagfile.write_text(f"--epochs=6\n--batch_size=64\n--scale_lr\n--model_dir={tmp_path}/m\n"
+                        f"--data_dir={tmp_path}/data\n")
+    run = launch([EXAMPLE, f"--flagfile={flagfile}"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr
+    assert "[0] tfdist: 2 worker(s), 2 replica(s), backend mwms, collective ring" in run.stdout
+    assert "learning rate 0.002" in run.stdout  # --scale_lr doubled 1e-3
+    assert _accuracy(run.stdout) > 0.9
+    # Only the chief reports, and only the chief's files exist.
+    assert "[1] test loss" not in run.stdout and "[1] Epoch" not in run.stdout
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "checkpoint.keras", "final.keras", "logs"]
+
+
+def test_one_plain_process_runs_the_same_script(tmp_path):
+    run = subprocess.run([sys.executable, EXAMPLE, "--epochs=3", f"--data_dir={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "tfdist: 1 worker(s), 1 replica(s), backend single" in run.stdout
+    assert _accuracy(run.stdout) > 0.8
+
+
+def test_bad_backend_flag_is_rejected_with_the_choices(tmp_path):
+    run = subprocess.run([sys.executable, EXAMPLE, "--backend=horovd"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode != 0
+    assert "value should be one of <auto|mwms|single>" in run.stderr

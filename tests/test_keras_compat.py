@@ -1,0 +1,53 @@
+"""Guards for the Keras 3 multi-worker fix (keras-team/keras#20585).
+
+If one of these fails after a Keras upgrade, Keras changed underneath tfdist: check whether
+upstream fixed the defects (then narrow ``tfdist.keras_compat.AFFECTED``) or moved the patched
+functions (then update the wrappers).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from conftest import WORKERS, launch
+from tfdist import keras_compat
+
+keras = pytest.importorskip("keras")
+
+
+def test_pinned_keras_is_in_the_affected_range():
+    assert keras_compat.needs_fix(), (
+        f"Keras {keras.__version__} is outside tfdist.keras_compat.AFFECTED={keras_compat.AFFECTED}"
+        ": re-run tests/test_multiworker.py with TFDIST_KERAS_FIX=0 and adjust the range")
+
+
+def test_patched_functions_still_have_the_upstream_defects():
+    from keras.src.backend.tensorflow import trainer
+
+    build = inspect.getsource(getattr(trainer.TensorFlowTrainer._maybe_symbolic_build,
+                                      "__wrapped__", trainer.TensorFlowTrainer._maybe_symbolic_build))
+    reduce = inspect.getsource(getattr(trainer.reduce_per_replica, "__wrapped__",
+                                       trainer.reduce_per_replica))
+    assert list(inspect.signature(trainer.reduce_per_replica).parameters) == [
+        "values", "strategy", "reduction"]
+    assert "maybe_distributed_data_batch," in build and "axis=None" in build, (
+        "Keras changed _maybe_symbolic_build: defect 1 of keras#20585 may be fixed upstream")
+    assert 'strategy.reduce("MEAN", v, axis=0)' in reduce, (
+        "Keras changed reduce_per_replica: defect 2 of keras#20585 may be fixed upstream")
+
+
+def test_legacy_keras_needs_no_fix(monkeypatch):
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    assert not keras_compat.needs_fix()
+
+
+@pytest.mark.multiprocess
+def test_without_the_fix_two_worker_fit_still_fails_upstream(tmp_path):
+    run = launch([str(WORKERS / "train_worker.py"), str(tmp_path), "fit", "dist"],
+                 env={"TFDIST_KERAS_FIX": "0"})
+    assert run.returncode != 0
+    assert "Attempt to convert a value (PerReplica" in run.stdout + run.stderr, (
+        "Keras 3 multi-worker fit no longer fails without tfdist's fix: keras#20585 may be "
+        "fixed upstream; narrow tfdist.keras_compat.AFFECTED")

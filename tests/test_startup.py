@@ -1,0 +1,55 @@
+"""Program startup: importing tfdist is cheap; initialising TensorFlow too early is explained."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, WORKERS
+
+TWO_WORKERS = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                          "task": {"type": "worker", "index": 0}})
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env}, check=False)
+
+
+def test_import_loads_no_heavy_framework():
+    run = _python("import sys, tfdist, tfdist.env, tfdist.cli, tfdist.launch; "
+                  "print(sorted(m for m in ('tensorflow', 'keras', 'tf_keras', 'torch', "
+                  "'horovod', 'numpy') if m in sys.modules))")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_import_takes_under_100_ms():
+    code = ("import time; t = time.perf_counter(); import tfdist; "
+            "print(time.perf_counter() - t)")
+    best = min(float(_python(code).stdout) for _ in range(3))
+    assert best < 0.100, f"import tfdist took {best * 1000:.0f} ms"
+
+
+def test_tensorflow_op_before_init_raises_a_clear_error():
+    # No peer is needed: the check runs before any connection is attempted.
+    run = subprocess.run([sys.executable, str(WORKERS / "too_early_worker.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env={**__import__("os").environ, "TF_CONFIG": TWO_WORKERS,
+                              "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "InitOrderError" in run.stdout
+    assert "strategy_scope()" in run.stdout and "first TensorFlow work" in run.stdout
+    assert "Collective ops must be configured" not in run.stdout + run.stderr
+
+
+def test_single_process_gets_the_default_strategy_quietly():
+    run = _python("import tfdist; d = tfdist.init(); import tensorflow as tf; "
+                  "print(d.backend, d.size, d.rank, d.is_chief, "
+                  "d.strategy is tf.distribute.get_strategy())", TF_CPP_MIN_LOG_LEVEL="2")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["single", "1", "0", "True", "True"]
+    assert "tfdist" not in run.stderr
