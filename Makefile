@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine (see README):
 #   make train   trains examples/keras_train.py on 2 local workers (offline digits data)
-#   make test    runs every test
+#   make test    runs ruff, mypy and every test
 # Both build .venv/ first from the pinned requirements; nothing installed by hand is needed.
 
 PYTHON ?= python3
@@ -25,7 +25,7 @@ train: $(STAMP)
 	$(BIN)/tfdist launch -n 2 examples/keras_train.py --epochs=8 --batch_size=64 \
 		--scale_lr --model_dir=$(MODEL_DIR) --data_dir=$(CURDIR)/.cache/tensorflow_datasets
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-
 from conftest import WORKERS, launch
+
 from tfdist import keras_compat
 
 keras = pytest.importorskip("keras")
@@ -26,8 +26,8 @@ def test_pinned_keras_is_in_the_affected_range():
 def test_patched_functions_still_have_the_upstream_defects():
     from keras.src.backend.tensorflow import trainer
 
-    build = inspect.getsource(getattr(trainer.TensorFlowTrainer._maybe_symbolic_build,
-                                      "__wrapped__", trainer.TensorFlowTrainer._maybe_symbolic_build))
+    symbolic_build = trainer.TensorFlowTrainer._maybe_symbolic_build
+    build = inspect.getsource(getattr(symbolic_build, "__wrapped__", symbolic_build))
     reduce = inspect.getsource(getattr(trainer.reduce_per_replica, "__wrapped__",
                                        trainer.reduce_per_replica))
     assert list(inspect.signature(trainer.reduce_per_replica).parameters) == [

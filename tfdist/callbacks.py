@@ -20,12 +20,12 @@ if TYPE_CHECKING:
 __all__ = ["ChiefOnly", "AtomicCheckpoint", "LearningRateWarmup", "WorkerBackupAndRestore",
            "build"]
 
-keras = tf.keras
+keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
 _KERAS3 = not keras.__version__.startswith("2.")
 
 
-class ChiefOnly(keras.callbacks.Callback):  # type: ignore[misc]
+class ChiefOnly(keras.callbacks.Callback):
     """Runs ``callback`` on the chief only (TensorBoard, CSV logs, checkpoints...).
 
     Safe under MultiWorkerMirroredStrategy: saving and logging read local values and run no
@@ -52,7 +52,7 @@ class ChiefOnly(keras.callbacks.Callback):  # type: ignore[misc]
         return object.__getattribute__(self, name)
 
 
-class AtomicCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
+class AtomicCheckpoint(keras.callbacks.Callback):
     """Saves the whole model (``.keras``) at each epoch end, atomically.
 
     The file is written under a temporary name and renamed, so a job killed mid-save leaves the
@@ -73,7 +73,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         os.replace(partial, self.path)
 
 
-class LearningRateWarmup(keras.callbacks.Callback):  # type: ignore[misc]
+class LearningRateWarmup(keras.callbacks.Callback):
     """Ramps the learning rate from ``lr / size`` up to the (scaled) ``lr`` the optimizer has.
 
     Goyal et al. (2017): with linear scaling by the number of replicas, start at the
@@ -106,7 +106,7 @@ class LearningRateWarmup(keras.callbacks.Callback):  # type: ignore[misc]
         self.model.optimizer.learning_rate.assign(start + (self.target - start) * fraction)
 
 
-class _SilentProgbar(keras.callbacks.ProgbarLogger):  # type: ignore[misc]
+class _SilentProgbar(keras.callbacks.ProgbarLogger):
     """Stands in for Keras's progress bar on non-chief workers, so only the chief prints."""
 
     def __getattribute__(self, name: str) -> Any:
@@ -117,7 +117,7 @@ class _SilentProgbar(keras.callbacks.ProgbarLogger):  # type: ignore[misc]
 
 if _KERAS3:
 
-    class WorkerBackupAndRestore(keras.callbacks.BackupAndRestore):  # type: ignore[misc]
+    class WorkerBackupAndRestore(keras.callbacks.BackupAndRestore):
         """Keras 3's BackupAndRestore with one directory per rank.
 
         Keras 3's callback is not multi-worker aware: two workers writing one directory race
@@ -125,6 +125,9 @@ if _KERAS3:
         rank with no backup of its own (the job grew) restores from rank 0's, so every worker
         resumes from the same state.
         """
+
+        _weights_path: str  # set by Keras's BackupAndRestore
+        _training_metadata_path: str
 
         def __init__(self, backup_dir: str, rank: int, **kwargs: Any) -> None:
             self.root = backup_dir
@@ -151,7 +154,8 @@ if _KERAS3:
 
 else:
 
-    def WorkerBackupAndRestore(backup_dir: str, rank: int, **kwargs: Any) -> Any:  # noqa: N802
+    def WorkerBackupAndRestore(  # type: ignore[no-redef]  # noqa: N802
+            backup_dir: str, rank: int, **kwargs: Any) -> Any:
         """tf_keras's BackupAndRestore already writes one directory per worker."""
         return keras.callbacks.BackupAndRestore(backup_dir, **kwargs)
 

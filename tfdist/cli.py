@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+import tfdist
 from tfdist.errors import TfdistError
 
 __all__ = ["build_parser", "main"]
@@ -44,20 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfdist", description="Data-parallel TensorFlow/Keras training on Slurm."
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {tfdist.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_launch(commands)
     _add_env(commands)
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("tfdist")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _add_launch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

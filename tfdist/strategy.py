@@ -46,12 +46,25 @@ class Distributed:
         self.collective = collective
         self.num_gpus = num_gpus
 
-    rank = property(lambda self: self.environment.rank if self.backend != "single" else 0,
-                    doc="This process's index, 0-based; rank 0 is the chief.")
-    size = property(lambda self: self.environment.world_size if self.backend != "single" else 1,
-                    doc="Number of processes training together.")
-    local_rank = property(lambda self: self.environment.local_rank, doc="Index on this node.")
-    is_chief = property(lambda self: self.rank == 0, doc="Whether this process writes outputs.")
+    @property
+    def rank(self) -> int:
+        """This process's index, 0-based; rank 0 is the chief (0 for a single process)."""
+        return self.environment.rank if self.backend != "single" else 0
+
+    @property
+    def size(self) -> int:
+        """Number of processes training together."""
+        return self.environment.world_size if self.backend != "single" else 1
+
+    @property
+    def local_rank(self) -> int:
+        """Index among the processes on this node (selects the GPU)."""
+        return self.environment.local_rank
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes checkpoints, logs and progress."""
+        return self.rank == 0
 
     @property
     def num_replicas(self) -> int:
@@ -75,11 +88,12 @@ class Distributed:
         Raises:
             ConfigError: the global batch does not divide evenly.
         """
-        if global_batch_size % self.num_replicas:
+        replicas = self.num_replicas
+        if global_batch_size % replicas:
+            nearest = max(replicas, global_batch_size // replicas * replicas)
             raise ConfigError(f"global batch size {global_batch_size} does not divide over "
-                              f"{self.num_replicas} replicas: use a multiple of "
-                              f"{self.num_replicas}, e.g. {self.global_batch_size(max(1, global_batch_size // self.num_replicas))}")
-        return global_batch_size // self.num_replicas
+                              f"{replicas} replicas: use a multiple of {replicas}, e.g. {nearest}")
+        return global_batch_size // replicas
 
     def global_batch_size(self, per_replica_batch_size: int) -> int:
         """The global batch that gives each replica ``per_replica_batch_size`` examples."""

@@ -75,7 +75,7 @@ def _custom_loop(dist: tfdist.Distributed, model, optimizer, dataset, global_bat
                 loss = tf.nn.compute_average_loss(per_example(y, model(x, training=True)),
                                                   global_batch_size=global_batch)
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return loss
 
         return strategy.reduce("SUM", strategy.run(replica_step, args=(x, y)), axis=None)

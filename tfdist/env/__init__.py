@@ -47,5 +47,6 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnvironment:
         found = detector(environ)
         if found is not None:
             return found
-    return ClusterEnvironment(launcher="single", visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+    return ClusterEnvironment(launcher="single",
+                              visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
                               reason="no launcher variables: one process")
