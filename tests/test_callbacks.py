@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import WORKERS, launch, load_result, load_weights
 
 pytestmark = pytest.mark.multiprocess

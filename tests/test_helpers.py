@@ -1,0 +1,105 @@
+"""The handle's helpers: sharding policies, batch arithmetic, LR scaling and warmup.
+
+Runs on a real 2-replica strategy: one process whose CPU is split into two logical devices
+(MirroredStrategy), in a subprocess so that the device split happens before TensorFlow starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from tfdist.data import shard_files
+from tfdist.errors import ConfigError
+
+SCRIPT = r"""
+import json, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from tfdist import ConfigError, ClusterEnvironment
+from tfdist.callbacks import LearningRateWarmup
+from tfdist.strategy import Distributed
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+dist = Distributed(ClusterEnvironment("local", world_size=2, local_world_size=2, num_nodes=1),
+                   "mwms", strategy, "ring", 0)
+out = {"replicas": dist.num_replicas, "lr": dist.scale_lr(0.01),
+       "per_replica": dist.per_replica_batch_size(64), "global": dist.global_batch_size(16)}
+def error(call):
+    try:
+        call()
+    except ConfigError as e:
+        return str(e)
+out["odd_batch"] = error(lambda: dist.per_replica_batch_size(63))
+out["file_policy"] = error(lambda: dist.shard(tf.data.Dataset.range(4), "file"))
+out["few_files"] = error(lambda: dist.shard(tf.data.Dataset.range(4), "file", num_files=1))
+out["bad_policy"] = error(lambda: dist.shard(tf.data.Dataset.range(4), "rows"))
+ds = dist.shard(tf.data.Dataset.range(4), "data")
+out["data_policy"] = (ds.options().experimental_distribute.auto_shard_policy
+                      == tf.data.experimental.AutoShardPolicy.DATA)
+keras = tf.keras
+with dist.scope():
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(dist.scale_lr(0.1)), loss="mse")
+rates = []
+class Record(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        rates.append(float(keras.backend.get_value(self.model.optimizer.learning_rate)))
+x = tf.zeros((16, 1))
+model.fit(x, x, batch_size=4, epochs=3, verbose=0,
+          callbacks=[LearningRateWarmup(2, dist.num_replicas), Record()])
+out["rates"] = rates
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def helpers() -> dict:
+    run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True,
+                         text=True, timeout=180, check=False,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_batch_arithmetic_and_linear_scaling(helpers):
+    assert helpers["replicas"] == 2
+    assert helpers["lr"] == pytest.approx(0.02)
+    assert (helpers["per_replica"], helpers["global"]) == (32, 32)
+    assert "does not divide over 2 replicas" in helpers["odd_batch"]
+    assert "e.g. 62" in helpers["odd_batch"]
+
+
+def test_file_sharding_is_refused_unless_every_worker_gets_a_file(helpers):
+    assert "num_files" in helpers["file_policy"]
+    assert "1 input file(s) for 2 workers" in helpers["few_files"]
+    assert "policy='data'" in helpers["few_files"]
+    assert "'rows' is not one of" in helpers["bad_policy"]
+    assert helpers["data_policy"] is True
+
+
+def test_warmup_ramps_from_the_unscaled_rate_to_the_scaled_one(helpers):
+    rates = helpers["rates"]  # 4 steps per epoch, 2 warmup epochs, target 0.2 from 0.1
+    assert len(rates) == 12
+    assert rates[0] == pytest.approx(0.1)
+    assert all(a < b for a, b in zip(rates[:8], rates[1:8], strict=False))
+    assert rates[4] == pytest.approx(0.15)
+    assert rates[8:] == pytest.approx([0.2] * 4)
+
+
+@pytest.mark.parametrize(("files", "rank", "size", "mine"), [
+    (["a", "b", "c", "d", "e"], 0, 2, ["a", "c", "e"]),
+    (["a", "b", "c", "d", "e"], 1, 2, ["b", "d"]),
+    (["a", "b"], 1, 2, ["b"]),
+])
+def test_shard_files_gives_each_worker_its_share(files, rank, size, mine):
+    assert shard_files(files, rank, size) == mine
+
+
+def test_shard_files_refuses_fewer_files_than_workers():
+    with pytest.raises(ConfigError, match="3 input file"):
+        shard_files(["a", "b", "c"], 0, 4)
