@@ -6,6 +6,7 @@ Runs on a real 2-replica strategy: one process whose CPU is split into two logic
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -86,7 +87,7 @@ def test_warmup_ramps_from_the_unscaled_rate_to_the_scaled_one(helpers):
     rates = helpers["rates"]  # 4 steps per epoch, 2 warmup epochs, target 0.2 from 0.1
     assert len(rates) == 12
     assert rates[0] == pytest.approx(0.1)
-    assert all(a < b for a, b in zip(rates[:8], rates[1:8], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(rates[:9]))
     assert rates[4] == pytest.approx(0.15)
     assert rates[8:] == pytest.approx([0.2] * 4)
 
