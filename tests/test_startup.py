@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,8 +14,6 @@ TWO_WORKERS = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    import os
-
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **env}, check=False)
 
@@ -38,7 +37,7 @@ def test_tensorflow_op_before_init_raises_a_clear_error():
     # No peer is needed: the check runs before any connection is attempted.
     run = subprocess.run([sys.executable, str(WORKERS / "too_early_worker.py")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=False,
-                         env={**__import__("os").environ, "TF_CONFIG": TWO_WORKERS,
+                         env={**os.environ, "TF_CONFIG": TWO_WORKERS,
                               "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert run.returncode == 3, run.stdout + run.stderr
     assert "InitOrderError" in run.stdout
@@ -53,3 +52,21 @@ def test_single_process_gets_the_default_strategy_quietly():
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["single", "1", "0", "True", "True"]
     assert "tfdist" not in run.stderr
+
+
+def test_init_twice_returns_the_same_handle_and_refuses_a_switch():
+    run = _python("import tfdist; a = tfdist.init(); print(a is tfdist.init(), "
+                  "a is tfdist.current())\n"
+                  "try:\n    tfdist.init(backend='mwms')\n"
+                  "except tfdist.ConfigError as e:\n    print('refused:', e)",
+                  TF_CPP_MIN_LOG_LEVEL="2")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == "True True"
+    assert "refused: tfdist is already initialised" in run.stdout
+
+
+def test_unknown_backend_lists_the_choices():
+    run = _python("import tfdist\ntry:\n    tfdist.init(backend='horovd')\n"
+                  "except tfdist.ConfigError as e:\n    print(e)")
+    assert "'horovd' is not one of ('auto', 'mwms', 'single')" in run.stdout
+    assert "TFDIST_BACKEND" in run.stdout

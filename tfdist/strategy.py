@@ -23,6 +23,7 @@ logger = logging.getLogger("tfdist")
 BACKENDS = ("auto", "mwms", "single")
 COLLECTIVES = ("auto", "ring", "nccl")
 _current: Distributed | None = None
+_current_settings: dict[str, Any] = {}
 
 
 class Distributed:
@@ -146,19 +147,18 @@ def init(backend: str | None = None, *, collective: str | None = None,
         LaunchError: the launch cannot train as started (e.g. the Slurm batch shell).
         ConfigError: an invalid setting, named with the allowed values.
     """
-    global _current
+    global _current, _current_settings
     settings = _settings(backend, collective, threads, os.environ)
     if _current is not None:
-        if _current._settings != settings:  # type: ignore[attr-defined]
-            raise ConfigError(f"tfdist is already initialised with {_current._settings} "  # type: ignore[attr-defined]
-                              f"in this process; it cannot switch to {settings}")
+        if _current_settings != settings:
+            raise ConfigError(f"tfdist is already initialised with {_current_settings} in "
+                              f"this process; it cannot switch to {settings}")
         return _current
     environment = detect()
     backend = _choose_backend(settings["backend"], environment)
     handle = _create_mwms(environment, settings) if backend == "mwms" else _create_single(
         environment)
-    handle._settings = settings  # type: ignore[attr-defined]
-    _current = handle
+    _current, _current_settings = handle, settings
     return handle
 
 
@@ -181,8 +181,8 @@ def current() -> Distributed | None:
 
 def reset() -> None:
     """Forgets the handle (tests only: TensorFlow cannot reconfigure collectives in-process)."""
-    global _current
-    _current = None
+    global _current, _current_settings
+    _current, _current_settings = None, {}
 
 
 def _settings(backend: str | None, collective: str | None, threads: int | None,
