@@ -110,13 +110,17 @@ def run_once(variant: str, epochs: int, data_dir: str) -> tuple[float, list]:
         if done.returncode:
             raise SystemExit(f"{variant} run failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
         steps = json.loads(Path(out, "steps-0.json").read_text())
-        with np.load(Path(out, "weights-0.npz")) as f:
-            weights = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
-        with np.load(Path(out, "weights-1.npz")) as f:
-            other = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+        weights, other = (_load_weights(Path(out, f"weights-{rank}.npz")) for rank in (0, 1))
         assert all(np.array_equal(a, b) for a, b in zip(weights, other, strict=True)), (
             f"{variant}: the two workers ended with different weights")
         return statistics.median(steps), weights
+
+
+def _load_weights(path: Path) -> list:
+    import numpy as np
+
+    with np.load(path) as f:  # np.savez names positional arrays arr_0, arr_1, ...
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
 def main() -> None:

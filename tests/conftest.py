@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -33,8 +32,3 @@ def load_weights(out_dir: Path, rank: int) -> list[np.ndarray]:
 def load_result(out_dir: Path, rank: int) -> dict:
     return json.loads((out_dir / f"result-{rank}.json").read_text())
 
-
-@pytest.fixture
-def legacy_keras_env() -> dict[str, str]:
-    pytest.importorskip("tf_keras", reason="tf_keras is not installed (requirements/no-deps.txt)")
-    return {"TF_USE_LEGACY_KERAS": "1"}

@@ -15,7 +15,7 @@ from tfdist.errors import ConfigError
 if TYPE_CHECKING:
     from tfdist.strategy import Distributed
 
-__all__ = ["POLICIES", "shard", "shard_files"]
+__all__ = ["POLICIES", "shard", "shard_files", "with_policy"]
 
 POLICIES = ("data", "file", "off")
 
@@ -47,6 +47,11 @@ def shard(dataset: Any, dist: Distributed, policy: str = "data", *,
             raise ConfigError("shard(policy='file') needs num_files= so that tfdist can check "
                               "every worker gets a file; or use policy='data'")
         _check_enough_files(num_files, dist.size)
+    return with_policy(dataset, policy)
+
+
+def with_policy(dataset: Any, policy: str) -> Any:
+    """``dataset`` with tf.distribute's auto-shard policy set to ``policy`` (one of POLICIES)."""
     import tensorflow as tf
 
     options = tf.data.Options()

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import gcs_utils
 
+from tfdist.data import with_policy
 from tfdist.datasets import resolve_data_dir
 from tfdist.errors import TfdistError
 
@@ -238,17 +239,13 @@ def load(
         Elements ``(image, label)``: uint8 ``(8, 8, 1)`` in 0..255 and int64 in 0..9. Map
         `tfdist.datasets.normalize` for float32 images in [0, 1].
     """
-    import tensorflow as tf
-
     root = resolve_data_dir(data_dir)
     prepare(root)
     builder = TfdistDigits(data_dir=os.fspath(root))
     dataset = builder.as_dataset(
         split=split, as_supervised=as_supervised, shuffle_files=shuffle_files
     )
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return dataset.with_options(options)
+    return with_policy(dataset, "data")
 
 
 def _is_prepared(target: pathlib.Path) -> bool:
