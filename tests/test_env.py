@@ -194,6 +194,16 @@ DETECTED: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
         {**srun_task(3, 1, 1, "2,3"),
          "TF_CONFIG": tf_config({"worker": ["n1:7000", "n2:7000"]}, "worker", 0)},
         {"launcher": "tf_config", "rank": 0, "world_size": 2, "job_id": JOB}),
+    "TF_CONFIG per srun task, its index following SLURM_PROCID": (
+        {**srun_task(3, 1, 1, "2,3"),
+         "TF_CONFIG": tf_config({"worker": ["n1:7000", "n1:7001", "n2:7000", "n2:7001"]},
+                                "worker", 3)},
+        {"launcher": "tf_config", "rank": 3, "world_size": 4, "local_rank": 1}),
+    "tfdist launch inside a one-task srun step": (
+        {**srun_task(0, 0, 0, "0", tasks_per_node="1", ntasks=1, nodelist="n1"),
+         "TFDIST_LAUNCHER": "local", "TFDIST_LOCAL_RANK": "1",
+         "TF_CONFIG": tf_config({"worker": ["127.0.0.1:7000", "127.0.0.1:7001"]}, "worker", 1)},
+        {"launcher": "local", "rank": 1, "world_size": 2, "local_rank": 1}),
     "torchrun inside srun wins over slurm": (
         {**srun_task(1, 0, 1, "1", tasks_per_node="1(x2)", ntasks=2), **TORCHRUN},
         {"launcher": "torchrun", "rank": 3, "world_size": 4, "job_id": JOB}),
@@ -294,6 +304,11 @@ RAISES: dict[str, tuple[dict[str, str], type[Exception], str]] = {
         srun_task(0, 0, 0, ",".join(map(str, range(33))), tasks_per_node="33", ntasks=33,
                   nodelist="n1"),
         ConfigError, "TFDIST_PORT_BASE"),
+    "TF_CONFIG exported in the batch script, inherited by every srun task": (
+        {**srun_task(3, 1, 1, "2,3"),
+         "TF_CONFIG": tf_config({"worker": ["n1:7000", "n1:7001", "n2:7000", "n2:7001"]},
+                                "worker", 0)},
+        LaunchError, "unset TF_CONFIG"),
     "TF_CONFIG not JSON": ({"TF_CONFIG": "{cluster: "}, ConfigError, "TF_CONFIG"),
     "TF_CONFIG without a task": (
         {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"]}})}, ConfigError, "TF_CONFIG"),

@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 
 from tfdist.env.base import ClusterEnvironment, get_int
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, LaunchError
 
 __all__ = ["detect"]
 
@@ -20,6 +20,8 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
     Raises:
         ConfigError: ``TF_CONFIG`` is not valid JSON, names task types MultiWorkerMirroredStrategy
             does not use, or points at a task that is not in its cluster.
+        LaunchError: every task of an srun step inherited one ``TF_CONFIG`` (exported in the
+            batch script), which would make several tasks claim the same worker.
     """
     raw = environ.get("TF_CONFIG", "").strip()
     if not raw:
@@ -32,6 +34,8 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
     my_host = host_of[rank]
     local_rank = get_int(environ, "TFDIST_LOCAL_RANK", host_of[:rank].count(my_host))
     launched_by_tfdist = environ.get("TFDIST_LAUNCHER") == "local"
+    if not launched_by_tfdist:
+        _check_not_inherited(environ, rank, len(addresses))
     return ClusterEnvironment(
         launcher="local" if launched_by_tfdist else "tf_config", rank=rank,
         world_size=len(addresses), local_rank=local_rank,
@@ -41,6 +45,22 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
         visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         reason=("tfdist launch" if launched_by_tfdist else "TF_CONFIG")
         + f" ({task_type} {index} of {len(addresses)} tasks)")
+
+
+def _check_not_inherited(environ: Mapping[str, str], rank: int, size: int) -> None:
+    # An srun step of as many tasks as TF_CONFIG has workers, where this task's place differs
+    # from TF_CONFIG's: the usual cause is `export TF_CONFIG=...` in the batch script, which
+    # every task inherits unchanged, so several tasks start the same worker and the job hangs.
+    if "SLURM_STEP_ID" not in environ or "SLURM_PROCID" not in environ:
+        return
+    procid = get_int(environ, "SLURM_PROCID")
+    tasks = get_int(environ, "SLURM_STEP_NUM_TASKS", get_int(environ, "SLURM_NTASKS", 1))
+    if tasks == size > 1 and procid != rank:
+        raise LaunchError(
+            f"TF_CONFIG makes this srun task {procid} of {tasks} worker {rank}: it was most "
+            "likely exported in the batch script, so every task inherited the same one. Fix: "
+            "`unset TF_CONFIG` before srun (tfdist builds the cluster from Slurm's variables), "
+            "or write a TF_CONFIG per task whose index follows SLURM_PROCID")
 
 
 def _parse(raw: str) -> tuple[dict[str, list[str]], str, int]:
