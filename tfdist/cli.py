@@ -1,5 +1,5 @@
 """The ``tfdist`` command: ``tfdist launch`` runs local workers, ``tfdist env`` shows the
-cluster environment tfdist detects.
+cluster environment tfdist detects, ``tfdist job`` renders and submits Slurm job scripts.
 
 Each subcommand has one small function adding its flags and one running it. Nothing here imports
 TensorFlow, so ``tfdist --help`` stays fast.
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_launch(commands)
     _add_env(commands)
+    _add_job(commands)
     return parser
 
 
@@ -151,6 +152,12 @@ def _run_env(args: argparse.Namespace) -> int:
     else:
         print("\n".join(f"{name}: {value}" for name, value in fields.items()))
     return 0
+
+
+def _add_job(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from tfdist.jobs.cli import add_parser  # `tfdist job`: flag groups and handler live there
+
+    add_parser(commands)
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:

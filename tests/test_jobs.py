@@ -1,0 +1,681 @@
+"""``tfdist job`` and ``tfdist.jobs``: golden scripts, precedence, errors, quoting, submission.
+
+Golden files: every rendered script is compared with a stored one (tests/golden/jobs/ and
+jobscripts/). After an intended change, regenerate them and review the diff:
+
+    TFDIST_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_jobs.py
+
+The quoting tests run the rendered scripts through bash with stub launchers on PATH (srun,
+mpirun, horovodrun, scontrol, module, sbatch) that record their argv and environment as JSON.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tfdist import cli
+from tfdist.env.slurm import port_base
+from tfdist.errors import ConfigError
+from tfdist.jobs import (
+    BACKEND_LAUNCHERS,
+    RUNTIME_LAUNCHERS,
+    JobConfig,
+    load_config,
+    load_yaml,
+    parse_job_id,
+    render,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden" / "jobs"
+JOBSCRIPTS = ROOT / "jobscripts"
+UPDATE = os.environ.get("TFDIST_UPDATE_GOLDEN") == "1"
+
+# --------------------------------------------------------------------------------------------
+# Golden files
+
+
+def check_golden(path: Path, text: str) -> None:
+    """Compare ``text`` with the stored file, or rewrite it with TFDIST_UPDATE_GOLDEN=1."""
+    if UPDATE:
+        path.write_text(text, encoding="utf-8")
+        path.chmod(0o755)
+        return
+    stored = path.read_text(encoding="utf-8") if path.exists() else ""
+    if stored != text:
+        diff = "".join(difflib.unified_diff(stored.splitlines(True), text.splitlines(True),
+                                            f"{path} (stored)", "rendered now"))
+        pytest.fail(f"the rendered script differs from {path.relative_to(ROOT)}. If the change "
+                    "is intended, regenerate with `TFDIST_UPDATE_GOLDEN=1 .venv/bin/python -m "
+                    f"pytest tests/test_jobs.py` and review the diff:\n{diff}")
+
+
+_COMMON: dict[str, Any] = dict(nodes=2, gpus_per_node=4, cpus_per_task=8, partition="gpu",
+                               account="proj42", time="01:00:00", script="train.py",
+                               args=("--epochs=3", "--model_dir=runs/${SLURM_JOB_ID}"))
+# (launcher, runtime) pairs in MATRIX must cover every allowed pair: see test_matrix_is_complete.
+MATRIX: dict[str, dict[str, Any]] = {
+    "srun-venv": dict(_COMMON, modules=("GCC/13.2.0", "Python/3.11.5"), venv="/sw/venvs/tf",
+                      task_output="%x-%j-%t.out", env={"NCCL_DEBUG": "WARN"}),
+    "srun-apptainer": dict(_COMMON, runtime="apptainer", image="/images/tf.sif",
+                           binds=("/scratch:/scratch", "/data:/data:ro"), python="python3"),
+    "srun-enroot": dict(_COMMON, runtime="enroot", image="/images/tf.sqsh",
+                        binds=("/scratch:/scratch",), gpu_type="h100",
+                        launcher_args=("--container-workdir=/scratch",)),
+    "horovod-srun-gpus-per-task": dict(_COMMON, backend="horovod", gpus_per_task=True,
+                                       venv="/sw/venvs/hvd"),
+    "mpirun-venv": dict(_COMMON, backend="horovod", launcher="mpirun", venv="/sw/venvs/hvd",
+                        modules=("OpenMPI/4.1.6",), env={"OMPI_MCA_btl": "self,tcp"}),
+    "mpirun-apptainer": dict(_COMMON, backend="horovod", launcher="mpirun", runtime="apptainer",
+                             image="/images/hvd.sif"),
+    "horovodrun-venv": dict(_COMMON, backend="horovod", launcher="horovodrun",
+                            launcher_args=("--gloo",), venv="/sw/venvs/hvd"),
+    "torchrun-venv": dict(_COMMON, backend="torch", venv="/sw/venvs/torch",
+                          task_output="%x-%j-%t.out"),
+    "torchrun-python": dict(_COMMON, backend="torch", python="/opt/py/bin/python3",
+                            launcher_args=("--max-restarts=1",)),
+    "torchrun-apptainer": dict(_COMMON, backend="torch", runtime="apptainer",
+                               image="/images/torch.sif", binds=("/scratch",)),
+    "torchrun-enroot": dict(_COMMON, backend="torch", runtime="enroot", image="/images/pt.sqsh"),
+    "torch-srun-cpu": dict(_COMMON, backend="torch", launcher="srun", gpus_per_node=0,
+                           tasks_per_node=2, python="/opt/py/bin/python3"),
+    "cpu-minimal": dict(nodes=3, gpus_per_node=0, tasks_per_node=2, cpu_bind=None,
+                        python="/work/main/.venv/bin/python", output="/tmp/jobs/%x-%j.out",
+                        script="examples/keras_train.py"),
+    "two-gpus-per-task": dict(_COMMON, tasks_per_node=2, sbatch_args=("--exclusive",
+                                                                        "--qos=high")),
+    "build-venv": dict(kind="build-venv", gpus_per_node=1, gpu_type="a100", time="00:30:00",
+                       modules=("Python/3.11.5",), venv="${HOME}/venvs/tf", python="python3",
+                       packages=("tensorflow[and-cuda]==2.21.0", ".[examples]"),
+                       system_site_packages=True, env={"PIP_NO_CACHE_DIR": "1"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_golden_scripts(name: str) -> None:
+    text = render(JobConfig(**MATRIX[name]))
+    check_golden(GOLDEN / f"{name}.sbatch", text)
+
+
+def test_matrix_is_complete() -> None:
+    allowed = {(launcher, runtime) for launchers in BACKEND_LAUNCHERS.values()
+               for launcher in launchers for runtime, ok in RUNTIME_LAUNCHERS.items()
+               if launcher in ok}
+    covered = {(JobConfig(**kw).effective_launcher, JobConfig(**kw).runtime)
+               for kw in MATRIX.values() if kw.get("kind") != "build-venv"}
+    assert allowed == covered
+
+
+def test_no_stale_golden_files() -> None:
+    stored = {path.stem for path in GOLDEN.glob("*.sbatch")}
+    assert stored == set(MATRIX), "delete golden files that no test renders"
+
+
+def _jobscript_configs() -> list[Path]:
+    return sorted((JOBSCRIPTS / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", _jobscript_configs(), ids=lambda path: path.stem)
+def test_jobscripts_are_rendered_from_their_configs(config: Path) -> None:
+    source = config.relative_to(ROOT).as_posix()
+    check_golden(JOBSCRIPTS / f"{config.stem}.sbatch", render(load_config(config), source=source))
+
+
+def test_every_jobscript_has_a_config() -> None:
+    scripts = {path.stem for path in JOBSCRIPTS.glob("*.sbatch")}
+    assert scripts == {path.stem for path in _jobscript_configs()}
+    kinds = {(c.kind, c.backend, c.effective_launcher, c.runtime)
+             for c in map(load_config, _jobscript_configs())}
+    assert {("train", "mwms", "srun", "venv"), ("train", "horovod", "srun", "venv"),
+            ("train", "horovod", "mpirun", "venv"), ("train", "horovod", "horovodrun", "venv"),
+            ("train", "torch", "torchrun", "venv"), ("train", "mwms", "srun", "apptainer"),
+            ("train", "mwms", "srun", "enroot")} <= kinds
+    assert "build-venv" in {kind for kind, *_ in kinds}
+
+
+def test_rendered_scripts_pass_bash_n_and_shellcheck(tmp_path: Path) -> None:
+    paths = []
+    for name, kwargs in sorted(MATRIX.items()):
+        paths.append(tmp_path / f"{name}.sbatch")
+        paths[-1].write_text(render(JobConfig(**kwargs)))
+    paths.append(tmp_path / "hostile.sbatch")
+    paths[-1].write_text(render(_hostile_config("srun", "apptainer", tmp_path)))
+    for path in paths:
+        result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{path.name}: {result.stderr}"
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (make system); bash -n passed")
+    result = subprocess.run(["shellcheck", "--severity=style", *map(str, paths)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_comments_fit_100_columns() -> None:
+    # Comments hold no user values: the renderer's own text stays readable in a terminal.
+    for kwargs in MATRIX.values():
+        for line in render(JobConfig(**kwargs)).splitlines():
+            if line.startswith("#") and not line.startswith(("#SBATCH", "#!")):
+                assert len(line) <= 100, line
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering details
+
+
+def test_directives_follow_the_config() -> None:
+    text = render(JobConfig(**MATRIX["srun-enroot"]))
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
+                 "#SBATCH --gpus-per-node=h100:4", "#SBATCH --cpus-per-task=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
+                 "#SBATCH --time=01:00:00", "#SBATCH --output=%x-%j.out"):
+        assert line in text.splitlines()
+    assert "#SBATCH --gpus-per-task=1" in render(JobConfig(**MATRIX["horovod-srun-gpus-per-task"]))
+    build = render(JobConfig(**MATRIX["build-venv"]))
+    assert "#SBATCH --gpus=a100:1" in build and "#SBATCH --ntasks=1" in build
+
+
+def test_empty_modules_render_no_module_lines() -> None:
+    text = render(JobConfig(script="t.py", python="/usr/bin/python3", modules=[]))
+    assert "module" not in text
+    assert "module purge\nmodule load A/1 'B;2'" in render(JobConfig(script="t.py",
+                                                                      modules=["A/1", "B;2"]))
+
+
+def test_cpus_per_task_is_passed_to_srun() -> None:
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in render(
+        JobConfig(script="t.py", cpus_per_task=4))
+    assert "SRUN_CPUS_PER_TASK" not in render(JobConfig(script="t.py"))
+
+
+def test_backend_reaches_tfdist_through_tfdist_backend() -> None:
+    assert "export TFDIST_BACKEND=horovod" in render(JobConfig(script="t.py", backend="horovod"))
+    assert "TFDIST_BACKEND" not in render(JobConfig(script="t.py", backend="torch"))
+
+
+def test_nccl_settings_are_commented_options() -> None:
+    text = render(JobConfig(script="t.py", gpus_per_node=2))
+    assert "# export NCCL_IB_GID_INDEX=3" in text and "# export NCCL_SOCKET_IFNAME=ib0" in text
+    assert "\nexport NCCL" not in text
+    assert "NCCL" not in render(JobConfig(script="t.py", gpus_per_node=0))
+
+
+def test_torchrun_port_matches_tfdist_port_derivation() -> None:
+    expression = next(line.split("=", 1)[1] for line in
+                      render(JobConfig(**MATRIX["torchrun-venv"])).splitlines()
+                      if line.startswith("rdzv_port="))
+    ids = [1, 398, 399, 4242, 123456789, 2**31 - 1]
+    script = "".join(f"SLURM_JOB_ID={job}; echo {expression}\n" for job in ids)
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    ports = [int(port) for port in result.stdout.split()]
+    assert ports == [port_base({"SLURM_JOB_ID": str(job)}, 1) for job in ids]
+    assert all(20000 <= port <= 32767 for port in ports)
+
+
+# --------------------------------------------------------------------------------------------
+# Precedence: flags > config file > defaults
+
+
+def _directive(text: str, name: str) -> str | None:
+    prefix = f"#SBATCH --{name}="
+    return next((line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)),
+                None)
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["job", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text("nodes: 3\ntime: 01:30:00\npartition: big\nmodules: [A/1, B/2]\n"
+                    "env: {KEEP: file, OVERRIDE: file}\nscript: file.py\nargs: [--from-file]\n")
+    return path
+
+
+def test_defaults_apply_without_config_or_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(["train.py"], capsys)
+    assert code == 0
+    assert (_directive(out, "nodes"), _directive(out, "job-name"), _directive(out, "output"),
+            _directive(out, "ntasks-per-node"), _directive(out, "gpus-per-node")) == (
+        "1", "tfdist", "%x-%j.out", "1", "1")
+    assert _directive(out, "partition") is None and "module" not in out
+
+
+def test_config_file_beats_defaults(config_file: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli([str(config_file)], capsys)
+    assert code == 0
+    assert (_directive(out, "nodes"), _directive(out, "time"), _directive(out, "partition")) == (
+        "3", "01:30:00", "big")  # 01:30:00 stays text, not YAML 1.1's sexagesimal 5400
+    assert "python file.py --from-file" in out
+
+
+def test_flags_beat_the_config_file(config_file: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli([str(config_file), "--nodes", "2", "--module", "C/3", "--env",
+                         "OVERRIDE=flag", "--env", "NEW=x", "flag.py", "--nodes", "9"], capsys)
+    assert code == 0
+    assert _directive(out, "nodes") == "2" and _directive(out, "partition") == "big"
+    assert "module load C/3\n" in out  # lists given as flags replace the file's
+    assert "export KEEP=file\nexport OVERRIDE=flag\nexport NEW=x" in out  # env merges by name
+    assert "python flag.py --nodes 9" in out  # SCRIPT replaces script and args; ARGS pass through
+
+
+def test_flags_before_the_config_file_count_too(config_file: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(["--time", "45", str(config_file)], capsys)
+    assert code == 0 and _directive(out, "time") == "45" and _directive(out, "nodes") == "3"
+
+
+def test_load_config_overrides_beat_the_file(config_file: Path) -> None:
+    config = load_config(config_file, {"nodes": 5, "env": {"OVERRIDE": "py"}})
+    assert (config.nodes, config.time, config.env) == (5, "01:30:00",
+                                                         {"KEEP": "file", "OVERRIDE": "py"})
+    assert load_config(None, {"script": "t.py"}) == JobConfig(script="t.py")
+
+
+def test_to_mapping_round_trips() -> None:
+    for kwargs in MATRIX.values():
+        config = JobConfig(**kwargs)
+        assert JobConfig.from_mapping(config.to_mapping()) == config
+
+
+# --------------------------------------------------------------------------------------------
+# Errors name what is allowed
+
+ERRORS: list[tuple[dict[str, Any], list[str]]] = [
+    ({"backend": "tensorflow"}, ["backend 'tensorflow' is not one of: mwms, horovod, torch"]),
+    ({"launcher": "slurm"}, ["one of: srun, mpirun, horovodrun, torchrun"]),
+    ({"runtime": "docker"}, ["one of: venv, apptainer, enroot"]),
+    ({"kind": "venv"}, ["one of: train, build-venv"]),
+    ({"launcher": "mpirun"}, ["cannot start backend mwms", "allowed with backend mwms: srun"]),
+    ({"backend": "torch", "launcher": "mpirun"}, ["allowed with backend torch: torchrun, srun"]),
+    ({"backend": "horovod", "launcher": "mpirun", "runtime": "enroot", "image": "i"},
+     ["allowed with runtime enroot: srun, torchrun"]),
+    ({"backend": "horovod", "launcher": "horovodrun", "runtime": "apptainer", "image": "i"},
+     ["allowed with runtime apptainer: srun, mpirun, torchrun"]),
+    ({"gpus_per_node": 4, "tasks_per_node": 8, "gpus_per_task": True},
+     ["tasks_per_node must be 4 (allowed: 4, or unset)"]),
+    ({"gpus_per_node": 4, "tasks_per_node": 3}, ["allowed: 1, 2, 4"]),
+    ({"gpus_per_node": 4, "tasks_per_node": 8}, ["allowed: 1, 2, 4"]),
+    ({"gpus_per_node": 0, "gpus_per_task": True}, ["gpus_per_node", "at least 1"]),
+    ({"backend": "torch", "tasks_per_node": 4}, ["allowed: tasks_per_node 1"]),
+    ({"backend": "torch", "gpus_per_node": 0}, ["gpus_per_node must be at least 1"]),
+    ({"backend": "torch", "gpus_per_task": True}, ["remove gpus_per_task"]),
+    ({"runtime": "apptainer"}, ["runtime apptainer needs image"]),
+    ({"image": "x.sif"}, ["image needs runtime apptainer or enroot"]),
+    ({"binds": ["/a:/a"]}, ["need runtime apptainer or enroot"]),
+    ({"runtime": "apptainer", "image": "i", "venv": "/v"}, ["set python to an interpreter"]),
+    ({"runtime": "enroot", "image": "i", "binds": ["/a"]}, ["is not SRC:DST[:OPTIONS]"]),
+    ({"runtime": "apptainer", "image": "i", "binds": ["/a,/b"]}, ["cannot contain them"]),
+    ({"venv": "/v", "python": "/p"}, ["set one: venv", "or python"]),
+    ({"nodes": 0}, ["nodes must be at least 1, got 0"]),
+    ({"cpus_per_task": 0}, ["cpus_per_task must be at least 1"]),
+    ({"time": "1h"}, ["HOURS:MINUTES:SECONDS", "01:30:00"]),
+    ({"gpus_per_node": 0, "gpu_type": "a100"}, ["gpu_type 'a100' needs gpus_per_node"]),
+    ({"job_name": "my job"}, ["contains ' '", "printable ASCII without spaces"]),
+    ({"job_name": "x\n#SBATCH --account=other"}, ["contains '\\n'"]),
+    ({"partition": "a#b"}, ["contains '#'"]),
+    ({"output": "$HOME/out"}, ["%u (user)"]),
+    ({"account": 'p"x'}, ["contains '\"'"]),
+    ({"sbatch_args": ["--time=5"]}, ["use time instead"]),
+    ({"sbatch_args": ["qos=high"]}, ["write options as --name=value"]),
+    ({"env": {"1BAD": "x"}}, ["is not a variable name"]),
+    ({"env": {"TFDIST_BACKEND": "horovod"}}, ["set backend instead"]),
+    ({"env": {"A": "nul\0byte"}}, ["NUL byte"]),
+    ({"backend": "horovod", "launcher": "mpirun", "task_output": "%t.out"},
+     ["use launcher srun or torchrun"]),
+    ({"packages": ["x"]}, ["packages applies to kind build-venv only"]),
+    ({"script": None}, ["needs the training script"]),
+    ({"kind": "build-venv", "packages": ["x"]}, ["needs venv:"]),
+    ({"kind": "build-venv", "venv": "/v"}, ["needs packages:"]),
+    ({"kind": "build-venv", "venv": "/v", "packages": ["x"], "nodes": 2}, ["one node"]),
+    ({"kind": "build-venv", "venv": "/v", "packages": ["x"], "launcher": "srun"},
+     ["launcher applies to kind train only"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), ERRORS,
+                         ids=[str(i) for i in range(len(ERRORS))])
+def test_impossible_configs_are_errors_naming_what_is_allowed(
+        overrides: dict[str, Any], expected: list[str]) -> None:
+    data = {**({} if overrides.get("kind") == "build-venv" else {"script": "t.py"}), **overrides}
+    with pytest.raises(ConfigError) as info:
+        JobConfig.from_mapping(data)
+    for fragment in expected:
+        assert fragment in str(info.value)
+
+
+def test_unknown_keys_suggest_the_nearest_and_list_all(tmp_path: Path) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text("gpu_per_node: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "unknown key 'gpu_per_node'" in message and str(path) in message
+    assert "did you mean 'gpus_per_node'?" in message
+    assert "Allowed keys: kind, job_name, nodes, gpus_per_node" in message
+
+
+@pytest.mark.parametrize(("yaml_text", "fragment"), [
+    ("nodes: two\n", "nodes (in CFG) must be a whole number, got 'two'"),
+    ("nodes: true\n", "must be a whole number"),
+    ("gpus_per_task: yes\n", "must be true or false, got 'yes'"),  # YAML 1.2: 'yes' is text
+    ("modules: {a: 1}\n", "must be a list of strings"),
+    ("env: [A=1]\n", "must be a mapping of variable names"),
+    ("env: {A: true}\n", "quote it in YAML"),
+    ("- nodes: 2\n", "must be a mapping of keys to values"),
+    ("nodes: [\n", "is not valid YAML"),
+])
+def test_yaml_types_are_checked(tmp_path: Path, yaml_text: str, fragment: str) -> None:
+    path = tmp_path / "CFG"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {"script": "t.py"})
+    assert fragment.replace("CFG", str(path)) in str(info.value)
+
+
+def test_yaml_numbers_are_accepted_as_text(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("time: 90\npartition: 7\nargs: [--epochs, 8]\nenv: {NCCL_IB_GID_INDEX: 3}\n"
+                    "script: t.py\n")
+    config = load_config(path)
+    assert (config.time, config.partition, config.args, config.env) == (
+        "90", "7", ("--epochs", "8"), {"NCCL_IB_GID_INDEX": "3"})
+
+
+def test_missing_config_file_is_a_clean_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the job config"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_cli_errors_exit_2_with_the_message(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(["--gpus-per-node", "4", "--tasks-per-node", "3", "t.py"], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith("tfdist: tasks_per_node 3 with gpus_per_node 4") and "allowed" in err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["job", "--backend", "tensorflow", "t.py"])
+    assert info.value.code == 2
+    assert "invalid choice: 'tensorflow' (choose from" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile values: executed through bash with stub launchers, delivered byte for byte
+
+HOSTILE = ["it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "a;touch PWNED", "x && y",
+           "line1\nline2", "  spaced  out ", "*", "?[ab]", "$HOME", "${HOME:-x}", "~/x",
+           "back\\slash", "", "--flag=$(id)", "tab\there", "ünïcode", "'; touch PWNED; '",
+           "\"$(touch PWNED)\"", "!!", "#not a comment"]
+
+STUB = """#!{python}
+import json, os, sys
+name = os.path.basename(sys.argv[0])
+if name == "scontrol":
+    print("\\n".join(os.environ["STUB_HOSTS"].split(",")))
+    sys.exit(0)
+env = {{k: v for k, v in os.environ.items()
+       if k.startswith(("H_", "TFDIST_", "SRUN_", "PYTHONUNBUFFERED", "ACTIVATED"))}}
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(json.dumps({{"prog": name, "argv": sys.argv[1:], "env": env}}) + "\\n")
+"""
+
+
+def _stubs(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("srun", "mpirun", "horovodrun", "scontrol", "module"):
+        path = bin_dir / name
+        path.write_text(STUB.format(python=sys.executable))
+        path.chmod(0o755)
+    return bin_dir
+
+
+def _hostile_venv(tmp_path: Path) -> Path:
+    venv = tmp_path / "venv $(touch PWNED) 'q' ;\nx"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("export ACTIVATED_VENV=yes\n")
+    return venv
+
+
+def _hostile_config(launcher: str, runtime: str, tmp_path: Path) -> JobConfig:
+    backend = {"srun": "mwms", "mpirun": "horovod", "horovodrun": "horovod",
+               "torchrun": "torch"}[launcher]
+    kwargs: dict[str, Any] = dict(
+        nodes=2, gpus_per_node=2, cpus_per_task=3, backend=backend, launcher=launcher,
+        runtime=runtime, modules=["mod $(touch PWNED)", "a;b", "it's"],
+        env={f"H_{i}": value for i, value in enumerate(HOSTILE)},
+        launcher_args=["--opt=$(touch PWNED)", "two words"], cpu_bind="cores\ntouch PWNED",
+        script="/path with space/$(touch PWNED)/train's.py", args=HOSTILE)
+    if launcher in ("srun", "torchrun"):
+        kwargs["task_output"] = "out $(touch PWNED);'%t'.out"
+    if runtime == "venv":
+        kwargs["venv"] = str(_hostile_venv(tmp_path))
+    else:
+        kwargs.update(image="/images/tf $(touch PWNED) 'x'.sif", python="/opt/py 'x'/python",
+                      binds=["/data $(touch PWNED)/a;b:/in 'q'", "/scratch:/scratch:ro"])
+    return JobConfig(**kwargs)
+
+
+def _run_script(text: str, tmp_path: Path, extra_env: dict[str, str] | None = None
+                ) -> list[dict[str, Any]]:
+    bin_dir = _stubs(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    log = tmp_path / "stub.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+           "STUB_LOG": str(log), "STUB_HOSTS": "n9,n10", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "n[9-10]", "SLURM_NNODES": "2", "SLURM_NTASKS": "4",
+           "SLURM_NTASKS_PER_NODE": "2", "SLURM_GPUS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "3",
+           **(extra_env or {})}
+    result = subprocess.run(["bash", str(script)], cwd=work, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert not [p for p in tmp_path.rglob("*PWNED*") if p.name == "PWNED"], "a value ran"
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _launch_call(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    (launch,) = [call for call in calls if call["prog"] not in ("module", "scontrol")]
+    return launch
+
+
+def _expected_argv(config: JobConfig) -> list[str]:
+    c, launcher = config, config.effective_launcher
+    task_output = [f"--output={c.task_output}"] if c.task_output else []
+    container: list[str] = []
+    if c.runtime == "apptainer":
+        container = ["apptainer", "exec", "--nv"]
+        for bind in c.binds:
+            container += ["-B", bind]
+        container.append(c.image or "")
+    python = [c.python or "python"]
+    program = [c.script or "", *c.args]
+    bind = [f"--cpu-bind={c.cpu_bind}"] if c.cpu_bind else []
+    if launcher == "srun":
+        return [*bind, *task_output, *c.launcher_args, *container, *python,
+                *program]
+    if launcher == "mpirun":
+        forwarded = [part for name in ("PATH", "PYTHONUNBUFFERED", "TFDIST_BACKEND", *c.env)
+                     for part in ("-x", name)]
+        return ["-np", "4", "--map-by", "ppr:2:node", "--bind-to", "none", *forwarded,
+                *c.launcher_args, *container, *python, *program]
+    if launcher == "horovodrun":
+        return ["-np", "4", "-H", "n9:2,n10:2", *c.launcher_args, *python, *program]
+    port = port_base({"SLURM_JOB_ID": "4242"}, 1)
+    runner = [c.python, "-m", "torch.distributed.run"] if c.python else ["torchrun"]
+    return ["--ntasks-per-node=1", *bind, *task_output, *container, *runner,
+            "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=n9:{port}", "--rdzv-id=4242", *c.launcher_args, *program]
+
+
+@pytest.mark.parametrize(("launcher", "runtime"), [
+    ("srun", "venv"), ("srun", "apptainer"), ("mpirun", "venv"), ("mpirun", "apptainer"),
+    ("horovodrun", "venv"), ("torchrun", "venv"), ("torchrun", "apptainer")])
+def test_hostile_values_arrive_byte_for_byte(launcher: str, runtime: str,
+                                             tmp_path: Path) -> None:
+    config = _hostile_config(launcher, runtime, tmp_path)
+    calls = _run_script(render(config), tmp_path)
+    launch = _launch_call(calls)
+    assert launch["prog"] == ("srun" if launcher == "torchrun" else launcher)
+    assert launch["argv"] == _expected_argv(config)
+    assert {k: v for k, v in launch["env"].items() if k.startswith("H_")} == config.env
+    assert launch["env"]["TFDIST_BACKEND" if config.backend != "torch" else "PYTHONUNBUFFERED"]
+    if runtime == "venv":
+        assert launch["env"]["ACTIVATED_VENV"] == "yes"
+    module_calls = [call["argv"] for call in calls if call["prog"] == "module"]
+    assert module_calls == [["purge"], ["load", *config.modules]]
+
+
+def test_enroot_values_arrive_byte_for_byte(tmp_path: Path) -> None:
+    config = JobConfig(script="t.py", runtime="enroot", image="img $(touch PWNED)'#x",
+                       binds=["/a b;$(touch PWNED):/in", "/c:/d:ro"], launcher_args=["--x=1"])
+    launch = _launch_call(_run_script(render(config), tmp_path))
+    assert launch["argv"] == ["--cpu-bind=cores", "--container-image=img $(touch PWNED)'#x",
+                              "--container-mounts=/a b;$(touch PWNED):/in,/c:/d:ro", "--x=1",
+                              "python", "t.py"]
+
+
+def test_srun_gets_the_cpus_per_task(tmp_path: Path) -> None:
+    launch = _launch_call(_run_script(render(JobConfig(script="t.py", cpus_per_task=3)),
+                                      tmp_path))
+    assert launch["env"]["SRUN_CPUS_PER_TASK"] == "3"
+
+
+def test_braced_references_expand_in_the_job_and_nothing_else(tmp_path: Path) -> None:
+    args = ["--model_dir=${SCRATCH}/run-${SLURM_JOB_ID}", "$SCRATCH", "${SCRATCH:-x}",
+            "${not a name}", "$${SCRATCH}"]
+    config = JobConfig(script="t.py", args=args, env={"H_DIR": "${SCRATCH}/data"})
+    launch = _launch_call(_run_script(render(config), tmp_path, {"SCRATCH": "/s p*"}))
+    assert launch["argv"][-5:] == ["--model_dir=/s p*/run-4242", "$SCRATCH", "${SCRATCH:-x}",
+                                   "${not a name}", "$/s p*"]
+    assert launch["env"]["H_DIR"] == "/s p*/data"
+
+
+# --------------------------------------------------------------------------------------------
+# --save and --submit
+
+
+def test_print_is_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(["--nodes", "2", "t.py", "--lr=0.1"], capsys)
+    assert (code, err) == (0, "")
+    assert out == render(JobConfig(nodes=2, script="t.py", args=["--lr=0.1"]))
+
+
+def test_save_writes_an_executable_script(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "job.sbatch"
+    code, out, err = _cli(["--save", str(target), "t.py"], capsys)
+    assert (code, out) == (0, "") and f"wrote {target}" in err
+    assert target.read_text() == render(JobConfig(script="t.py"))
+    assert target.stat().st_mode & stat.S_IXUSR
+
+
+def _sbatch_stub(tmp_path: Path, body: str) -> Path:
+    bin_dir = tmp_path / "sbatch-bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "sbatch"
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"json.dump({{'argv': sys.argv[1:], 'stdin': sys.stdin.read()}}, "
+                    f"open({str(tmp_path / 'sbatch.json')!r}, 'w'))\n{body}\n")
+    stub.chmod(0o755)
+    return bin_dir
+
+
+def test_submit_prints_the_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('12345')")))
+    code, out, err = _cli(["--submit", "t.py"], capsys)
+    assert (code, out, err) == (0, "12345\n", "")
+    recorded = json.loads((tmp_path / "sbatch.json").read_text())
+    assert recorded == {"argv": ["--parsable"], "stdin": render(JobConfig(script="t.py"))}
+
+
+def test_save_and_submit_submits_the_saved_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('777;cluster-a')")))
+    target = tmp_path / "job.sbatch"
+    code, out, _ = _cli(["--save", str(target), "--submit", "t.py"], capsys)
+    assert (code, out) == (0, "777\n")
+    recorded = json.loads((tmp_path / "sbatch.json").read_text())
+    assert recorded == {"argv": ["--parsable", str(target)], "stdin": ""}
+
+
+def test_failing_sbatch_is_a_clean_error(tmp_path: Path) -> None:
+    stub = _sbatch_stub(tmp_path, "sys.stderr.write('sbatch: error: Batch job submission "
+                                  "failed: Invalid partition name specified\\n'); sys.exit(1)")
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "tfdist", "job", "--partition", "nope",
+                             "--submit", "t.py"], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=60)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("tfdist: sbatch failed (exit 1): sbatch: error: Batch job "
+                             "submission failed: Invalid partition name specified\n")
+
+
+def test_missing_sbatch_is_a_clean_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    code, out, err = _cli(["--submit", "t.py"], capsys)
+    assert (code, out) == (2, "")
+    assert "'sbatch' is not on PATH" in err and "--save" in err
+
+
+@pytest.mark.parametrize(("output", "job_id"), [("12345\n", "12345"), ("678;cl\n", "678"),
+                                                ("\n42\n", "42")])
+def test_parse_job_id(output: str, job_id: str) -> None:
+    assert parse_job_id(output) == job_id
+
+
+def test_parse_job_id_refuses_other_output() -> None:
+    with pytest.raises(Exception, match="printed no job id"):
+        parse_job_id("Submitted batch job\n")
+
+
+def test_load_yaml_of_an_empty_file_is_empty(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing\n")
+    assert load_yaml(path) == {}
+
+
+def test_submit_refuses_a_missing_output_directory(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('1')")))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _cli(["--output", "logs/%x-%j.out", "--submit", "t.py"], capsys)
+    assert (code, out) == (2, "")
+    assert "the directory 'logs' does not exist" in err and "mkdir -p logs" in err
+    assert not (tmp_path / "sbatch.json").exists()
+    (tmp_path / "logs").mkdir()
+    code, out, _ = _cli(["--output", "logs/%x-%j.out", "--task-output", "%u/%t.out",
+                         "--submit", "t.py"], capsys)
+    assert (code, out) == (0, "1\n")
+
+
+def test_a_flag_equal_to_the_default_still_beats_the_file(
+        config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli([str(config_file), "--nodes", "1"], capsys)
+    assert code == 0 and _directive(out, "nodes") == "1"
+
+
+def test_python_callers_get_the_same_type_checks() -> None:
+    config = JobConfig(script="t.py", modules=["A/1"], args=["--epochs", 8], time=30)
+    assert (config.modules, config.args, config.time) == (("A/1",), ("--epochs", "8"), "30")
+    with pytest.raises(ConfigError, match=r"nodes .* must be a whole number, got '2'"):
+        JobConfig(script="t.py", nodes="2")  # type: ignore[arg-type]

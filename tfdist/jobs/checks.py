@@ -1,0 +1,232 @@
+"""Every check of a :class:`~tfdist.jobs.config.JobConfig`, run when one is built.
+
+Each error names the key, the value and what is allowed, so the fix is in the message.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from tfdist.errors import ConfigError
+from tfdist.jobs.config import (
+    BACKEND_LAUNCHERS,
+    BACKENDS,
+    KINDS,
+    LAUNCHERS,
+    RUNTIME_LAUNCHERS,
+    RUNTIMES,
+    JobConfig,
+)
+from tfdist.jobs.shell import check_body_value, check_sbatch_value
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["validate", "TIME_FORMATS"]
+
+TIME_FORMATS = ("MINUTES", "MINUTES:SECONDS", "HOURS:MINUTES:SECONDS", "DAYS-HOURS",
+                "DAYS-HOURS:MINUTES", "DAYS-HOURS:MINUTES:SECONDS", "UNLIMITED")
+_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Keys that belong to one kind of job only.
+_TRAIN_ONLY = ("backend", "launcher", "launcher_args", "script", "args", "runtime", "image",
+               "binds", "gpus_per_task", "tasks_per_node", "task_output")
+_BUILD_ONLY = ("packages", "system_site_packages")
+# sbatch options that have their own key: setting them twice would leave the winner to the order.
+_OWN_KEYS = {
+    "--job-name": "job_name", "-J": "job_name", "--nodes": "nodes", "-N": "nodes",
+    "--ntasks-per-node": "tasks_per_node", "--ntasks": "tasks_per_node", "-n": "tasks_per_node",
+    "--gpus-per-node": "gpus_per_node", "--gpus": "gpus_per_node", "-G": "gpus_per_node",
+    "--gpus-per-task": "gpus_per_task", "--cpus-per-task": "cpus_per_task",
+    "-c": "cpus_per_task", "--partition": "partition", "-p": "partition", "--account": "account",
+    "-A": "account", "--time": "time", "-t": "time", "--constraint": "constraint",
+    "-C": "constraint", "--output": "output", "-o": "output",
+}
+
+
+def validate(config: JobConfig) -> None:
+    """Check every value and combination of ``config``.
+
+    Raises:
+        ConfigError: the first problem found, with what is allowed.
+    """
+    _check_choices(config)
+    _check_counts(config)
+    _check_kind_keys(config)
+    if config.kind == "train":
+        _check_train(config)
+    else:
+        _check_build(config)
+    _check_sbatch_values(config)
+    _check_software(config)
+    _check_env(config)
+    _check_body_values(config)
+
+
+def _choice(key: str, value: str | None, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
+    if value is not None and value not in allowed:
+        raise ConfigError(f"{key} {value!r} is not one of: {', '.join(allowed)}")
+
+
+def _check_choices(c: JobConfig) -> None:
+    _choice("kind", c.kind, KINDS)
+    _choice("backend", c.backend, BACKENDS)
+    _choice("launcher", c.launcher, LAUNCHERS)
+    _choice("runtime", c.runtime, RUNTIMES)
+
+
+def _check_counts(c: JobConfig) -> None:
+    for key, value, least in (("nodes", c.nodes, 1), ("gpus_per_node", c.gpus_per_node, 0),
+                              ("tasks_per_node", c.tasks_per_node, 1),
+                              ("cpus_per_task", c.cpus_per_task, 1)):
+        if value is not None and value < least:
+            raise ConfigError(f"{key} must be at least {least}, got {value}")
+
+
+def _check_kind_keys(c: JobConfig) -> None:
+    defaults = JobConfig.__dataclass_fields__
+    foreign = _BUILD_ONLY if c.kind == "train" else _TRAIN_ONLY
+    for key in foreign:
+        if getattr(c, key) != defaults[key].default:
+            other = "build-venv" if c.kind == "train" else "train"
+            raise ConfigError(f"{key} applies to kind {other} only, not to kind {c.kind}; "
+                              f"remove it (keys of kind {other} only: {', '.join(foreign)})")
+
+
+def _check_train(c: JobConfig) -> None:
+    launcher = c.effective_launcher
+    if not c.script:
+        raise ConfigError("kind train needs the training script: give SCRIPT [ARGS ...] after "
+                          "the flags of `tfdist job`, or set script: (and args:) in the config")
+    allowed = BACKEND_LAUNCHERS[c.backend]
+    if launcher not in allowed:
+        raise ConfigError(f"launcher {launcher} cannot start backend {c.backend}; allowed with "
+                          f"backend {c.backend}: {', '.join(allowed)}")
+    allowed = RUNTIME_LAUNCHERS[c.runtime]
+    if launcher not in allowed:
+        raise ConfigError(f"launcher {launcher} cannot run in runtime {c.runtime}; allowed with "
+                          f"runtime {c.runtime}: {', '.join(allowed)}")
+    if c.task_output is not None and launcher not in ("srun", "torchrun"):
+        raise ConfigError(f"task_output is srun's per-task --output, and launcher {launcher} "
+                          "starts its ranks without srun; use launcher srun or torchrun, or "
+                          "remove task_output (all ranks then write to output)")
+    if launcher == "torchrun":
+        _check_torchrun(c)
+    else:
+        _check_tasks(c)
+
+
+def _check_torchrun(c: JobConfig) -> None:
+    if c.tasks_per_node not in (None, 1):
+        raise ConfigError(f"tasks_per_node {c.tasks_per_node} with launcher torchrun: srun "
+                          "starts one torchrun per node, which starts one process per GPU; "
+                          "allowed: tasks_per_node 1 (or unset), with gpus_per_node the "
+                          "processes per node")
+    if c.gpus_per_task:
+        raise ConfigError("gpus_per_task with launcher torchrun: the one task per node must see "
+                          "all of its node's GPUs; remove gpus_per_task (gpus_per_node applies)")
+    if c.gpus_per_node < 1:
+        raise ConfigError("launcher torchrun starts gpus_per_node processes per node, so "
+                          "gpus_per_node must be at least 1; for a CPU-only run use launcher "
+                          "srun with tasks_per_node")
+
+
+def _check_tasks(c: JobConfig) -> None:
+    tasks, gpus = c.effective_tasks_per_node, c.gpus_per_node
+    if c.gpus_per_task:
+        if gpus < 1:
+            raise ConfigError("gpus_per_task gives each task one GPU: set gpus_per_node to the "
+                              "GPUs (= tasks) per node, at least 1")
+        if tasks != gpus:
+            raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus} and "
+                              f"gpus_per_task: each task gets one GPU, so tasks_per_node must "
+                              f"be {gpus} (allowed: {gpus}, or unset); or remove gpus_per_task")
+    elif gpus and gpus % tasks:
+        divisors = [str(n) for n in range(1, gpus + 1) if gpus % n == 0]
+        raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus}: each task drives "
+                          f"gpus_per_node / tasks_per_node GPUs, so tasks_per_node must divide "
+                          f"{gpus}; allowed: {', '.join(divisors)}")
+
+
+def _check_build(c: JobConfig) -> None:
+    if c.nodes != 1:
+        raise ConfigError(f"kind build-venv runs on one node (nodes 1), got nodes {c.nodes}")
+    if not c.venv:
+        raise ConfigError("kind build-venv needs venv: the path of the venv to create, on a "
+                          "file system the compute nodes share (e.g. venv: /project/me/venvs/tf)")
+    if not c.packages:
+        raise ConfigError("kind build-venv needs packages: what pip installs, e.g. packages: "
+                          "['tfdist[gpu,examples]', 'tensorflow[and-cuda]==2.21.0'] or a "
+                          "checkout of tfdist ('/path/to/tfdist[gpu]')")
+
+
+def _check_sbatch_values(c: JobConfig) -> None:
+    for key in ("job_name", "gpu_type", "partition", "account", "time", "constraint", "output"):
+        value = getattr(c, key)
+        if value is not None:
+            check_sbatch_value(key, value)
+    if c.gpu_type is not None and c.gpus_per_node < 1:
+        raise ConfigError(f"gpu_type {c.gpu_type!r} needs gpus_per_node of at least 1")
+    if c.time is not None and not _TIME.fullmatch(c.time):
+        raise ConfigError(f"time {c.time!r} is not a Slurm time limit; use one of "
+                          f"{', '.join(TIME_FORMATS)} (e.g. 90, 01:30:00 or 2-00:00:00)")
+    for index, option in enumerate(c.sbatch_args):
+        check_sbatch_value(f"sbatch_args[{index}]", option)
+        name = option.split("=", 1)[0]
+        if not option.startswith("-"):
+            raise ConfigError(f"sbatch_args[{index}] {option!r} is not an sbatch option; write "
+                              "options as --name=value, e.g. --qos=high or --exclusive")
+        if name in _OWN_KEYS:
+            raise ConfigError(f"sbatch_args[{index}] {option!r} sets what key "
+                              f"{_OWN_KEYS[name]} sets; use {_OWN_KEYS[name]} instead")
+
+
+def _check_software(c: JobConfig) -> None:
+    if c.venv is not None and c.python is not None and c.kind == "train":
+        raise ConfigError("venv and python both say which Python runs the script; set one: "
+                          "venv (activated) or python (an interpreter path)")
+    if c.runtime == "venv":
+        if c.image is not None:
+            raise ConfigError("image needs runtime apptainer or enroot; with runtime venv Python "
+                              "comes from venv, python or the modules")
+        if c.binds:
+            raise ConfigError("binds mount paths into a container: they need runtime apptainer "
+                              "or enroot, not venv")
+        return
+    if not c.image:
+        raise ConfigError(f"runtime {c.runtime} needs image: the container image to run "
+                          "(a .sif file for apptainer, a .sqsh file or image name for enroot)")
+    if c.venv is not None:
+        raise ConfigError(f"venv with runtime {c.runtime}: the Python comes from the image; set "
+                          "python to an interpreter inside it instead (default: python)")
+    least = 1 if c.runtime == "apptainer" else 2
+    for index, bind in enumerate(c.binds):
+        parts = bind.split(":")
+        if "," in bind or not least <= len(parts) <= 3 or not all(parts[:2]):
+            form = "SRC[:DST[:OPTIONS]]" if c.runtime == "apptainer" else "SRC:DST[:OPTIONS]"
+            raise ConfigError(f"binds[{index}] {bind!r} is not {form} ({c.runtime} splits "
+                              "binds at ',' and ':', so paths cannot contain them)")
+
+
+def _check_env(c: JobConfig) -> None:
+    for name in c.env:
+        if not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"env: {name!r} is not a variable name; use letters, digits and "
+                              "'_', not starting with a digit")
+        if name == "TFDIST_BACKEND":
+            raise ConfigError("env: TFDIST_BACKEND is set from backend; set backend instead")
+
+
+def _check_body_values(c: JobConfig) -> None:
+    singles = ("task_output", "venv", "python", "image", "cpu_bind", "script")
+    lists = ("modules", "binds", "launcher_args", "args", "packages")
+    for key in singles:
+        if getattr(c, key) is not None:
+            check_body_value(key, getattr(c, key))
+    for key in lists:
+        for index, value in enumerate(getattr(c, key)):
+            check_body_value(f"{key}[{index}]", value)
+    for name, value in c.env.items():
+        check_body_value(f"env.{name}", value)

@@ -1,0 +1,167 @@
+"""``tfdist job``: render an sbatch script from a YAML config and flags; print, save or submit it.
+
+Flags beat the config file, which beats the defaults. Only flags that were given count (their
+defaults are ``SUPPRESS``), so a flag never overrides the file with a default value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tfdist.jobs.config import BACKENDS, KEYS, KINDS, LAUNCHERS, RUNTIMES
+
+__all__ = ["add_parser", "flag_values", "run"]
+
+_Group = argparse._ArgumentGroup
+_CONFIG_SUFFIXES = (".yaml", ".yml")
+# Flags whose values are collected per use (--module a --module b); all others are single values.
+_REPEATED = {"module": "modules", "bind": "binds", "sbatch_arg": "sbatch_args",
+             "launcher_arg": "launcher_args", "package": "packages"}
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``tfdist job`` and its flag groups to the ``tfdist`` subcommands."""
+    parser = commands.add_parser(
+        "job",
+        help="render a Slurm job script from a YAML config and flags; print, save or submit it",
+        description="Render an sbatch script for multi-node training (or a venv build) from "
+        "CONFIG.yaml and flags; flags beat the file, which beats the defaults. YAML keys are the "
+        "flag names in snake_case (--gpus-per-node is gpus_per_node). Values in the script body "
+        "are shell-quoted; ${NAME} is left for the job's shell to expand. Prints the script "
+        "unless --save or --submit is given. Everything after SCRIPT goes to the script.",
+        usage="tfdist job [CONFIG.yaml] [options] [SCRIPT [ARGS ...]]",
+        argument_default=argparse.SUPPRESS,
+    )
+    _add_resources(parser.add_argument_group("resources"))
+    _add_scheduling(parser.add_argument_group("scheduling and output files"))
+    _add_software(parser.add_argument_group("software"))
+    _add_launch(parser.add_argument_group("launch"))
+    _add_build(parser.add_argument_group("venv build"))
+    _add_actions(parser.add_argument_group("what to do with the script"))
+    parser.add_argument("words", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS ...]",
+                        help="the training script and its arguments (config keys script, args)")
+    parser.set_defaults(handler=run, job_parser=parser)
+
+
+def _add_resources(group: _Group) -> None:
+    group.add_argument("--nodes", type=int, metavar="N", help="nodes (default: 1)")
+    group.add_argument("--gpus-per-node", type=int, metavar="G",
+                       help="GPUs per node, 0 for CPU only (default: 1)")
+    group.add_argument("--gpu-type", metavar="TYPE", help="GPU type, e.g. a100 (--gpus-per-node="
+                       "TYPE:G); default: any")
+    group.add_argument("--gpus-per-task", action=argparse.BooleanOptionalAction,
+                       help="let Slurm bind one GPU to each task (default: no, tfdist assigns "
+                       "them)")
+    group.add_argument("--tasks-per-node", type=int, metavar="T",
+                       help="srun tasks per node (default: one per GPU; 1 for torchrun)")
+    group.add_argument("--cpus-per-task", type=int, metavar="C", help="cores per task")
+
+
+def _add_scheduling(group: _Group) -> None:
+    group.add_argument("--job-name", metavar="NAME", help="job name (default: tfdist)")
+    group.add_argument("--partition", metavar="P")
+    group.add_argument("--account", metavar="A")
+    group.add_argument("--time", metavar="LIMIT", help="time limit, e.g. 90 or 01:30:00")
+    group.add_argument("--constraint", metavar="FEATURES", help="node features, e.g. a100&ib")
+    group.add_argument("--sbatch-arg", action="append", metavar="OPTION",
+                       help="one more #SBATCH option, e.g. --sbatch-arg=--qos=high (repeat)")
+    group.add_argument("--output", metavar="PATTERN",
+                       help="the batch shell's output file (default: %%x-%%j.out)")
+    group.add_argument("--task-output", metavar="PATTERN",
+                       help="one file per task, e.g. %%x-%%j-%%t.out (srun --output)")
+
+
+def _add_software(group: _Group) -> None:
+    group.add_argument("--module", action="append", metavar="MODULE",
+                       help="module to load after `module purge` (repeat; default: none)")
+    group.add_argument("--runtime", choices=RUNTIMES, help="where Python runs (default: venv)")
+    group.add_argument("--venv", metavar="PATH", help="venv to activate")
+    group.add_argument("--python", metavar="PATH",
+                       help="Python interpreter to run (default: python from PATH)")
+    group.add_argument("--image", metavar="IMAGE", help="container image (apptainer, enroot)")
+    group.add_argument("--bind", action="append", metavar="SRC:DST",
+                       help="bind a host path into the container (repeat)")
+    group.add_argument("--env", action="append", type=_env_pair, metavar="NAME=VALUE",
+                       help="export a variable in the job (repeat; merged with the config's)")
+
+
+def _add_launch(group: _Group) -> None:
+    group.add_argument("--backend", choices=BACKENDS, help="training backend (default: mwms)")
+    group.add_argument("--launcher", choices=LAUNCHERS,
+                       help="default: srun, for torch torchrun")
+    group.add_argument("--launcher-arg", action="append", metavar="ARG",
+                       help="one more launcher option, e.g. --launcher-arg=--exact (repeat)")
+    group.add_argument("--cpu-bind", metavar="TYPE", help="srun --cpu-bind (default: cores)")
+
+
+def _add_build(group: _Group) -> None:
+    group.add_argument("--kind", choices=KINDS, help="train (default) or build-venv")
+    group.add_argument("--package", action="append", metavar="SPEC",
+                       help="what pip installs into the venv (repeat)")
+    group.add_argument("--system-site-packages", action=argparse.BooleanOptionalAction,
+                       help="let the venv see the modules' packages (default: no)")
+
+
+def _add_actions(group: _Group) -> None:
+    group.add_argument("--save", metavar="PATH", help="write the script to PATH (mode 0755)")
+    group.add_argument("--submit", action="store_true",
+                       help="submit with sbatch from PATH and print the job id")
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """Return the config keys the command line set: only flags that were given."""
+    given = vars(args)
+    values: dict[str, Any] = {}
+    for dest, value in given.items():
+        if dest in _REPEATED:
+            values[_REPEATED[dest]] = value
+        elif dest == "env":
+            values["env"] = dict(value)
+        elif dest in KEYS:
+            values[dest] = value
+    words = given.get("words") or []
+    if words:
+        values["script"], values["args"] = words[0], words[1:]
+    return values
+
+
+def _read_config_word(args: argparse.Namespace) -> None:
+    """``tfdist job CONFIG.yaml [options] ...``: take the file, then parse the rest again."""
+    words = getattr(args, "words", None) or []
+    if words and words[0].endswith(_CONFIG_SUFFIXES):
+        args.config_file, args.words = words[0], []
+        args.job_parser.parse_args(words[1:], namespace=args)
+        if (getattr(args, "words", None) or [""])[0].endswith(_CONFIG_SUFFIXES):
+            from tfdist.errors import ConfigError
+
+            raise ConfigError(f"give one config file, not {words[0]} and {args.words[0]}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tfdist job``: print the script, or ``--save`` it and/or ``--submit`` it."""
+    from tfdist.jobs import JobConfig, check_output_dirs, load_yaml, merge, render, save, submit
+
+    _read_config_word(args)
+    path = getattr(args, "config_file", None)
+    data = load_yaml(path) if path else {}
+    config = JobConfig.from_mapping(merge(data, flag_values(args)), origin=path or "the flags")
+    text = render(config, source=path)
+    saved = getattr(args, "save", None)
+    if saved:
+        save(text, saved)
+        print(f"tfdist: wrote {saved}", file=sys.stderr)
+    if getattr(args, "submit", False):
+        check_output_dirs(config)
+        print(submit(text, script_path=saved))
+    elif not saved:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,278 @@
+"""What a job is: one frozen dataclass whose fields are the YAML keys of ``tfdist job``.
+
+A config comes from three levels, highest first: command-line flags, the YAML file, the
+defaults below. :func:`merge` applies the order (lists given on the command line replace the
+file's; ``env`` is merged name by name), :meth:`JobConfig.from_mapping` checks keys and types, and
+the dataclass checks every combination when it is built (:mod:`tfdist.jobs.checks`).
+
+YAML is read with YAML 1.2's plain types: ``01:30:00`` stays a string instead of becoming the
+sexagesimal number 5400, and ``on``/``no`` stay strings instead of booleans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tfdist.errors import ConfigError
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_LAUNCHERS",
+    "JobConfig",
+    "KEYS",
+    "KINDS",
+    "LAUNCHERS",
+    "RUNTIMES",
+    "RUNTIME_LAUNCHERS",
+    "load_yaml",
+    "merge",
+]
+
+KINDS = ("train", "build-venv")
+BACKENDS = ("mwms", "horovod", "torch")
+LAUNCHERS = ("srun", "mpirun", "horovodrun", "torchrun")
+RUNTIMES = ("venv", "apptainer", "enroot")
+
+# The launchers that can start each backend; the first is its default.
+BACKEND_LAUNCHERS: dict[str, tuple[str, ...]] = {
+    # TensorFlow's workers take their address table from the srun step (tfdist.env.slurm);
+    # mpirun and horovodrun give no per-rank addresses.
+    "mwms": ("srun",),
+    "horovod": ("srun", "mpirun", "horovodrun"),
+    # tfdist.torch reads torchrun's store, or derives a rendezvous from the srun step.
+    "torch": ("torchrun", "srun"),
+}
+# The launchers that can run inside each runtime.
+RUNTIME_LAUNCHERS: dict[str, tuple[str, ...]] = {
+    "venv": LAUNCHERS,
+    # horovodrun starts remote ranks over ssh, outside any container srun or mpirun started.
+    "apptainer": ("srun", "mpirun", "torchrun"),
+    # pyxis adds --container-image and --container-mounts to srun only.
+    "enroot": ("srun", "torchrun"),
+}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One Slurm job: a training run (``kind: train``) or a venv build (``kind: build-venv``).
+
+    Every field is a YAML key and a ``tfdist job`` flag (``gpus_per_node`` is
+    ``--gpus-per-node``). Building one checks every value and combination.
+
+    Raises:
+        ConfigError: an impossible value or combination; the message lists what is allowed.
+    """
+
+    kind: str = "train"
+    job_name: str = "tfdist"
+    # Resources
+    nodes: int = 1
+    gpus_per_node: int = 1
+    gpu_type: str | None = None
+    gpus_per_task: bool = False
+    tasks_per_node: int | None = None
+    cpus_per_task: int | None = None
+    # Scheduling and output
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    constraint: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    output: str = "%x-%j.out"
+    task_output: str | None = None
+    # Software
+    modules: tuple[str, ...] = ()
+    runtime: str = "venv"
+    venv: str | None = None
+    python: str | None = None
+    image: str | None = None
+    binds: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    # Launch
+    backend: str = "mwms"
+    launcher: str | None = None
+    launcher_args: tuple[str, ...] = ()
+    cpu_bind: str | None = "cores"
+    script: str | None = None
+    args: tuple[str, ...] = ()
+    # Venv build
+    packages: tuple[str, ...] = ()
+    system_site_packages: bool = False
+
+    def __post_init__(self) -> None:
+        # The same type checks as from_mapping, for Python callers: lists become tuples, env a
+        # dict of its own, numbers given for text become text.
+        for spec in dataclasses.fields(self):
+            value = _coerce(spec.name, getattr(self, spec.name), "JobConfig")
+            object.__setattr__(self, spec.name, value)
+        from tfdist.jobs.checks import validate
+
+        validate(self)
+
+    @property
+    def effective_launcher(self) -> str:
+        """``launcher``, or the backend's default launcher when it is not set."""
+        return self.launcher or BACKEND_LAUNCHERS[self.backend][0]
+
+    @property
+    def effective_tasks_per_node(self) -> int:
+        """Slurm tasks per node: ``tasks_per_node``, else 1 for torchrun (one agent per node)
+        and for CPU-only jobs, else one per GPU."""
+        if self.tasks_per_node is not None:
+            return self.tasks_per_node
+        if self.kind != "train" or self.effective_launcher == "torchrun":
+            return 1
+        return self.gpus_per_node or 1
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, origin: str = "config") -> JobConfig:
+        """Build a config from YAML-style keys (``gpus_per_node: 4``), checking names and types.
+
+        Args:
+            data: Keys and values; missing keys take their defaults.
+            origin: Where ``data`` came from, for error messages (a file name).
+
+        Raises:
+            ConfigError: an unknown key (with the nearest known name and the list of keys), a
+                value of the wrong type, or an impossible combination.
+        """
+        unknown = sorted(set(data) - set(KEYS))
+        if unknown:
+            raise ConfigError(_unknown_key_message(unknown[0], origin))
+        return cls(**{key: _coerce(key, value, origin) for key, value in data.items()})
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Return the keys that differ from the defaults, as YAML-ready plain values."""
+        defaults = JobConfig.__dataclass_fields__
+        result: dict[str, Any] = {}
+        for name in KEYS:
+            value = getattr(self, name)
+            spec = defaults[name]
+            default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING \
+                else spec.default
+            if value != default:
+                result[name] = list(value) if isinstance(value, tuple) else value
+        return result
+
+
+KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig))
+_LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packages")
+_INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task")
+_BOOL_KEYS = ("gpus_per_task", "system_site_packages")
+_OPTIONAL_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig) if "None" in str(f.type))
+
+
+def merge(*levels: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge config levels, lowest first: a later level's key replaces an earlier one's.
+
+    ``env`` is merged variable by variable, so a flag ``--env NCCL_DEBUG=INFO`` keeps the file's
+    other variables. Lists (``modules``, ``binds``, ``args`` ...) are replaced whole.
+    """
+    merged: dict[str, Any] = {}
+    for level in levels:
+        for key, value in level.items():
+            if key == "env" and isinstance(merged.get("env"), Mapping) and isinstance(
+                    value, Mapping):
+                merged["env"] = {**merged["env"], **value}
+            else:
+                merged[key] = value
+    return merged
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config file: a YAML mapping of keys to values (an empty file is ``{}``).
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML, or is not a mapping.
+    """
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.load(text, Loader=_loader())
+    except OSError as err:
+        raise ConfigError(f"cannot read the job config {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping of keys to values (nodes: 2, ...), "
+                          f"not a {type(data).__name__}; allowed keys: {', '.join(KEYS)}")
+    return data
+
+
+def _loader() -> type:
+    """A SafeLoader that resolves YAML 1.2's plain types only: null, true/false, decimal ints.
+
+    Everything else stays a string: ``time: 01:30:00`` is not the sexagesimal 5400, ``1e3`` is
+    not a float, and ``partition: on`` is not a boolean.
+    """
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    kept = ("tag:yaml.org,2002:null",)
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regex) for tag, regex in resolvers if tag in kept]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
+                                 re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+    return Loader
+
+
+def _unknown_key_message(key: str, origin: str) -> str:
+    near = difflib.get_close_matches(key, KEYS, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else "."
+    return f"unknown key {key!r} in {origin}{hint} Allowed keys: {', '.join(KEYS)}"
+
+
+def _coerce(key: str, value: Any, origin: str) -> Any:
+    """Check one value's type; numbers are accepted where text is expected (``time: 30``)."""
+    where = f"{key} (in {origin})"
+    if key in _INT_KEYS:
+        if value is None and key in _OPTIONAL_KEYS:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be a whole number, got {value!r}")
+        return value
+    if key in _BOOL_KEYS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if key in _LIST_KEYS:
+        items = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) \
+            else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(_text(f"{key}[{i}] (in {origin})", item) for i, item in enumerate(items))
+    if key == "env":
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping of variable names to values "
+                              f"(env: {{NCCL_DEBUG: INFO}}), got {value!r}")
+        return {str(name): _text(f"env.{name} (in {origin})", item)
+                for name, item in value.items()}
+    if value is None and key in _OPTIONAL_KEYS:
+        return None
+    return _text(where, value)
+
+
+def _text(where: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where} must be text, got {value!r}; quote it in YAML")

@@ -1,0 +1,355 @@
+"""Render a :class:`~tfdist.jobs.config.JobConfig` as an sbatch script: a pure function.
+
+The script reads like one written by hand: ``#SBATCH`` lines, the software, the environment
+(with the RoCE/InfiniBand settings as comments), then one launch line. Values in the body are
+shell words (:func:`tfdist.jobs.shell.word`); values on ``#SBATCH`` lines were checked when the
+config was built. The same function writes ``jobscripts/*.sbatch`` from ``jobscripts/configs``.
+"""
+
+from __future__ import annotations
+
+from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
+from tfdist.jobs.config import JobConfig
+from tfdist.jobs.shell import word, words
+
+__all__ = ["render", "rendezvous_port_expression"]
+
+_TITLES = {
+    ("mwms", "srun"): "MultiWorkerMirroredStrategy: one srun task per {unit}",
+    ("horovod", "srun"): "Horovod: one srun task per {unit}, MPI started through PMIx",
+    ("horovod", "mpirun"): "Horovod: one rank per {unit}, started by Open MPI's mpirun",
+    ("horovod", "horovodrun"): "Horovod: one rank per {unit}, started by horovodrun",
+    ("torch", "torchrun"): "PyTorch DDP: srun starts one torchrun per node, one process per GPU",
+    ("torch", "srun"): "PyTorch DDP (tfdist.torch): one srun task per {unit}",
+}
+_RUNTIME_TITLES = {"venv": "", "apptainer": ", in Apptainer", "enroot": ", in enroot (pyxis)"}
+_NCCL_HINTS = (
+    "# RoCE / InfiniBand: uncomment what your site documents for its network.",
+    '# export NCCL_DEBUG=INFO             # log the transport: want "NET/IB", not "NET/Socket"',
+    "# export NCCL_SOCKET_IFNAME=ib0      # interface for NCCL's bootstrap and socket fallback",
+    "# export NCCL_IB_HCA=mlx5_0,mlx5_1   # the HCAs to use (ibv_devices lists them)",
+    "# export NCCL_IB_GID_INDEX=3         # RoCE v2: GID index of the RoCE v2 address (show_gids)",
+    "# export NCCL_IB_TC=106              # RoCE: traffic class of the lossless queue",
+    "# export NCCL_NET_GDR_LEVEL=PHB      # GPUDirect RDMA up to this PCIe distance",
+)
+_TF_HOST_HINT = ("# export TFDIST_HOST_TEMPLATE='{host}-ib0'  # TensorFlow's gRPC: dial nodes by "
+                 "their IPoIB names")
+_VENV_CHECK = '''python - <<'EOF'
+import importlib.util
+
+for name in ("tfdist", "tensorflow", "torch"):
+    if importlib.util.find_spec(name) is None:
+        print(name, "is not installed")
+    elif name == "tensorflow":
+        import tensorflow as tf
+        print("tensorflow", tf.__version__, "GPUs:", len(tf.config.list_physical_devices("GPU")))
+    elif name == "torch":
+        import torch
+        print("torch", torch.__version__, "GPUs:", torch.cuda.device_count())
+    else:
+        print(name, importlib.import_module(name).__version__)
+EOF'''
+
+
+def render(config: JobConfig, *, source: str | None = None) -> str:
+    """Return the sbatch script of ``config``.
+
+    Args:
+        config: The job.
+        source: The config file it came from, named in the header (``jobscripts/configs/...``).
+
+    Returns:
+        The script text, ending in a newline.
+    """
+    blocks = [_header(config, source), _directives(config), "set -eo pipefail",
+              _modules(config)]
+    if config.kind == "train":
+        blocks += [_venv(config), _environment(config), _network(config), _launch(config)]
+    else:
+        blocks += [_environment(config), _build(config)]
+    return "\n\n".join(block for block in blocks if block) + "\n"
+
+
+def rendezvous_port_expression() -> str:
+    """The bash arithmetic of torchrun's rendezvous port: the first port of the block that
+    :func:`tfdist.env.slurm.port_base` derives for the job's step 0."""
+    low, high = PORT_RANGE
+    return f"$(({low} + (SLURM_JOB_ID % {(high - low) // PORT_BLOCK}) * {PORT_BLOCK}))"
+
+
+def _header(c: JobConfig, source: str | None) -> str:
+    if c.kind == "build-venv":
+        title = "Build a Python venv on the node type that will train"
+    else:
+        title = _TITLES[(c.backend, c.effective_launcher)].format(unit=_unit(c))
+        title += _RUNTIME_TITLES[c.runtime]
+    lines = ["#!/bin/bash", f"# {title}."]
+    if source is not None:
+        printable = "".join(ch if " " <= ch <= "~" else "?" for ch in source)
+        lines += [f"# Rendered by `tfdist job {printable}`.",
+                  "# Edit this copy, or edit the config and render again."]
+    else:
+        lines.append("# Rendered by `tfdist job` (`tfdist job --help` lists its keys).")
+    return "\n".join(lines)
+
+
+def _unit(c: JobConfig) -> str:
+    """What one task drives: ``GPU``, ``2 GPUs`` or, without GPUs, ``worker``."""
+    if c.gpus_per_node < 1:
+        return "worker"
+    per_task = 1 if c.gpus_per_task else c.gpus_per_node // c.effective_tasks_per_node
+    return "GPU" if per_task == 1 else f"{per_task} GPUs"
+
+
+def _directives(c: JobConfig) -> str:
+    lines = [f"#SBATCH --job-name={c.job_name}", f"#SBATCH --nodes={c.nodes}",
+             *_task_comment(c), _tasks_directive(c)]
+    gpus = _gpu_directive(c)
+    if gpus:
+        lines.append(gpus)
+    optional = (("cpus-per-task", c.cpus_per_task), ("partition", c.partition),
+                ("account", c.account), ("time", c.time), ("constraint", c.constraint))
+    lines += [f"#SBATCH --{name}={value}" for name, value in optional if value is not None]
+    if c.task_output is not None:
+        lines.append("# The batch shell writes to --output; each task to its own file "
+                     "(srun --output below).")
+    lines.append(f"#SBATCH --output={c.output}")
+    lines += [f"#SBATCH {option}" for option in c.sbatch_args]
+    return "\n".join(lines)
+
+
+def _task_comment(c: JobConfig) -> list[str]:
+    tasks, gpus = c.effective_tasks_per_node, c.gpus_per_node
+    if c.kind == "build-venv":
+        return ["# One task on one node of the type that will train: the venv is built against "
+                "its CPU,", "# driver and modules."]
+    if c.effective_launcher == "torchrun":
+        return ["# One task per node: it runs torchrun, which starts one process per GPU."]
+    if c.gpus_per_task:
+        return ["# One task per GPU, and Slurm binds each task to its own GPU (--gpus-per-task). "
+                "Where the site", "# confines devices with cgroups, a task cannot see the "
+                "others' GPUs and NCCL can lose", "# NVLink/PCIe peer-to-peer between them: "
+                "prefer --gpus-per-node, where tfdist assigns", "# each task its GPU."]
+    if gpus == 0:
+        return [f"# CPU only: {tasks} task(s) per node, each one worker."]
+    if tasks == gpus:
+        return ["# One task per GPU: tfdist gives each task its own GPU of the node's "
+                "CUDA_VISIBLE_DEVICES."]
+    return [f"# {tasks} task(s) per node, each driving {gpus // tasks} GPUs of the node's "
+            "CUDA_VISIBLE_DEVICES."]
+
+
+def _tasks_directive(c: JobConfig) -> str:
+    if c.kind == "build-venv":
+        return "#SBATCH --ntasks=1"
+    return f"#SBATCH --ntasks-per-node={c.effective_tasks_per_node}"
+
+
+def _gpu_directive(c: JobConfig) -> str | None:
+    if c.gpus_per_node < 1:
+        return None
+    prefix = f"{c.gpu_type}:" if c.gpu_type else ""
+    if c.kind == "build-venv":
+        return f"#SBATCH --gpus={prefix}{c.gpus_per_node}"
+    if c.gpus_per_task:
+        return f"#SBATCH --gpus-per-task={prefix}1"
+    return f"#SBATCH --gpus-per-node={prefix}{c.gpus_per_node}"
+
+
+def _modules(c: JobConfig) -> str:
+    if not c.modules:
+        return ""
+    return "\n".join([
+        "# Software: a clean module environment, then exact versions, so the job does not depend",
+        "# on what the submitting shell had loaded.",
+        "module purge",
+        f"module load {words(c.modules)}",
+    ])
+
+
+def _activate(venv: str) -> list[str]:
+    return ["# shellcheck source=/dev/null",
+            f"source {word(venv.rstrip('/') + '/bin/activate')}"]
+
+
+def _venv(c: JobConfig) -> str:
+    if c.venv is None:
+        return ""
+    comment = "# The venv built for these nodes and modules (jobscripts/build-venv.sbatch)."
+    return "\n".join([comment, *_activate(c.venv)])
+
+
+def _environment(c: JobConfig) -> str:
+    lines = []
+    if c.kind == "train" and c.backend != "torch":
+        lines += ["# tfdist reads TFDIST_* variables (README: Settings and their precedence).",
+                  f"export TFDIST_BACKEND={c.backend}"]
+    if c.kind == "train":
+        lines += ["# Python prints each line when it is written, not in blocks.",
+                  "export PYTHONUNBUFFERED=1"]
+    if c.kind == "train" and c.cpus_per_task and c.effective_launcher in ("srun", "torchrun"):
+        lines += ["# srun of Slurm 22.05 to 23.02 does not pass the job's --cpus-per-task on to "
+                  "its tasks;", "# SRUN_CPUS_PER_TASK does.",
+                  'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
+    if c.env:
+        lines.append("# Variables of this job (env):")
+        lines += [f"export {name}={word(value)}" for name, value in c.env.items()]
+    return "\n".join(lines)
+
+
+def _network(c: JobConfig) -> str:
+    if c.gpus_per_node < 1:
+        return ""
+    lines = list(_NCCL_HINTS)
+    if c.backend == "mwms":
+        lines.append(_TF_HOST_HINT)
+    if c.effective_launcher == "mpirun":
+        lines.append("# With mpirun, also forward each one you set: -x NCCL_IB_HCA ...")
+    return "\n".join(lines)
+
+
+def _launch(c: JobConfig) -> str:
+    launcher = c.effective_launcher
+    if launcher == "torchrun":
+        return _torchrun(c)
+    if launcher == "mpirun":
+        return _mpirun(c)
+    if launcher == "horovodrun":
+        return _horovodrun(c)
+    return _srun(c)
+
+
+def _program(c: JobConfig) -> str:
+    python = word(c.python) if c.python else "python"
+    return " ".join([python, word(c.script or ""), words(c.args)]).rstrip()
+
+
+def _srun_segments(c: JobConfig, *, per_node: bool = False) -> list[str]:
+    """``srun`` and its options (binding, PMIx for Horovod, per-task output), then pyxis's."""
+    options = ["srun"]
+    if per_node:
+        options.append("--ntasks-per-node=1")
+    if c.cpu_bind:
+        options.append(word(f"--cpu-bind={c.cpu_bind}"))
+    if c.backend == "horovod":
+        options.append("--mpi=pmix")
+    if c.task_output is not None:
+        options.append(word(f"--output={c.task_output}"))
+    container = []
+    if c.runtime == "enroot":
+        container.append(word(f"--container-image={c.image}"))
+        if c.binds:
+            container.append(word(f"--container-mounts={','.join(c.binds)}"))
+    extra = [] if per_node else [word(arg) for arg in c.launcher_args]
+    return [" ".join(options), *container, " ".join(extra)]
+
+
+def _apptainer(c: JobConfig) -> str | None:
+    if c.runtime != "apptainer":
+        return None
+    parts = ["apptainer exec"]
+    if c.gpus_per_node:
+        parts.append("--nv")
+    parts += [f"-B {word(bind)}" for bind in c.binds]
+    parts.append(word(c.image or ""))
+    return " ".join(parts)
+
+
+def _container_comment(c: JobConfig) -> list[str]:
+    if c.runtime == "apptainer":
+        return ["# apptainer exec: --nv brings the host's NVIDIA driver into the container, "
+                "-B binds host paths."]
+    if c.runtime == "enroot":
+        return ["# pyxis: --container-image runs each task in the image, with --container-mounts "
+                "mounted;", "# paths are those inside the container."]
+    return []
+
+
+def _lines(comment: list[str], *segments: str | list[str] | None) -> str:
+    flat = [part for segment in segments
+            for part in (segment if isinstance(segment, list) else [segment])]
+    command = " \\\n    ".join(part for part in flat if part)
+    return "\n".join([*comment, command])
+
+
+def _srun(c: JobConfig) -> str:
+    pinned = ", bound to its cores" if c.cpu_bind else ""
+    comment = [f"# Launch: one srun task per {_unit(c)} (--ntasks-per-node on each node){pinned}."]
+    if c.backend == "horovod":
+        comment.append("# --mpi=pmix lets Horovod's MPI start under srun (`srun --mpi=list` "
+                       "shows your site's plugins).")
+    return _lines(comment + _container_comment(c), _srun_segments(c), _apptainer(c), _program(c))
+
+
+def _mpirun(c: JobConfig) -> str:
+    forwarded = ["PATH", "PYTHONUNBUFFERED"]
+    if c.backend != "torch":
+        forwarded.append("TFDIST_BACKEND")
+    forwarded += list(c.env)
+    comment = ["# Launch (Open MPI): ppr:N:node puts --ntasks-per-node ranks on each node, in "
+               "Slurm's order;", "# --bind-to none leaves the cores to the framework's threads; "
+               "-x forwards variables to", "# ranks that Open MPI starts over ssh."]
+    return _lines(comment + _container_comment(c),
+                  'mpirun -np "$SLURM_NTASKS" --map-by "ppr:${SLURM_NTASKS_PER_NODE}:node" '
+                  "--bind-to none",
+                  " ".join(f"-x {word(name)}" for name in forwarded),
+                  words(c.launcher_args), _apptainer(c), _program(c))
+
+
+def _horovodrun(c: JobConfig) -> str:
+    hosts = ('hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST" \\\n'
+             '    | sed "s/\\$/:${SLURM_NTASKS_PER_NODE}/" | paste -sd, -)')
+    options = " ".join(['horovodrun -np "$SLURM_NTASKS" -H "$hosts"',
+                        *(word(arg) for arg in c.launcher_args)])
+    comment = ["# Launch: horovodrun takes the job's nodes as host:slots (n1:4,n2:4), in Slurm's "
+               "node order."]
+    return "\n".join([*comment, hosts, _lines([], options, _program(c))])
+
+
+def _torchrun(c: JobConfig) -> str:
+    low, high = PORT_RANGE
+    setup = [
+        "# Rendezvous on the job's first node. The port comes from the job id, as tfdist derives "
+        "its own",
+        f"# ports: {low}-{high - 1}, below Linux's ephemeral ports, and different for jobs with "
+        "neighbouring ids.",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+        f"rdzv_port={rendezvous_port_expression()}",
+    ]
+    runner = f"{word(c.python)} -m torch.distributed.run" if c.python else "torchrun"
+    torchrun = (f'{runner} --nnodes="$SLURM_NNODES" '
+                '--nproc-per-node="${SLURM_GPUS_PER_NODE##*:}"')
+    rendezvous = ('--rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port" '
+                  '--rdzv-id="$SLURM_JOB_ID"')
+    program = " ".join([word(c.script or ""), words(c.args)]).rstrip()
+    comment = ["# Launch: one srun task per node runs torchrun, which starts one process per "
+               "GPU of the node."]
+    return "\n".join([*setup, "", _lines(comment + _container_comment(c),
+                                         _srun_segments(c, per_node=True), _apptainer(c), torchrun,
+                                         rendezvous, words(c.launcher_args), program)])
+
+
+def _build(c: JobConfig) -> str:
+    venv = c.venv or ""
+    create = [word(c.python) if c.python else "python3", "-m venv"]
+    if c.system_site_packages:
+        create.append("--system-site-packages")
+    create.append(word(venv))
+    return "\n".join([
+        "# Create the venv with the modules' Python and install into it. Running the job again "
+        "on an",
+        "# existing venv installs into it in place.",
+        " ".join(create),
+        *_activate(venv),
+        "python -m pip install --upgrade pip",
+        f"python -m pip install {words(c.packages)}",
+        "# Alternatives: system_site_packages: true reuses a TensorFlow your modules provide "
+        "(then",
+        "# leave it out of packages); Keras 2 with tensorflow-cpu needs",
+        "# `python -m pip install --no-deps tf_keras==<your TF minor>` (README).",
+        "",
+        "# Check on this node type: consistent requirements, versions, and the GPUs each "
+        "framework sees.",
+        "python -m pip check",
+        _VENV_CHECK,
+    ])
