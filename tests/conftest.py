@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+pytest_plugins = ["slurmtest"]
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 

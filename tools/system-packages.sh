@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests use, when missing: Slurm and munge for the test
 # cluster, Open MPI with PMIx for Horovod's MPI build and `srun --mpi=pmix`, libslurm-dev for
-# the pyxis stand-in plugin, shellcheck for the job scripts.
+# the pyxis stand-in plugin (with gcc), iproute2 for the nodes' network namespaces and
+# the shellcheck linter for the job scripts.
 # Needs root and apt; elsewhere it says what is missing, and the tests that need it skip.
 set -euo pipefail
 
-packages=(slurm-wlm munge openmpi-bin libopenmpi-dev libpmix-dev libslurm-dev shellcheck)
+packages=(slurm-wlm munge openmpi-bin libopenmpi-dev libpmix-dev libslurm-dev shellcheck iproute2 gcc)
 missing=()
 for package in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" \
