@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 from tfdist.errors import ConfigError
 
 if TYPE_CHECKING:
+    import numpy as np
     import tensorflow as tf
 
-__all__ = ["available", "load", "normalize", "prepare", "resolve_data_dir"]
+__all__ = ["arrays", "available", "load", "normalize", "prepare", "resolve_data_dir"]
 
 # Short name -> module with prepare(data_dir) and load(split, data_dir, ...). Modules, not
 # builder classes, so that listing names imports no TensorFlow.
@@ -114,6 +115,17 @@ def normalize(image: tf.Tensor, label: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]
     import tensorflow as tf
 
     return tf.cast(image, tf.float32) / 255.0, label
+
+
+def arrays(name: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """``split`` of dataset ``name`` as numpy ``(images, labels)``, without TensorFlow.
+
+    The same examples as ``load(name, split)`` (uint8 ``(N, 8, 8, 1)`` images, int64 labels),
+    for PyTorch; see `tfdist.datasets.in_memory.arrays`. Only ``"train"`` and ``"test"``.
+    """
+    from tfdist.datasets import in_memory
+
+    return in_memory.arrays(name, split)
 
 
 def _module(name: str) -> types.ModuleType:

@@ -36,6 +36,7 @@ from tensorflow_datasets.core.utils import gcs_utils
 
 from tfdist.data import with_policy
 from tfdist.datasets import resolve_data_dir
+from tfdist.datasets.in_memory import split_indices, to_uint8
 from tfdist.errors import TfdistError
 
 if TYPE_CHECKING:
@@ -54,10 +55,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NAME = "tfdist_digits"
-TEST_SIZE = 0.2
-SPLIT_SEED = 0
 _NUM_CLASSES = 10
-_SKLEARN_MAX = 16  # load_digits intensities are the integers 0..16.
 
 # flock errors that mean "this file system cannot lock" rather than "try again".
 _NO_LOCK_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
@@ -118,34 +116,6 @@ class TfdistDigits(tfds.core.GeneratorBasedBuilder):  # type: ignore[misc]
                     "label": int(labels[index]),
                 },
             )
-
-
-def to_uint8(images: np.ndarray) -> np.ndarray:
-    """Scales load_digits intensities 0..16 to uint8 0..255, shape (N, 8, 8) -> (N, 8, 8, 1).
-
-    ``round(v * 255 / 16)`` with halves rounded up, in integer arithmetic so it is exact:
-    0 -> 0, 8 -> 128 (the only half: 127.5), 16 -> 255. The map is strictly increasing, so no two
-    intensities collide.
-    """
-    values = np.rint(images).astype(np.int64)
-    if values.min() < 0 or values.max() > _SKLEARN_MAX or not np.array_equal(values, images):
-        raise ValueError(f"expected integer intensities 0..{_SKLEARN_MAX}")
-    scaled = (values * 255 + _SKLEARN_MAX // 2) // _SKLEARN_MAX
-    return scaled.astype(np.uint8)[..., np.newaxis]
-
-
-def split_indices(labels: np.ndarray) -> dict[str, np.ndarray]:
-    """Rows of load_digits in each split: stratified by label, 20 % test, ``random_state=0``.
-
-    Deterministic for a given scikit-learn version (its StratifiedShuffleSplit algorithm); a
-    prepared data directory keeps the split it was written with.
-    """
-    from sklearn.model_selection import train_test_split
-
-    train, test = train_test_split(
-        np.arange(len(labels)), test_size=TEST_SIZE, random_state=SPLIT_SEED, stratify=labels
-    )
-    return {"train": train, "test": test}
 
 
 def _encode_png(image: np.ndarray) -> bytes:

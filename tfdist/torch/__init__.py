@@ -1,0 +1,32 @@
+"""PyTorch DDP with tfdist's launch detection: one tool and one set of job scripts for both.
+
+    import tfdist.torch
+
+    with tfdist.torch.distributed() as dist:   # torchrun, srun, tfdist launch or one process
+        model = dist.wrap(Net())               # DDP on this rank's GPU (NCCL), or CPU (gloo)
+        loader = dist.loader(train_set, batch_size=256)  # GLOBAL batch; epochs reshuffle
+        optimizer = torch.optim.Adam(model.parameters(), lr=dist.scale_lr(1e-3))
+        for epoch in range(epochs):
+            for x, y in loader:
+                ...
+        dist.save(model, "final.pt")           # the chief only, atomically
+
+``import tfdist`` loads no torch; importing this package does.
+"""
+
+from __future__ import annotations
+
+from tfdist.torch.handle import TorchDistributed, current, distributed, init, shutdown, unwrap
+from tfdist.torch.rendezvous import Rendezvous
+from tfdist.torch.sampler import EpochSampler
+
+__all__ = [
+    "EpochSampler",
+    "Rendezvous",
+    "TorchDistributed",
+    "current",
+    "distributed",
+    "init",
+    "shutdown",
+    "unwrap",
+]

@@ -1,0 +1,401 @@
+"""The process group, created from the detected launch, and the handle training scripts use.
+
+Settings, highest precedence first: the Python argument, then the ``TFDIST_TORCH_*``
+environment variable, then what the machine implies, then the default.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, Dataset
+
+from tfdist.env import ClusterEnvironment, detect
+from tfdist.errors import ConfigError, LaunchError
+from tfdist.torch.rendezvous import Rendezvous, plan
+from tfdist.torch.sampler import EpochSampler
+
+__all__ = ["TorchDistributed", "current", "distributed", "init", "shutdown"]
+
+logger = logging.getLogger("tfdist")
+
+BACKENDS = ("auto", "nccl", "gloo")
+DEFAULT_TIMEOUT_S = 600.0
+_current: TorchDistributed | None = None
+_current_settings: tuple[str, float] | None = None
+_atexit_registered = False
+
+
+class TorchDistributed:
+    """What a PyTorch training script needs to know about its place in the job.
+
+    Create it with :func:`init` or :func:`distributed`, never directly. It reads like the
+    TensorFlow handle :class:`tfdist.Distributed`: one replica is one process.
+
+    Attributes:
+        environment: how the processes were launched (:class:`tfdist.env.ClusterEnvironment`).
+        rendezvous: where the process group met (:class:`tfdist.torch.rendezvous.Rendezvous`).
+        backend: the process group's backend, ``"nccl"`` or ``"gloo"``.
+        device: ``cuda:<local GPU>`` when CUDA is available, else ``cpu``.
+    """
+
+    def __init__(self, environment: ClusterEnvironment, rendezvous: Rendezvous, backend: str,
+                 device: torch.device) -> None:
+        self.environment = environment
+        self.rendezvous = rendezvous
+        self.backend = backend
+        self.device = device
+
+    @property
+    def rank(self) -> int:
+        """This process's index, 0-based; rank 0 is the chief."""
+        return self.rendezvous.rank
+
+    @property
+    def size(self) -> int:
+        """Number of processes training together (the world size)."""
+        return self.rendezvous.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Index among the processes on this node (selects the GPU)."""
+        return self.environment.local_rank
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process saves and prints."""
+        return self.rank == 0
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in sync: one per process under DDP."""
+        return self.size
+
+    def wrap(self, model: torch.nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+        """Moves ``model`` to :attr:`device` and wraps it in ``DistributedDataParallel``.
+
+        DDP broadcasts rank 0's parameters and buffers here, then averages the gradients in
+        every backward pass. ``ddp_options`` go to DDP (e.g. ``find_unused_parameters=True``).
+        """
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model.to(self.device), device_ids=device_ids,
+                                       **ddp_options)
+
+    def sampler(self, dataset: Dataset[Any], *, shuffle: bool = True, seed: int = 0,
+                drop_last: bool = False) -> EpochSampler[Any]:
+        """This rank's share of ``dataset``, reshuffled every epoch without ``set_epoch``.
+
+        Use the same ``seed`` on every rank, so that the shares partition the data. See
+        :class:`tfdist.torch.EpochSampler`.
+        """
+        return EpochSampler(dataset, num_replicas=self.size, rank=self.rank, shuffle=shuffle,
+                            seed=seed, drop_last=drop_last)
+
+    def loader(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True,
+               seed: int = 0, **options: Any) -> DataLoader[Any]:
+        """A ``DataLoader`` over this rank's share, with :meth:`sampler`.
+
+        Args:
+            dataset: the whole dataset (every rank passes the same one).
+            batch_size: the GLOBAL batch size, split over the replicas as in the TensorFlow
+                example; see :meth:`per_replica_batch_size`.
+            shuffle: reshuffle every epoch (the sampler's epoch advances by itself).
+            seed: shuffling seed, the same on every rank.
+            **options: more ``DataLoader`` arguments (``num_workers``, ``drop_last``, ...).
+
+        Raises:
+            ConfigError: ``batch_size`` does not divide over the replicas.
+        """
+        return DataLoader(dataset, batch_size=self.per_replica_batch_size(batch_size),
+                          sampler=self.sampler(dataset, shuffle=shuffle, seed=seed), **options)
+
+    def scale_lr(self, learning_rate: float) -> float:
+        """Linear scaling: ``learning_rate`` times the number of replicas (Goyal et al., 2017).
+
+        Pair it with :meth:`warmup` to ramp up from the unscaled rate.
+        """
+        return learning_rate * self.num_replicas
+
+    def warmup(self, optimizer: torch.optim.Optimizer, steps: int) -> LambdaLR:
+        """A scheduler ramping the learning rate from ``lr / size`` to ``lr`` over ``steps``.
+
+        Call its ``step()`` after each ``optimizer.step()``; after ``steps`` steps the rate
+        stays at the optimizer's ``lr`` (as ``callbacks(warmup_epochs=...)`` does in Keras).
+        """
+        start = 1.0 / self.size
+
+        def factor(step: int) -> float:
+            return start + (1.0 - start) * min(1.0, step / steps) if steps > 0 else 1.0
+
+        return LambdaLR(optimizer, factor)
+
+    def per_replica_batch_size(self, global_batch_size: int) -> int:
+        """Splits a global batch over the replicas.
+
+        Raises:
+            ConfigError: the global batch does not divide evenly.
+        """
+        replicas = self.num_replicas
+        if global_batch_size % replicas:
+            nearest = max(replicas, global_batch_size // replicas * replicas)
+            raise ConfigError(f"global batch size {global_batch_size} does not divide over "
+                              f"{replicas} replicas: use a multiple of {replicas}, e.g. {nearest}")
+        return global_batch_size // replicas
+
+    def global_batch_size(self, per_replica_batch_size: int) -> int:
+        """The global batch that gives each replica ``per_replica_batch_size`` examples."""
+        return per_replica_batch_size * self.num_replicas
+
+    def average(self, value: float | torch.Tensor, weight: float = 1.0) -> float:
+        """The mean of a scalar metric over all ranks (a collective: every rank must call it).
+
+        Args:
+            value: this rank's metric (a number or a one-element tensor).
+            weight: this rank's weight, e.g. its number of examples when the shares differ.
+
+        Returns:
+            ``sum(value * weight) / sum(weight)`` over the ranks, the same on every rank.
+        """
+        number = value.item() if isinstance(value, torch.Tensor) else float(value)
+        total = torch.tensor([number * weight, float(weight)], dtype=torch.float64,
+                             device=self.device)
+        torch_dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    def barrier(self) -> None:
+        """Waits until every rank gets here (bounded by the process group's timeout)."""
+        if self.backend == "nccl":
+            torch_dist.barrier(device_ids=[self.device.index])
+        else:
+            torch_dist.barrier()
+
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> bool:
+        """Saves ``obj`` with ``torch.save`` on the chief only, atomically.
+
+        A model (DDP-wrapped or not) is saved as its unwrapped ``state_dict``, so it loads into
+        a plain model. The file appears complete or not at all (a temporary file in the same
+        directory, then a rename). Not a collective: other ranks return at once; call
+        :meth:`barrier` before they read the file.
+
+        Returns:
+            Whether this process wrote the file.
+        """
+        if not self.is_chief:
+            return False
+        if isinstance(obj, torch.nn.Module):
+            obj = unwrap(obj).state_dict()
+        target = os.path.abspath(os.fspath(path))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        # Beside the target, so the rename is atomic; open() keeps the umask's permissions.
+        temporary = os.path.join(os.path.dirname(target),
+                                 f".{os.path.basename(target)}.tmp-{os.getpid()}")
+        try:
+            with open(temporary, "wb") as file:
+                torch.save(obj, file)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        return True
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the chief only, flushed (worker output is often piped)."""
+        if self.is_chief:
+            builtins.print(*args, **{"flush": True, **kwargs})
+
+    def log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
+        """Logs to the ``tfdist`` logger on the chief only."""
+        if self.is_chief:
+            logger.log(level, message, *args)
+
+    def __repr__(self) -> str:
+        return (f"TorchDistributed(backend={self.backend!r}, rank={self.rank}, size={self.size}, "
+                f"local_rank={self.local_rank}, device={str(self.device)!r}, "
+                f"launcher={self.environment.launcher!r})")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a ``DistributedDataParallel`` wrapper, or ``model`` itself."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def init(backend: str | None = None, *, timeout: float | timedelta | None = None
+         ) -> TorchDistributed:
+    """Detects the launch, pins this process's GPU and creates the process group.
+
+    Calling it again returns the same handle until :func:`shutdown`. One plain process gets
+    a one-rank group over an in-memory store, so the same script runs everywhere.
+
+    Args:
+        backend: ``"auto"``, ``"nccl"`` or ``"gloo"``; env ``TFDIST_TORCH_BACKEND``. Auto picks
+            NCCL when CUDA is available, gloo on CPU. NCCL without CUDA falls back to gloo,
+            with a warning (as TensorFlow's NCCL request falls back to the ring).
+        timeout: seconds (or a ``timedelta``) that the rendezvous and every collective may wait
+            for the other ranks before raising; env ``TFDIST_TORCH_TIMEOUT``; default 600.
+
+    Returns:
+        The :class:`TorchDistributed` handle.
+
+    Raises:
+        LaunchError: the launch cannot train as started, or the ranks did not meet in time.
+        ConfigError: an invalid setting, or a process group created outside tfdist.
+    """
+    global _current, _current_settings
+    settings = _settings(backend, timeout, os.environ)
+    if _current is not None:
+        if settings != _current_settings:
+            raise ConfigError(f"tfdist.torch is already initialised with {_current_settings} "
+                              f"(backend, timeout s); call shutdown() before {settings}")
+        return _current
+    if torch_dist.is_initialized():
+        raise ConfigError("torch.distributed was initialised outside tfdist: remove your "
+                          "init_process_group call and let tfdist.torch.init() create the group")
+    environment = detect()
+    rendezvous = plan(environment, os.environ)
+    device = _device(environment)
+    chosen = _backend(settings[0], device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL creates its communicator on "the" device
+    _create_group(rendezvous, chosen, settings[1])
+    handle = TorchDistributed(environment, rendezvous, chosen, device)
+    _current, _current_settings = handle, settings
+    _register_atexit()
+    handle.log("tfdist: torch process group, %d process(es), backend %s, device %s; "
+               "rendezvous: %s; launched by %s", handle.size, chosen, device, rendezvous.reason,
+               environment.reason)
+    return handle
+
+
+@contextlib.contextmanager
+def distributed(backend: str | None = None, *, timeout: float | timedelta | None = None
+                ) -> Iterator[TorchDistributed]:
+    """``init()``, and tear the process group down on leaving, also on an exception.
+
+    On success every rank waits at a barrier before destroying the group, so rank 0, which
+    hosts the rendezvous store, is not gone while others still finish. On an exception the
+    group is destroyed at once and the exception propagates; the other ranks' pending
+    collectives then fail (gloo: at once, as the connections close; NCCL: within the timeout),
+    so no rank waits forever. Takes the same arguments as :func:`init`.
+    """
+    handle = init(backend, timeout=timeout)
+    completed = False
+    try:
+        yield handle
+        completed = True
+    finally:
+        shutdown(barrier=completed)
+
+
+def current() -> TorchDistributed | None:
+    """The handle created by :func:`init` in this process, if any."""
+    return _current
+
+
+def shutdown(*, barrier: bool = True) -> None:
+    """Destroys the process group tfdist created; does nothing when there is none.
+
+    Args:
+        barrier: wait for every rank first (a normal finish). Without it (after an error) the
+            group is destroyed at once, and an error while destroying it is only logged, so it
+            cannot hide the original one.
+    """
+    global _current, _current_settings
+    handle, _current, _current_settings = _current, None, None
+    if handle is None or not torch_dist.is_initialized():
+        return
+    if barrier:
+        try:
+            if handle.size > 1:
+                handle.barrier()
+        finally:
+            torch_dist.destroy_process_group()
+        return
+    try:
+        torch_dist.destroy_process_group()
+    except Exception as error:  # the caller is already handling an error: keep it visible
+        logger.warning("tfdist: destroying the process group failed: %s", error)
+
+
+def _settings(backend: str | None, timeout: float | timedelta | None,
+              environ: Mapping[str, str]) -> tuple[str, float]:
+    chosen = (backend or environ.get("TFDIST_TORCH_BACKEND") or "auto").lower()
+    if chosen not in BACKENDS:
+        raise ConfigError(f"backend {chosen!r} is not one of {BACKENDS} "
+                          "(argument `backend=` or TFDIST_TORCH_BACKEND)")
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif timeout is not None:
+        seconds = float(timeout)
+    else:
+        raw = environ.get("TFDIST_TORCH_TIMEOUT", "").strip()
+        try:
+            seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ConfigError(f"TFDIST_TORCH_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ConfigError(f"timeout {seconds:g} s: use a positive number of seconds "
+                          "(argument `timeout=` or TFDIST_TORCH_TIMEOUT)")
+    return chosen, seconds
+
+
+def _device(environment: ClusterEnvironment) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    # One visible GPU: Slurm bound it to this task (--gpus-per-task=1) or the node has one.
+    index = environment.local_rank if count > 1 else 0
+    if index >= count:
+        raise ConfigError(f"local rank {index} but only {count} GPUs are visible: start one "
+                          f"process per GPU (torchrun --nproc-per-node={count}, srun "
+                          f"--ntasks-per-node={count}) or bind one per task (--gpus-per-task=1)")
+    return torch.device("cuda", index)
+
+
+def _backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" and torch_dist.is_nccl_available() else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        logger.warning("tfdist: NCCL was requested but CUDA is not available here: using gloo")
+        return "gloo"
+    return requested
+
+
+def _create_group(rendezvous: Rendezvous, backend: str, timeout_s: float) -> None:
+    timeout = timedelta(seconds=timeout_s)
+    if rendezvous.init_method is None:
+        torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0,
+                                      world_size=1, timeout=timeout)
+        return
+    try:
+        torch_dist.init_process_group(backend, init_method=rendezvous.init_method,
+                                      rank=rendezvous.rank, world_size=rendezvous.world_size,
+                                      timeout=timeout)
+    except RuntimeError as error:  # torch's DistError and store timeouts are RuntimeErrors
+        raise LaunchError(
+            f"rank {rendezvous.rank} of {rendezvous.world_size} could not form the process group "
+            f"at {rendezvous.init_method} ({rendezvous.reason}) within {timeout_s:g} s: "
+            f"{str(error).rstrip('.')}. "
+            "Check that every rank was started with the same world size and that rank 0's "
+            "address is reachable from here (TFDIST_HOST_TEMPLATE, or MASTER_ADDR/MASTER_PORT)"
+        ) from error
+
+
+def _register_atexit() -> None:
+    # A script that calls init() without the context manager still releases the group, even
+    # when it ends with an exception (atexit runs after the traceback is printed).
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(shutdown, barrier=False)
+        _atexit_registered = True
