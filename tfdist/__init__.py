@@ -13,7 +13,13 @@ Importing tfdist loads no TensorFlow, Horovod or torch; they load when ``init`` 
 from __future__ import annotations
 
 from tfdist.env import ClusterEnvironment, detect
-from tfdist.errors import ConfigError, InitOrderError, LaunchError, TfdistError
+from tfdist.errors import (
+    ConfigError,
+    InitOrderError,
+    LaunchError,
+    ReplicaMismatchError,
+    TfdistError,
+)
 from tfdist.strategy import Distributed, current, init, strategy_scope
 
 __all__ = [
@@ -22,6 +28,7 @@ __all__ = [
     "Distributed",
     "InitOrderError",
     "LaunchError",
+    "ReplicaMismatchError",
     "TfdistError",
     "__version__",
     "current",

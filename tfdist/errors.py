@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TfdistError", "LaunchError", "InitOrderError", "ConfigError"]
+__all__ = ["TfdistError", "LaunchError", "InitOrderError", "ConfigError", "ReplicaMismatchError"]
 
 
 class TfdistError(RuntimeError):
@@ -22,3 +22,11 @@ class InitOrderError(TfdistError):
 
 class ConfigError(TfdistError, ValueError):
     """An argument, flag or ``TFDIST_*`` environment variable has an impossible value."""
+
+
+class ReplicaMismatchError(TfdistError):
+    """Ranks hold different weights: data-parallel training is no longer training one model.
+
+    Raised on every rank together by the replica sync check (:mod:`tfdist.sync`); the message
+    names the ranks and variables that differ from rank 0.
+    """
