@@ -397,6 +397,13 @@ def test_yaml_numbers_are_accepted_as_text(tmp_path: Path) -> None:
         "90", "7", ("--epochs", "8"), {"NCCL_IB_GID_INDEX": "3"})
 
 
+def test_double_dash_lets_the_script_start_with_a_dash(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(["--gpus-per-node", "0", "--", "-m", "tfdist", "env", "--json"], capsys)
+    assert code == 0
+    assert out.rstrip().endswith("python -m tfdist env --json"), out
+
+
 def test_missing_config_file_is_a_clean_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the job config"):
         load_config(tmp_path / "absent.yaml")

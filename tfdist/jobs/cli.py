@@ -30,7 +30,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "CONFIG.yaml and flags; flags beat the file, which beats the defaults. YAML keys are the "
         "flag names in snake_case (--gpus-per-node is gpus_per_node). Values in the script body "
         "are shell-quoted; ${NAME} is left for the job's shell to expand. Prints the script "
-        "unless --save or --submit is given. Everything after SCRIPT goes to the script.",
+        "unless --save or --submit is given. Everything after SCRIPT goes to the script; "
+        "put -- before a SCRIPT that starts with a dash (-- -m MODULE ARGS).",
         usage="tfdist job [CONFIG.yaml] [options] [SCRIPT [ARGS ...]]",
         argument_default=argparse.SUPPRESS,
     )
@@ -128,7 +129,9 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
             values["env"] = dict(value)
         elif dest in KEYS:
             values[dest] = value
-    words = given.get("words") or []
+    words = list(given.get("words") or [])
+    if words[:1] == ["--"]:  # `tfdist job [options] -- -m module ...`: "--" ends the options
+        words = words[1:]
     if words:
         values["script"], values["args"] = words[0], words[1:]
     return values

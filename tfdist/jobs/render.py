@@ -152,7 +152,10 @@ def _gpu_directive(c: JobConfig) -> str | None:
     if c.kind == "build-venv":
         return f"#SBATCH --gpus={prefix}{c.gpus_per_node}"
     if c.gpus_per_task:
-        return f"#SBATCH --gpus-per-task={prefix}1"
+        # Slurm 22.05 binds no GPU to the tasks for a typed --gpus-per-task alone.
+        return "\n".join([f"#SBATCH --gpus-per-task={prefix}1",
+                          "# Each task sees only its own GPU (needed with a GPU type).",
+                          "#SBATCH --gpu-bind=per_task:1"])
     return f"#SBATCH --gpus-per-node={prefix}{c.gpus_per_node}"
 
 

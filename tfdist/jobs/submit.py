@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tfdist.errors import ConfigError, LaunchError
@@ -52,7 +52,8 @@ def check_output_dirs(config: JobConfig, cwd: str | Path | None = None) -> None:
 
 
 def submit(text: str, *, sbatch: str = "sbatch", args: Sequence[str] = (),
-           script_path: str | Path | None = None, cwd: str | Path | None = None) -> str:
+           script_path: str | Path | None = None, cwd: str | Path | None = None,
+           env: Mapping[str, str] | None = None) -> str:
     """Submit a job script with ``sbatch --parsable`` and return the job id.
 
     Args:
@@ -61,6 +62,8 @@ def submit(text: str, *, sbatch: str = "sbatch", args: Sequence[str] = (),
         args: More sbatch options, placed before the script (they beat its ``#SBATCH`` lines).
         script_path: Submit this saved file instead of ``text``.
         cwd: Directory to submit from: the job's working directory (default: this process's).
+        env: Environment for sbatch, which exports it to the job by default (default: this
+            process's); its ``PATH`` is where ``sbatch`` is looked up.
 
     Returns:
         The job id, e.g. ``"12345"``.
@@ -69,16 +72,18 @@ def submit(text: str, *, sbatch: str = "sbatch", args: Sequence[str] = (),
         LaunchError: sbatch is not found, fails (its stderr is in the message), or prints no
             job id.
     """
-    executable = shutil.which(sbatch)
+    environ = os.environ if env is None else env
+    executable = shutil.which(sbatch, path=environ.get("PATH"))
     if executable is None:
-        raise LaunchError(f"cannot submit: {sbatch!r} is not on PATH ({os.environ.get('PATH')}). "
+        raise LaunchError(f"cannot submit: {sbatch!r} is not on PATH ({environ.get('PATH')}). "
                           "Run `tfdist job` on a login node of the cluster, or --save the script "
                           "and submit it there with sbatch")
     command = [executable, "--parsable", *args]
     if script_path is not None:
         command.append(str(script_path))
     result = subprocess.run(command, input=None if script_path else text, text=True,
-                            capture_output=True, cwd=cwd, check=False)
+                            capture_output=True, cwd=cwd, env=None if env is None else dict(env),
+                            check=False)
     if result.returncode != 0:
         detail = result.stderr.strip() or result.stdout.strip() or "no output"
         raise LaunchError(f"sbatch failed (exit {result.returncode}): {detail}")

@@ -1,0 +1,387 @@
+"""End to end on the Slurm test cluster: rendered `tfdist job` scripts, submitted with sbatch.
+
+Each test renders a :class:`~tfdist.jobs.JobConfig` with the renderer users get, submits it
+with sbatch to the test cluster (``slurm_cluster``, tests/slurmtest.py) and checks what the job
+produced: the per-task output files, every rank's final-weights digest, the chief's checkpoint.
+
+- MultiWorkerMirroredStrategy with examples/keras_train.py on 2 nodes x 2 tasks, on n9 and n10:
+  Slurm's order (n9, n10) differs from string order (n10, n9), where TensorFlow's stock
+  SlurmClusterResolver gives rank 0 the other node's address and the job hangs. A probe job
+  shows the stock resolver getting it wrong (and failing under ``--gpus-per-task=1``) in the
+  same steps in which tfdist's detection gets it right.
+- The same training with ``--gpus-per-task=1``.
+- A rendered job whose srun was left out: detection in the batch shell fails fast, with the
+  message saying to use srun.
+- The Apptainer and enroot (pyxis) jobs, run on the cluster's container stand-ins (no container
+  runs: the stand-ins check and record their arguments, then run the task on the host).
+
+Helpers to render, submit and collect are in tests/slurm_jobs/, for the Horovod and torchrun
+jobs to come. Every test here uses the ``slurm_cluster`` fixture, so it is marked ``slurm`` and
+skips, with the fixture's reason, where the cluster cannot run (not root, no Slurm packages, no
+network namespaces).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from slurm_jobs import (
+    EXAMPLE,
+    RECORDING_PYTHON,
+    ROOT,
+    TASK_OUTPUT,
+    TWO_NODES,
+    RenderedJob,
+    cluster_config,
+    final_weights,
+    run_rendered,
+    train_args,
+)
+from slurmtest import SlurmCluster
+
+from tfdist.jobs import render
+
+WORLD = 4  # 2 nodes x 2 tasks (one per fake GPU)
+# A training job (2 epochs, 4 workers on 2 shared cores) takes 20-30 s; sbatch's --time is 5 min.
+TRAIN_TIMEOUT = 240
+MIN_ACCURACY = 0.5  # 10 classes: chance is 0.1; 2 epochs reach about 0.9
+_ACCURACY = re.compile(r"^test loss (\S+)\s+test accuracy (\S+)\s", re.M)
+
+
+@pytest.fixture(scope="module")
+def data_dir(slurm_cluster: SlurmCluster) -> Path:
+    """One tensorflow-datasets directory for the module's jobs: the first task to need the
+    digits writes them (under a lock), the rest read them."""
+    return slurm_cluster.new_workdir()
+
+
+def recording(cluster: SlurmCluster, **keys: Any) -> dict[str, Any]:
+    """Config keys that run each task through tests/slurm_jobs/recording-python."""
+    return {"python": str(RECORDING_PYTHON),
+            "env": {"TFDIST_TEST_PYTHON": cluster.python, **keys.pop("env", {})}, **keys}
+
+
+def task_views(job: RenderedJob) -> dict[int, dict[str, Any]]:
+    """Per rank: tfdist's detection in the task (task-R.json) and its variables (task-R.env)."""
+    views = {}
+    for rank in range(WORLD):
+        json_path, env_path = job.path(f"task-{rank}.json"), job.path(f"task-{rank}.env")
+        assert json_path.exists() and env_path.exists(), f"rank {rank} recorded nothing\n" \
+                                                         f"{job.describe()}"
+        try:
+            detected = json.loads(json_path.read_text())
+        except json.JSONDecodeError:
+            pytest.fail(f"tfdist env --json failed in rank {rank}: {json_path.read_text()}\n"
+                        f"{job.describe()}")
+        variables = dict(line.split("=", 1) for line in env_path.read_text().splitlines())
+        views[rank] = {"tfdist": detected, "env": variables}
+    return views
+
+
+def check_training(job: RenderedJob) -> str:
+    """Checks a finished MWMS training job of examples/keras_train.py on WORLD tasks.
+
+    One output file per task; every rank reports the same final-weights digest, in its own
+    file; only the chief reports the test accuracy; the model directory holds exactly one
+    final.keras and one checkpoint.keras, both loadable with the digest of the ranks' weights.
+
+    Returns:
+        The digest of the final weights.
+    """
+    assert job.ok, job.describe()
+    outputs = job.task_outputs()
+    assert sorted(outputs) == list(range(WORLD)), f"one output file per task expected: " \
+                                                  f"{job.task_files()}\n{job.describe()}"
+    for rank, text in outputs.items():
+        assert final_weights([text]).keys() == {rank}, \
+            f"rank {rank}'s file must hold its own final-weights line\n{job.describe()}"
+    weights = final_weights(outputs)
+    digests = {digest for _, digest in weights.values()}
+    assert {size for size, _ in weights.values()} == {WORLD} and len(digests) == 1, \
+        f"ranks ended with different weights: {weights}\n{job.describe()}"
+
+    chief = outputs[0]
+    assert f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend mwms" in chief, job.describe()
+    accuracy = _ACCURACY.findall(chief)
+    assert len(accuracy) == 1 and float(accuracy[0][1]) > MIN_ACCURACY, \
+        f"chief's test accuracy: {accuracy}\n{job.describe()}"
+    others = [rank for rank, text in outputs.items() if rank and "test accuracy" in text]
+    assert not others, f"ranks {others} reported as chief\n{job.describe()}"
+
+    saved = sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*.keras"))
+    model_dir = job.model_dir.relative_to(job.workdir)
+    assert saved == [f"{model_dir}/checkpoint.keras", f"{model_dir}/final.keras"], \
+        f"exactly one checkpoint and one final model, by the chief: {saved}\n{job.describe()}"
+    partial = [p.name for p in job.model_dir.rglob(".partial-*")]
+    assert not partial, f"unfinished checkpoint writes left: {partial}\n{job.describe()}"
+    (digest,) = digests
+    for name in ("checkpoint.keras", "final.keras"):
+        path = job.model_dir / name
+        assert zipfile.is_zipfile(path), f"{name} is not a .keras (zip) file\n{job.describe()}"
+        try:
+            loaded = saved_digest(path)
+        except Exception as err:  # any failure to load is the finding
+            pytest.fail(f"{name} does not load: {type(err).__name__}: {err}\n{job.describe()}")
+        assert loaded == digest, \
+            f"{name} holds weights {loaded}, not the ranks' final {digest}\n{job.describe()}"
+    return digest
+
+
+def saved_digest(path: Path) -> str:
+    """Loads a .keras file in this process and returns the digest the example prints."""
+    import tensorflow as tf
+
+    import tfdist.sync
+
+    model = tf.keras.models.load_model(path, compile=False)
+    digest: str = tfdist.sync.digest(tfdist.sync.model_variables(model))
+    return digest
+
+
+def hosts_by_rank(views: dict[int, dict[str, Any]]) -> list[str]:
+    """Each rank's node, from tfdist's detection in that rank: its own worker address."""
+    return [views[r]["tfdist"]["worker_addresses"][r].split(":")[0] for r in range(WORLD)]
+
+
+# --- MultiWorkerMirroredStrategy ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mwms_job(slurm_cluster: SlurmCluster, data_dir: Path) -> RenderedJob:
+    """The MWMS training job on n9 and n10, 2 tasks each with --gpus-per-node (run once)."""
+    config = cluster_config(slurm_cluster, **recording(
+        slurm_cluster, job_name="mwms", script=str(EXAMPLE), args=train_args(data_dir)))
+    assert config.effective_tasks_per_node == 2, render(config)
+    assert f"#SBATCH --gpus-per-node={slurm_cluster.gres_type}:2" in render(config), \
+        render(config)
+    return run_rendered(slurm_cluster, config, timeout=TRAIN_TIMEOUT)
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_mwms_job_on_n9_n10_trains_in_sync_and_chief_saves_once(mwms_job: RenderedJob) -> None:
+    check_training(mwms_job)
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_mwms_job_ranks_follow_slurm_node_order(mwms_job: RenderedJob) -> None:
+    job = mwms_job
+    assert job.ok, job.describe()
+    views = task_views(job)
+    for rank, view in views.items():
+        detected = view["tfdist"]
+        assert (detected["launcher"], detected["rank"], detected["world_size"],
+                detected["hosts"], detected["job_id"]) == (
+            "slurm", rank, WORLD, list(TWO_NODES), job.job_id), f"{view}\n{job.describe()}"
+        assert view["env"]["CUDA_VISIBLE_DEVICES"] == "0,1", f"{view}\n{job.describe()}"
+    # Slurm's order, not string order: ranks 0 and 1 on n9.
+    assert hosts_by_rank(views) == ["n9", "n9", "n10", "n10"], job.describe()
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_mwms_job_tensorboard_logs_come_from_the_chief_only(mwms_job: RenderedJob) -> None:
+    job = mwms_job
+    assert job.ok, job.describe()
+    # events.out.tfevents.TIME.HOST.PID.N.v2: one writer, the chief (rank 0, on n9).
+    names = sorted(p.name for p in (job.model_dir / "logs").rglob("events.out.tfevents.*"))
+    writers = {tuple(name.split(".")[4:6]) for name in names}
+    assert len(writers) == 1 and next(iter(writers))[0] == "n9", \
+        f"TensorBoard files by {len(writers)} processes: {names}\n{job.describe()}"
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_mwms_job_with_gpus_per_task_trains_in_sync(slurm_cluster: SlurmCluster,
+                                                    data_dir: Path) -> None:
+    config = cluster_config(slurm_cluster, **recording(
+        slurm_cluster, job_name="mwms-per-task", gpus_per_task=True,
+        script=str(EXAMPLE), args=train_args(data_dir)))
+    assert f"#SBATCH --gpus-per-task={slurm_cluster.gres_type}:1" in render(config), \
+        render(config)
+    job = run_rendered(slurm_cluster, config, timeout=TRAIN_TIMEOUT)
+    check_training(job)
+    views = task_views(job)
+    # Slurm bound one fake GPU to each task, and tfdist took it as it is.
+    for rank, view in views.items():
+        assert view["tfdist"]["visible_devices"] == view["env"]["CUDA_VISIBLE_DEVICES"], \
+            f"rank {rank}: {view}\n{job.describe()}"
+    hosts = hosts_by_rank(views)
+    assert hosts == ["n9", "n9", "n10", "n10"], job.describe()
+    for node in TWO_NODES:
+        gpus = sorted(v["tfdist"]["visible_devices"] for r, v in views.items() if hosts[r] == node)
+        assert gpus == ["0", "1"], f"{node}: {views}\n{job.describe()}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("gpus_per_task", [False, True], ids=["gpus-per-node", "gpus-per-task"])
+def test_stock_resolver_gets_n9_n10_wrong_where_tfdist_gets_it_right(
+        slurm_cluster: SlurmCluster, gpus_per_task: bool) -> None:
+    # One probe per task, 2 nodes x 2 tasks as the training jobs: no server is started.
+    config = cluster_config(slurm_cluster, job_name="resolver-probe", gpus_per_task=gpus_per_task,
+                            script=str(ROOT / "tests" / "slurm_jobs" / "stock_resolver_probe.py"))
+    job = run_rendered(slurm_cluster, config, timeout=120)
+    assert job.ok, job.describe()
+    probes = {}
+    for rank, text in job.task_outputs().items():
+        lines = [line for line in text.splitlines() if line.startswith("probe: ")]
+        assert len(lines) == 1, f"rank {rank} printed no probe line\n{job.describe()}"
+        probes[rank] = json.loads(lines[0].removeprefix("probe: "))
+    assert sorted(probes) == list(range(WORLD)), job.describe()
+
+    for rank, probe in probes.items():
+        # tfdist: this task's rank, and its own node's address in Slurm's node order.
+        detected = probe["tfdist"]
+        assert probe["procid"] == rank and detected["rank"] == rank, f"{probe}\n{job.describe()}"
+        assert detected["hosts"] == list(TWO_NODES), f"{probe}\n{job.describe()}"
+        assert detected["worker_addresses"][rank].split(":")[0] == probe["host"], \
+            f"tfdist gives rank {rank} on {probe['host']} another node: {probe}\n" \
+            f"{job.describe()}"
+        assert probe["host"] == TWO_NODES[rank // 2], f"{probe}\n{job.describe()}"
+        assert detected["visible_devices"] == probe["cuda_visible_devices"], job.describe()
+
+    if not gpus_per_task:
+        for rank, probe in probes.items():
+            stock = probe["stock"]
+            assert "error" not in stock, f"{probe}\n{job.describe()}"
+            # Hosts sorted as strings: n10 first. Every task is told it is on the other node;
+            # rank 0's gRPC server would listen for n10's address and the job would hang.
+            assert [w.split(":")[0] for w in stock["workers"]] == ["n10", "n10", "n9", "n9"], \
+                f"{probe}\n{job.describe()}"
+            assert stock["task_id"] == rank, f"{probe}\n{job.describe()}"
+            assert stock["address"].split(":")[0] != probe["host"], \
+                f"the stock resolver got rank {rank}'s node right: {probe}\n{job.describe()}"
+    else:
+        # One GPU bound per task: the stock resolver cannot divide 1 GPU among 2 tasks.
+        devices = sorted(p["cuda_visible_devices"] for p in probes.values())
+        assert devices == ["0", "0", "1", "1"], f"{probes}\n{job.describe()}"
+        errors = {rank: probe["stock"].get("error") for rank, probe in probes.items()}
+        assert all(errors.values()), f"the stock resolver did not fail: {probes}\n" \
+                                     f"{job.describe()}"
+        assert all(("GPUs" in e or "range()" in e) for e in errors.values()), \
+            f"{errors}\n{job.describe()}"
+
+
+@pytest.mark.timeout(90)
+def test_typed_gpus_per_task_binds_one_gpu_to_each_task(slurm_cluster: SlurmCluster) -> None:
+    # What tfdist detects in each task of the rendered job: `python -m tfdist env --json`.
+    config = cluster_config(slurm_cluster, job_name="typed-per-task", gpus_per_task=True,
+                            script="-m", args=["tfdist", "env", "--json"])
+    assert f"#SBATCH --gpus-per-task={slurm_cluster.gres_type}:1" in render(config), \
+        render(config)
+    job = run_rendered(slurm_cluster, config, timeout=60)
+    assert job.ok, job.describe()
+    detected = {rank: json.loads(text) for rank, text in job.task_outputs().items()}
+    assert sorted(detected) == list(range(WORLD)), job.describe()
+    devices = sorted(str(d["visible_devices"]) for d in detected.values())
+    assert devices == ["0", "0", "1", "1"], f"one GPU per task expected: {devices}\n" \
+                                            f"{job.describe()}"
+
+
+@pytest.mark.timeout(120)
+def test_rendered_job_without_srun_fails_fast_in_the_batch_shell(
+        slurm_cluster: SlurmCluster, data_dir: Path) -> None:
+    # The mistake: the rendered launch line with its srun deleted, so the example runs once, in
+    # the batch shell of a 2 x 2 task job, instead of in 4 srun tasks.
+    config = cluster_config(slurm_cluster, job_name="no-srun", script=str(EXAMPLE),
+                            args=train_args(data_dir))
+    text, count = re.subn(r"^srun [^\n]*\\\n\s+", "", render(config), flags=re.M)
+    assert count == 1, render(config)
+    assert f"\n{slurm_cluster.python} {EXAMPLE} --epochs" in text, text
+    job = run_rendered(slurm_cluster, config, text=text, timeout=90)
+    # 1: the example lets tfdist's LaunchError end it (traceback, then the message).
+    assert job.result.state == "FAILED" and job.result.exit_code in (1, 2), job.describe()
+    output = job.result.output
+    assert "this process runs in the batch script of Slurm job " \
+           f"{job.job_id}, outside srun, but the job has 4 tasks on 2 node(s)" in output, \
+        job.describe()
+    assert "Start the script with srun" in output, job.describe()
+    assert not job.task_files() and not job.model_dir.exists(), job.describe()
+    assert job.result.seconds < 60, job.describe()
+
+
+# --- containers, on the stand-ins ---------------------------------------------------------------
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_apptainer_standin_runs_the_rendered_mwms_job(slurm_cluster: SlurmCluster,
+                                                      data_dir: Path) -> None:
+    workdir = slurm_cluster.new_workdir()
+    image = workdir / "tensorflow-2.21.sif"
+    image.write_bytes(b"not an image: the apptainer stand-in only checks that it exists")
+    log = workdir / "apptainer.log"
+    # The stand-in mounts nothing: bind each path onto itself.
+    binds = [f"{ROOT}:{ROOT}:ro", f"{workdir}:{workdir}", f"{data_dir}:{data_dir}"]
+    config = cluster_config(slurm_cluster, **recording(
+        slurm_cluster, job_name="mwms-apptainer", runtime="apptainer", image=str(image),
+        binds=binds, env={"APPTAINER_STANDIN_LOG": str(log)}, script=str(EXAMPLE),
+        args=train_args(data_dir)))
+    assert "apptainer exec --nv -B" in render(config), render(config)
+    job = run_rendered(slurm_cluster, config, workdir=workdir, timeout=TRAIN_TIMEOUT)
+    check_training(job)
+
+    records = log.read_text().splitlines() if log.exists() else []
+    assert len(records) == WORLD, f"one apptainer call per task: {records}\n{job.describe()}"
+    for record in records:
+        assert record.startswith("apptainer stand-in: exec ") and f"image={image} " in record \
+            and f"binds={','.join(binds)} " in record and "flags=--nv " in record, \
+            f"{record}\n{job.describe()}"
+        assert f"command={RECORDING_PYTHON} {EXAMPLE} --epochs=2" in record, \
+            f"{record}\n{job.describe()}"
+    assert sorted(r.split(" host=")[1].split()[0] for r in records) == \
+        ["n10", "n10", "n9", "n9"], f"{records}\n{job.describe()}"
+    for rank, view in task_views(job).items():
+        env = view["env"]
+        assert (env.get("APPTAINER_CONTAINER"), env.get("APPTAINER_STANDIN")) == (
+            str(image), "1"), f"rank {rank} did not run under the stand-in: {env}\n" \
+                              f"{job.describe()}"
+        assert "apptainer stand-in: exec" in job.task_outputs()[rank], job.describe()
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_pyxis_standin_runs_the_rendered_enroot_mwms_job(slurm_cluster: SlurmCluster,
+                                                         data_dir: Path) -> None:
+    if not slurm_cluster.pyxis_standin:
+        pytest.skip("the pyxis stand-in is not built: no C compiler or no slurm/spank.h "
+                    "(Debian: gcc, libslurm-dev)")
+    workdir = slurm_cluster.new_workdir()
+    image = workdir / "tensorflow-2.21.sqsh"
+    image.write_bytes(b"not an image: the pyxis stand-in only checks that it exists")
+    binds = [f"{ROOT}:{ROOT}:ro", f"{workdir}:{workdir}", f"{data_dir}:{data_dir}"]
+    config = cluster_config(slurm_cluster, **recording(
+        slurm_cluster, job_name="mwms-enroot", runtime="enroot", image=str(image), binds=binds,
+        launcher_args=[f"--container-workdir={workdir}"], script=str(EXAMPLE),
+        args=train_args(data_dir)))
+    assert f"--container-image={image}" in render(config), render(config)
+    job = run_rendered(slurm_cluster, config, workdir=workdir, timeout=TRAIN_TIMEOUT)
+    check_training(job)
+    for rank, view in task_views(job).items():
+        env = view["env"]
+        assert {k: v for k, v in env.items() if k.startswith("PYXIS_STANDIN_")} == {
+            "PYXIS_STANDIN_CONTAINER_IMAGE": str(image),
+            "PYXIS_STANDIN_CONTAINER_MOUNTS": ",".join(binds),
+            "PYXIS_STANDIN_CONTAINER_WORKDIR": str(workdir),
+        }, f"rank {rank}: what pyxis was asked for: {env}\n{job.describe()}"
+
+
+@pytest.mark.timeout(120)
+def test_tfdist_job_submit_prints_the_job_id_of_a_real_job(slurm_cluster: SlurmCluster) -> None:
+    # The command a user types: render from flags, submit with the real sbatch, print the id.
+    workdir = slurm_cluster.new_workdir()
+    command = [slurm_cluster.python, "-m", "tfdist", "job", "--submit", "--job-name=submitted",
+               "--nodes=2", f"--gpus-per-node={slurm_cluster.gpus_per_node}",
+               f"--gpu-type={slurm_cluster.gres_type}", f"--partition={slurm_cluster.partition}",
+               "--time=00:02:00", "--sbatch-arg=--nodelist=n[9-10]", "--cpu-bind=none",
+               f"--python={slurm_cluster.python}", f"--task-output={TASK_OUTPUT}",
+               "--", "-m", "tfdist", "env", "--json"]
+    run = subprocess.run(command, cwd=workdir, env=slurm_cluster.env, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    job_id = run.stdout.strip().splitlines()[-1]
+    assert job_id.isdigit(), run.stdout
+    job = slurm_cluster.wait(job_id, timeout=90)
+    assert job.ok, job.describe()
+    ranks = sorted(json.loads(job.read(f"submitted-{job_id}-{task}.out"))["rank"]
+                   for task in range(WORLD))
+    assert ranks == list(range(WORLD)), job.describe()
