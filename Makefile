@@ -32,7 +32,8 @@ $(STAMP): requirements/bootstrap.txt requirements/test.txt requirements/no-deps.
 
 venv-horovod: $(HVD_STAMP)
 
-$(HVD_STAMP): tools/horovod-env.sh requirements/bootstrap.txt requirements/horovod.txt setup.cfg
+$(HVD_STAMP): tools/horovod-env.sh requirements/bootstrap.txt requirements/horovod.txt \
+		requirements/horovod-no-deps.txt setup.cfg
 	$(MAKE) system
 	bash tools/horovod-env.sh $(HVD_VENV) $(PYTHON)
 

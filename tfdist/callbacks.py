@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from tfdist import keras_compat, sync
+
 if TYPE_CHECKING:
     from tfdist.strategy import Distributed
 
@@ -22,7 +24,7 @@ __all__ = ["ChiefOnly", "AtomicCheckpoint", "LearningRateWarmup", "WorkerBackupA
 
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
-_KERAS3 = not keras.__version__.startswith("2.")
+_KERAS3 = keras_compat.is_keras3(keras)
 
 
 class ChiefOnly(keras.callbacks.Callback):
@@ -36,13 +38,16 @@ class ChiefOnly(keras.callbacks.Callback):
         super().__init__()
         self.callback, self.is_chief = callback, is_chief
 
+    # Forwarded on the chief only: Keras's TensorBoard.set_model already writes the graph.
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        self.callback.set_model(model)
+        if self.is_chief:
+            self.callback.set_model(model)
 
     def set_params(self, params: Any) -> None:
         super().set_params(params)
-        self.callback.set_params(params)
+        if self.is_chief:
+            self.callback.set_params(params)
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("on_") and not object.__getattribute__(self, "is_chief"):
@@ -173,7 +178,8 @@ def _tensorboard_installed(dist: Distributed) -> bool:
 
 def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoint: bool = True,
           tensorboard: bool = True, backup: bool = True, warmup_epochs: float = 0,
-          chief_only: tuple[Any, ...] = ()) -> list[Any]:
+          chief_only: tuple[Any, ...] = (), sync_check: bool | None = None,
+          sync_check_every: int | None = None) -> list[Any]:
     """Callbacks for ``model.fit`` that behave on any number of workers.
 
     Args:
@@ -185,17 +191,25 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
         backup: BackupAndRestore in ``model_dir/backup`` (per rank) to resume after preemption.
         warmup_epochs: ramp the learning rate up from ``lr / size`` over this many epochs.
         chief_only: more callbacks to run on the chief only.
+        sync_check: compare the weights of all ranks after the first step and at the end of
+            training, and stop with ReplicaMismatchError naming the ranks that differ
+            (:class:`tfdist.sync.ReplicaSyncCheck`); env ``TFDIST_SYNC_CHECK`` (1/0), default on.
+        sync_check_every: also check every N steps; env ``TFDIST_SYNC_CHECK_EVERY``.
 
     Returns:
         The list to pass as ``fit(callbacks=...)``. On non-chief workers it includes a silent
         progress bar, so only the chief prints progress whatever ``verbose`` is.
     """
-    callbacks: list[Any] = []
+    # The backend's own first (Horovod: broadcast from rank 0, then metric averaging, which
+    # must run before anything reads the epoch's logs).
+    callbacks: list[Any] = list(dist.backend_callbacks())
     if model_dir and backup:
         callbacks.append(WorkerBackupAndRestore(os.path.join(model_dir, "backup"), dist.rank))
     if warmup_epochs:
         callbacks.append(LearningRateWarmup(warmup_epochs, dist.num_replicas))
     callbacks += extra
+    check = sync.sync_check_callback(dist, sync_check, sync_check_every)
+    callbacks += [check] if check is not None else []  # after `extra`: it sees their changes
     writers = list(chief_only)
     if model_dir and checkpoint:
         writers.append(AtomicCheckpoint(os.path.join(model_dir, "checkpoint.keras")))

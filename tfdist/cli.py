@@ -58,7 +58,8 @@ def _add_launch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "launch",
         help="run N workers of a script on this machine",
         description="Run N worker processes of SCRIPT on this machine, each with its own "
-        "TF_CONFIG, TFDIST_LOCAL_RANK and CPU core. Everything after SCRIPT goes to the script. "
+        "TF_CONFIG (or, with --backend horovod, Horovod's variables), TFDIST_LOCAL_RANK and CPU "
+        "core. Everything after SCRIPT goes to the script. "
         "Output lines are prefixed with [rank]; a carriage return (progress bars) ends a line.",
         usage="tfdist launch -n N [options] (SCRIPT.py | -m MODULE | EXECUTABLE) [ARGS ...]",
     )
@@ -86,7 +87,16 @@ def _add_launch_workers(group: argparse._ArgumentGroup) -> None:
         "--port-base",
         type=int,
         metavar="P",
-        help="use ports P, P+1, ... for the workers (default: free ports)",
+        help="use ports P, P+1, ... for the workers, or P for Horovod's rendezvous "
+        "(default: free ports)",
+    )
+    group.add_argument(
+        "--backend",
+        choices=("mwms", "horovod"),
+        default="mwms",
+        help="mwms: a TF_CONFIG per worker (default); horovod: serve Horovod's Gloo rendezvous "
+        "and set horovodrun's HOROVOD_* variables, like `horovodrun --gloo` (needs horovod in "
+        "this Python)",
     )
 
 
@@ -130,6 +140,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         cpus_per_worker=args.cpus_per_worker,
         grace_period=args.grace_period,
         prefix=args.prefix,
+        backend=args.backend,
     )
 
 

@@ -23,7 +23,7 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["AFFECTED", "needs_fix", "apply"]
+__all__ = ["AFFECTED", "needs_fix", "apply", "is_keras3"]
 
 logger = logging.getLogger("tfdist")
 
@@ -36,6 +36,16 @@ _applied = False
 def _version_tuple(version: str) -> tuple[int, int]:
     major, minor = version.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def is_keras3(keras_module: Any) -> bool:
+    """Whether ``keras_module`` (usually ``tf.keras``) is Keras 3 rather than tf_keras.
+
+    tf_keras's ``tf.keras`` (``tf_keras.api._v2.keras``) has no ``__version__``; its package has.
+    """
+    if keras_module.__name__.split(".")[0] == "tf_keras":
+        return False
+    return not str(getattr(keras_module, "__version__", "3")).startswith("2.")
 
 
 def needs_fix() -> bool:

@@ -1,4 +1,5 @@
-"""Run one script as N worker processes on this machine, each with its own ``TF_CONFIG``.
+"""Run one script as N worker processes on this machine, each with its own ``TF_CONFIG``, or
+with Horovod's Gloo variables (``--backend horovod``, like ``horovodrun --gloo``).
 
 The ``build_*``/``assign_cpus``/``split_lines`` functions are pure and tested as tables;
 :func:`run_workers` is the thin runner: it starts the processes, streams their output with a
@@ -28,9 +29,11 @@ __all__ = [
     "WorkerSpec",
     "assign_cpus",
     "build_command",
+    "build_horovod_workers",
     "build_workers",
     "exit_code",
     "free_ports",
+    "horovod_worker_env",
     "launch",
     "port_range",
     "run_workers",
@@ -40,6 +43,7 @@ __all__ = [
 ]
 
 LOCALHOST = "127.0.0.1"
+LAUNCH_BACKENDS = ("mwms", "horovod")
 _POLL_S = 0.05
 _JOIN_S = 2.0
 # "\r" ends a line too, so a Keras progress bar prints one line per update instead of one
@@ -134,6 +138,29 @@ def worker_env(base_env: Mapping[str, str], ports: Sequence[int], rank: int) -> 
     return env
 
 
+def horovod_worker_env(
+    base_env: Mapping[str, str], rendezvous_port: int, rank: int, size: int
+) -> dict[str, str]:
+    """Return ``base_env`` plus what horovodrun's Gloo mode sets for worker ``rank`` on this
+    machine (rendezvous at ``127.0.0.1:rendezvous_port``), without ``TF_CONFIG``, plus
+    ``TFDIST_LAUNCHER=local``, ``TFDIST_BACKEND=horovod``, ``TFDIST_LOCAL_RANK``,
+    ``TFDIST_LOCAL_WORLD_SIZE`` and ``PYTHONUNBUFFERED=1``."""
+    from tfdist.horovod.rendezvous import Slot, gloo_env
+
+    env = dict(base_env)
+    env.pop("TF_CONFIG", None)
+    slot = Slot("localhost", rank, rank, 0, size, size, 1)
+    env.update(gloo_env(slot, LOCALHOST, rendezvous_port, "lo", base_env))
+    env.update(
+        TFDIST_LAUNCHER="local",
+        TFDIST_BACKEND="horovod",
+        TFDIST_LOCAL_RANK=str(rank),
+        TFDIST_LOCAL_WORLD_SIZE=str(size),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
 def assign_cpus(
     num_workers: int, cores: Sequence[int], cpus_per_worker: int | None = None
 ) -> list[frozenset[int]]:
@@ -185,6 +212,30 @@ def build_workers(
     return [WorkerSpec(i, argv, worker_env(base_env, ports, i), cpus[i]) for i in range(len(cpus))]
 
 
+def build_horovod_workers(
+    num_workers: int,
+    command: Sequence[str],
+    rendezvous_port: int,
+    base_env: Mapping[str, str],
+    cpu_sets: Sequence[frozenset[int]] | None = None,
+) -> list[WorkerSpec]:
+    """Describe Horovod workers: one command, each with its ``HOROVOD_*`` variables and cores.
+
+    Raises:
+        ConfigError: If ``num_workers < 1`` or ``cpu_sets`` lacks one entry per worker.
+    """
+    if num_workers < 1:
+        raise ConfigError(f"-n/--num-workers must be at least 1, got {num_workers}.")
+    if cpu_sets is not None and len(cpu_sets) != num_workers:
+        raise ConfigError(f"need one CPU set per worker ({num_workers} workers).")
+    cpus = [None] * num_workers if cpu_sets is None else list(cpu_sets)
+    return [
+        WorkerSpec(i, tuple(command), horovod_worker_env(base_env, rendezvous_port, i,
+                                                         num_workers), cpus[i])
+        for i in range(num_workers)
+    ]
+
+
 def split_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
     """Split the complete lines off ``buffer``; return them and the unfinished rest.
 
@@ -217,11 +268,14 @@ def launch(
     prefix: bool = True,
     base_env: Mapping[str, str] | None = None,
     out: TextIO | None = None,
+    backend: str = "mwms",
 ) -> int:
     """Run ``command`` as ``num_workers`` local workers: ``tfdist launch``.
 
     Ports are free ones unless ``port_base`` is given. With ``pin`` each worker is pinned to
-    one core of the launcher's affinity (or ``cpus_per_worker`` consecutive cores).
+    one core of the launcher's affinity (or ``cpus_per_worker`` consecutive cores). With
+    ``backend="horovod"`` the launcher serves Horovod's Gloo rendezvous (on ``port_base`` when
+    given) and gives the workers horovodrun's variables instead of ``TF_CONFIG``.
 
     Returns:
         0 if every worker succeeds, else the first failing worker's exit code (128 + N if
@@ -235,7 +289,8 @@ def launch(
         raise ConfigError(f"--grace-period must be >= 0 seconds, got {grace_period}.")
     if cpus_per_worker is not None and not pin:
         raise ConfigError("--cpus-per-worker pins workers; do not combine it with --no-pin.")
-    ports = free_ports(num_workers) if port_base is None else port_range(port_base, num_workers)
+    if backend not in LAUNCH_BACKENDS:
+        raise ConfigError(f"--backend {backend!r} is not one of {LAUNCH_BACKENDS}.")
     cpu_sets = None
     if pin and hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
@@ -246,8 +301,39 @@ def launch(
                 "(worker i runs on core i mod cores); pass --no-pin to leave it to the OS."
             )
     env = os.environ if base_env is None else base_env
+    options: dict[str, Any] = {"grace_period": grace_period, "prefix": prefix, "out": out}
+    if backend == "horovod":
+        return _launch_horovod(command, num_workers, port_base, env, cpu_sets, options)
+    ports = free_ports(num_workers) if port_base is None else port_range(port_base, num_workers)
     workers = build_workers(num_workers, command, ports, env, cpu_sets)
-    return run_workers(workers, grace_period=grace_period, prefix=prefix, out=out)
+    return run_workers(workers, **options)
+
+
+def _launch_horovod(
+    command: Sequence[str],
+    num_workers: int,
+    port_base: int | None,
+    env: Mapping[str, str],
+    cpu_sets: Sequence[frozenset[int]] | None,
+    options: dict[str, Any],
+) -> int:
+    from tfdist.horovod.install import is_installed
+
+    if not is_installed():
+        raise ConfigError(
+            f"tfdist launch --backend horovod serves Horovod's rendezvous, and needs horovod "
+            f"in the launcher's Python ({sys.executable}): run the tfdist of the environment "
+            "where Horovod is built (e.g. .venv-horovod/bin/tfdist, see `make venv-horovod`)."
+        )
+    from tfdist.horovod.rendezvous import RendezvousServer, slots
+
+    port = 0 if port_base is None else port_range(port_base, 1)[0]
+    server = RendezvousServer(port, slots(["localhost"] * num_workers))
+    try:
+        workers = build_horovod_workers(num_workers, command, server.port, env, cpu_sets)
+        return run_workers(workers, **options)
+    finally:
+        server.stop()
 
 
 def run_workers(

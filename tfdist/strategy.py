@@ -20,7 +20,10 @@ __all__ = ["Distributed", "init", "strategy_scope", "current", "reset"]
 
 logger = logging.getLogger("tfdist")
 
-BACKENDS = ("auto", "mwms", "single")
+BACKENDS = ("auto", "mwms", "horovod", "single")
+# Launchers that start MPI/Horovod processes: auto picks Horovod there (MWMS would need an
+# address per process, which they do not give).
+HOROVOD_LAUNCHERS = ("horovodrun", "mpirun")
 COLLECTIVES = ("auto", "ring", "nccl")
 _current: Distributed | None = None
 _current_settings: dict[str, Any] = {}
@@ -33,9 +36,11 @@ class Distributed:
 
     Attributes:
         environment: how the processes were launched (:class:`tfdist.env.ClusterEnvironment`).
-        backend: ``"mwms"`` (MultiWorkerMirroredStrategy) or ``"single"`` (one process).
-        strategy: the ``tf.distribute.Strategy``.
-        collective: ``"nccl"``, ``"ring"``, or ``"none"`` for one process.
+        backend: ``"mwms"`` (MultiWorkerMirroredStrategy), ``"horovod"`` or ``"single"`` (one
+            process).
+        strategy: the ``tf.distribute.Strategy`` (TensorFlow's default one with Horovod).
+        collective: ``"nccl"``, ``"ring"``, ``"gloo"`` or ``"mpi"`` (Horovod's controller), or
+            ``"none"`` for one process.
         num_gpus: GPUs this process drives (0 on CPU).
     """
 
@@ -118,6 +123,34 @@ class Distributed:
 
         return callbacks.build(self, *extra, **options)
 
+    def backend_callbacks(self) -> list[Any]:
+        """Callbacks the backend needs first in ``fit`` (Horovod: broadcast, metric averaging)."""
+        return []
+
+    def gradient_tape(self, persistent: bool = False) -> Any:
+        """A ``tf.GradientTape`` for custom loops whose gradients are summed across replicas.
+
+        Under MultiWorkerMirroredStrategy a plain tape, since ``optimizer.apply_gradients``
+        inside ``strategy.run`` sums; with Horovod a tape that sums in ``gradient()``. Either
+        way, scale the loss by the GLOBAL batch (``tf.nn.compute_average_loss``).
+        """
+        import tensorflow as tf
+
+        return tf.GradientTape(persistent=persistent)
+
+    def reduce(self, op: str, value: Any) -> Any:
+        """Reduces a per-replica ``value`` across all replicas: ``op`` is "sum" or "mean"."""
+        return self.strategy.reduce(op.upper(), value, axis=None)
+
+    def broadcast_initial_state(self, model: Any, optimizer: Any = None) -> None:
+        """Copies rank 0's model and optimizer state to every rank (custom loops).
+
+        Call it once after creating the model and optimizer, before the first step.
+        MultiWorkerMirroredStrategy already broadcasts when it creates the variables, so only
+        Horovod does something here.
+        """
+        del model, optimizer
+
     def __repr__(self) -> str:
         return (f"Distributed(backend={self.backend!r}, rank={self.rank}, size={self.size}, "
                 f"local_rank={self.local_rank}, collective={self.collective!r}, "
@@ -131,8 +164,10 @@ def init(backend: str | None = None, *, collective: str | None = None,
     Calling it again returns the same handle (the strategy can be created once per process).
 
     Args:
-        backend: ``"auto"``, ``"mwms"`` or ``"single"``; env ``TFDIST_BACKEND``. Auto picks
-            MultiWorkerMirroredStrategy when several processes were launched.
+        backend: ``"auto"``, ``"mwms"``, ``"horovod"`` or ``"single"``; env
+            ``TFDIST_BACKEND``. Auto picks Horovod when horovodrun or mpirun started the
+            processes, MultiWorkerMirroredStrategy when another launcher started several, and
+            ``"single"`` for one process; it logs which and why.
         collective: ``"auto"``, ``"ring"`` or ``"nccl"``; env ``TFDIST_COLLECTIVE``. Auto
             picks NCCL when GPUs are visible, ring on CPU.
         threads: TensorFlow intra- and inter-op threads; env ``TFDIST_NUM_THREADS``. By default
@@ -155,9 +190,10 @@ def init(backend: str | None = None, *, collective: str | None = None,
                               f"this process; it cannot switch to {settings}")
         return _current
     environment = detect()
-    backend = _choose_backend(settings["backend"], environment)
-    handle = _create_mwms(environment, settings) if backend == "mwms" else _create_single(
-        environment)
+    backend, why = choose_backend(settings["backend"], environment)
+    if environment.is_chief:
+        logger.info("tfdist: backend %s: %s", backend, why)
+    handle = _create(backend, environment, settings)
     _current, _current_settings = handle, settings
     return handle
 
@@ -204,10 +240,35 @@ def _settings(backend: str | None, collective: str | None, threads: int | None,
     return {"backend": backend, "collective": collective, "threads": threads}
 
 
-def _choose_backend(requested: str, environment: ClusterEnvironment) -> str:
+def choose_backend(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
+    """The backend for ``requested`` under this launch, and why (pure).
+
+    Args:
+        requested: ``"auto"`` or a backend name.
+        environment: the detected launch.
+
+    Returns:
+        ``(backend, reason)``.
+    """
     if requested != "auto":
-        return requested
-    return "mwms" if environment.is_distributed else "single"
+        return requested, "requested (argument, flag or TFDIST_BACKEND)"
+    if environment.launcher in HOROVOD_LAUNCHERS and environment.is_distributed:
+        return "horovod", (f"auto: {environment.launcher} started the processes "
+                           f"({environment.reason})")
+    if environment.is_distributed:
+        return "mwms", f"auto: {environment.world_size} processes ({environment.reason})"
+    return "single", f"auto: one process ({environment.reason})"
+
+
+def _create(backend: str, environment: ClusterEnvironment,
+            settings: dict[str, Any]) -> Distributed:
+    if backend == "horovod":
+        from tfdist.horovod.handle import create
+
+        return create(environment, settings["threads"])
+    if backend == "mwms":
+        return _create_mwms(environment, settings)
+    return _create_single(environment)
 
 
 def _create_single(environment: ClusterEnvironment) -> Distributed:

@@ -2,6 +2,7 @@
 
 These are the variables the launchers put in each process's environment before MPI starts.
 ``srun --mpi=pmix`` sets ``PMIX_RANK`` but none of these: such a step is Slurm's.
+``tfdist launch --backend horovod`` sets horovodrun's variables plus ``TFDIST_LAUNCHER=local``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
             if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in environ:
                 coordinator = (f"{environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
                                f"{environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}")
+            reason = f"{launcher} ({rank_var}={rank}, {size_var}={size})"
+            if launcher == "horovodrun" and environ.get("TFDIST_LAUNCHER") == "local":
+                launcher, reason = "local", f"tfdist launch --backend horovod ({rank_var}={rank})"
             return ClusterEnvironment(
                 launcher=launcher, rank=rank, world_size=size,
                 local_rank=get_int(environ, local_var), local_world_size=local_size,
@@ -43,5 +47,5 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
                     environ, "HOROVOD_CROSS_SIZE", -(-size // local_size)),
                 coordinator=coordinator, job_id=environ.get("SLURM_JOB_ID"),
                 visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
-                reason=f"{launcher} ({rank_var}={rank}, {size_var}={size})")
+                reason=reason)
     return None

@@ -1,0 +1,280 @@
+"""The Horovod backend with real Horovod 0.28.1 and 2 real processes on loopback.
+
+Workers run in .venv-horovod/ (TensorFlow 2.18.1, the newest Horovod builds against; built by
+`make test` through tools/horovod-env.sh); pytest itself runs in .venv/ (TensorFlow 2.21).
+
+Every training run compares both ranks' final weights bit for bit; the control runs without
+averaging must end different. Covering set (8 runs instead of the 16 of the full product): each
+launcher runs `fit` and the custom loop, once with Keras 3 and once with tf_keras, alternating so
+that every launcher x loop, launcher x Keras and loop x Keras pair occurs:
+
+| launcher | fit | custom loop |
+|---|---|---|
+| horovodrun --gloo | Keras 3 | tf_keras |
+| mpirun (Open MPI) | tf_keras | Keras 3 |
+| tfdist launch --backend horovod | Keras 3 | tf_keras |
+| srun's variables, Gloo rendezvous by tfdist | tf_keras | Keras 3 |
+
+"srun's variables" starts the 2 processes with the SLURM_* variables srun sets for a 2-task
+step on one node (no Slurm here): it tests tfdist's own Gloo rendezvous exactly as under srun.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, WORKERS, load_weights
+
+HVD_BIN = ROOT / ".venv-horovod" / "bin"
+HVD_PY = HVD_BIN / "python"
+WORKER = str(WORKERS / "hvd_worker.py")
+DATA_DIR = str(ROOT / ".cache" / "tensorflow_datasets")
+TIMEOUT = 240
+KERAS = {"keras3": {}, "tf_keras": {"TF_USE_LEGACY_KERAS": "1"}}
+COVERING = [("horovodrun", "fit", "keras3"), ("horovodrun", "custom", "tf_keras"),
+            ("mpirun", "fit", "tf_keras"), ("mpirun", "custom", "keras3"),
+            ("tfdist-launch", "fit", "keras3"), ("tfdist-launch", "custom", "tf_keras"),
+            ("srun-variables", "fit", "tf_keras"), ("srun-variables", "custom", "keras3")]
+# Inherited variables that would make a worker think it was launched otherwise.
+_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG")
+
+
+def _horovod_state() -> tuple[str | None, bool]:
+    """Why the Horovod tests cannot run (or None), and whether Horovod has MPI."""
+    if not HVD_PY.exists():
+        return f"{HVD_PY} does not exist: build it with `make venv-horovod`", False
+    probe = subprocess.run(
+        [str(HVD_PY), "-c", "import horovod.tensorflow as h; print(h.gloo_built(), h.mpi_built())"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    if probe.returncode:
+        return f"horovod.tensorflow does not import in .venv-horovod: {probe.stderr[-500:]}", False
+    return None, probe.stdout.split()[-1:] == ["True"]
+
+
+_SKIP, _MPI_BUILT = _horovod_state()
+needs_horovod = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
+    return env
+
+
+def _command(launcher: str, args: list[str]) -> list[str]:
+    if launcher == "horovodrun":
+        return [str(HVD_BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+                str(HVD_PY), *args]
+    if launcher == "mpirun":
+        # vader's single-copy mechanism needs ptrace rights containers often lack.
+        return ["mpirun", "-np", "2", "--bind-to", "none", "--mca",
+                "btl_vader_single_copy_mechanism", "none", "-x", "TF_CPP_MIN_LOG_LEVEL",
+                "-x", "TF_USE_LEGACY_KERAS", str(HVD_PY), *args]
+    if launcher == "tfdist-launch":
+        return [str(HVD_PY), "-m", "tfdist", "launch", "--backend", "horovod", "-n", "2",
+                *args]
+    raise ValueError(launcher)
+
+
+def _srun_variables(rank: int, port: int) -> dict[str, str]:
+    """What srun exports to task `rank` of `srun -N1 -n2` (job 4242, step 0) on node localhost."""
+    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_TASKS_PER_NODE": "2", "SLURM_GTIDS": "0,1", "SLURM_JOB_NUM_NODES": "1",
+            "TFDIST_PORT_BASE": str(port)}
+
+
+def run(launcher: str, args: list[str], env: dict[str, str] | None = None,
+        ) -> subprocess.CompletedProcess[str]:
+    """Runs a 2-process job; returns the merged output (both ranks for srun-variables)."""
+    env = _env(**(env or {}))
+    env.setdefault("TF_USE_LEGACY_KERAS", "0")
+    if launcher != "srun-variables":
+        return subprocess.run(_command(launcher, args), cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=TIMEOUT, check=False)
+    from tfdist.launch import free_ports
+
+    port = free_ports(1)[0]
+    procs = [subprocess.Popen([str(HVD_PY), *args], cwd=ROOT, text=True,
+                              env={**env, **_srun_variables(rank, port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank in (0, 1)]
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(args, code, "".join(outputs))
+
+
+def _results(out: Path) -> list[dict]:
+    return [json.loads((out / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _train(tmp_path: Path, launcher: str, loop: str, mode: str, keras: str):
+    job = run(launcher, [WORKER, str(tmp_path), loop, mode], KERAS[keras])
+    return job, _results(tmp_path) if (tmp_path / "result-1.json").exists() else []
+
+
+pytestmark = [pytest.mark.multiprocess, needs_horovod]
+
+
+@pytest.mark.parametrize(("launcher", "loop", "keras"), COVERING,
+                         ids=["-".join(c) for c in COVERING])
+def test_two_ranks_end_bit_identical(tmp_path, launcher, loop, keras):
+    if launcher == "mpirun" and (shutil.which("mpirun") is None or not _MPI_BUILT):
+        pytest.skip("mpirun or Horovod's MPI is missing: Open MPI comes from `make system` (as "
+                    "root), then `make venv-horovod` builds Horovod with it")
+    job, results = _train(tmp_path, launcher, loop, "dist", keras)
+    assert job.returncode == 0, job.stdout[-6000:]
+    assert [(r["size"], r["backend"], r["keras3"]) for r in results] == [
+        (2, "horovod", keras == "keras3")] * 2
+    expected = {"horovodrun": "horovodrun", "mpirun": "mpirun", "tfdist-launch": "local",
+                "srun-variables": "slurm"}[launcher]
+    assert {r["launcher"] for r in results} == {expected}
+    assert {r["collective"] for r in results} == {"mpi" if launcher == "mpirun" else "gloo"}
+    weights = [load_weights(tmp_path, rank) for rank in (0, 1)]
+    for a, b in zip(*weights, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Losses are averaged over the ranks: both log the same numbers, and training learns.
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_control_without_averaging_diverges(tmp_path, loop):
+    job, results = _train(tmp_path, "tfdist-launch", loop, "control", "keras3")
+    assert job.returncode == 0, job.stdout[-6000:]
+    assert {r["backend"] for r in results} == {"single"}
+    weights = [load_weights(tmp_path, rank) for rank in (0, 1)]
+    differing = [not np.array_equal(a, b) for a, b in zip(*weights, strict=True)]
+    assert all(differing), "without averaging the ranks must end with different weights"
+
+
+def test_sync_check_catches_stock_horovod_optimizer_on_keras3(tmp_path):
+    """hvd.DistributedOptimizer around a Keras 3 optimizer never averages, silently; tfdist's
+    replica sync check stops the job after the first step and names the rank."""
+    job, results = _train(tmp_path, "tfdist-launch", "fit", "stock", "keras3")
+    assert job.returncode != 0
+    assert "does NOT average gradients" in job.stdout  # tfdist's warning at compile
+    for result in results:  # every rank stops, with the same message
+        assert result["error"].startswith("ReplicaMismatchError: Replica sync check failed "
+                                          "after step 1: rank 1 holds different weights"), result
+        assert "rank 0" in result["error"]
+
+
+def _example(launcher: str, script: str, *flags: str, env: dict[str, str] | None = None):
+    args = [str(ROOT / "examples" / script), f"--data_dir={DATA_DIR}", *flags]
+    job = run(launcher, args, env)
+    assert job.returncode == 0, job.stdout[-6000:]
+    return job.stdout
+
+
+def test_keras_train_example_with_horovod_backend():
+    out = _example("tfdist-launch", "keras_train.py", "--backend=horovod", "--epochs=6",
+                   "--scale_lr")
+    assert "backend horovod, collective gloo" in out
+    accuracy = float(re.search(r"test accuracy (\d\.\d+)", out).group(1))
+    assert accuracy > 0.9, out[-3000:]
+    # Each rank prints a digest of its final weights: equal digests, bit-identical weights.
+    digests = dict(re.findall(r"tfdist: rank (\d) of 2: final weights (\S+)", out))
+    assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], out[-3000:]
+
+
+def test_custom_loop_example_same_loop_under_mwms_and_horovod():
+    """The same script: MWMS in .venv (TF 2.21), Horovod in .venv-horovod (TF 2.18)."""
+    flags = ["--epochs=5", "--learning_rate=0.002"]
+    horovod = _example("horovodrun", "custom_loop.py", *flags)
+    mwms = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2",
+                           str(ROOT / "examples" / "custom_loop.py"), f"--data_dir={DATA_DIR}",
+                           *flags], cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=TIMEOUT, check=False)
+    assert mwms.returncode == 0, mwms.stdout[-6000:]
+    assert "backend horovod" in horovod and "backend mwms" in mwms.stdout
+    # auto chose Horovod under horovodrun and logged why
+    assert "tfdist: backend horovod: auto: horovodrun started the processes" in horovod
+    curves = []
+    for out in (horovod, mwms.stdout):
+        curves.append([float(x) for x in re.findall(r"epoch \d+/\d+  loss (\d+\.\d+)", out)])
+        assert float(re.search(r"test accuracy (\d\.\d+) on 360", out).group(1)) > 0.9
+    # Same data, seed and arithmetic: the loss curves agree (to rounding across TF versions).
+    assert len(curves[0]) == 5
+    np.testing.assert_allclose(curves[0], curves[1], atol=0.01)
+
+
+# Errors for a missing or mis-built Horovod. They run in .venv (TensorFlow 2.21), with a copy of
+# the Horovod that .venv-horovod built against TensorFlow 2.18.1 put on PYTHONPATH: a real
+# build against another TensorFlow, not a stand-in.
+_PROBE = ("import tfdist\n"
+          "try:\n    tfdist.init(backend='horovod')\n"
+          "except tfdist.ConfigError as e:\n    print('ConfigError:', e)\n")
+
+
+def _probe(pythonpath: Path | None) -> str:
+    env = _env(**({"PYTHONPATH": str(pythonpath)} if pythonpath else {}))
+    job = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=120, check=False)
+    assert job.returncode == 0, job.stderr[-3000:]
+    return job.stdout
+
+
+def _horovod_copy(tmp_path: Path) -> Path:
+    source = subprocess.run(
+        [str(HVD_PY), "-c", "import importlib.util as u; print(u.find_spec('horovod').origin)"],
+        capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    shutil.copytree(Path(source).parent, tmp_path / "horovod")
+    return tmp_path
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is not None,
+                    reason="horovod is installed in the test environment")
+def test_error_when_horovod_is_not_installed():
+    out = _probe(None)
+    assert "backend 'horovod' needs the horovod package, which is not installed" in out
+    assert "make venv-horovod" in out and "HOROVOD_WITH_TENSORFLOW=1" in out
+
+
+def test_error_when_horovod_was_built_against_another_tensorflow(tmp_path):
+    installed = importlib.metadata.version("tensorflow-cpu")
+    out = _probe(_horovod_copy(tmp_path))
+    assert (f"was compiled against TensorFlow 2.18.1, but TensorFlow {installed} is "
+            "installed") in out
+    assert "--no-build-isolation" in out
+
+
+def test_error_when_horovods_library_does_not_load(tmp_path):
+    # Horovod's record claims the installed TensorFlow, so only loading its library can tell.
+    installed = importlib.metadata.version("tensorflow-cpu")
+    path = _horovod_copy(tmp_path)
+    (path / "horovod" / "metadata.json").write_text(json.dumps({"tensorflow": installed}))
+    out = _probe(path)
+    assert f"does not load with TensorFlow {installed}: it was compiled against another" in out
+    assert "undefined symbol" in out
+
+
+def test_error_when_horovod_has_no_tensorflow_extension(tmp_path):
+    path = _horovod_copy(tmp_path)
+    # What a build that found no TensorFlow leaves: no library, no TensorFlow in the record.
+    for library in (path / "horovod" / "tensorflow").glob("mpi_lib*.so"):
+        library.unlink()
+    (path / "horovod" / "metadata.json").write_text(json.dumps({"dummy": "none"}))
+    out = _probe(path)
+    assert "installed without its TensorFlow extension" in out
+    assert "Extension horovod.tensorflow has not been built" in out

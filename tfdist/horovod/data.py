@@ -1,0 +1,83 @@
+"""Splitting input by rank under Horovod, where no tf.distribute strategy does it.
+
+The result per step matches MultiWorkerMirroredStrategy's: each rank trains on its part of every
+GLOBAL batch, and every rank runs the same number of steps (a rank with one step more would wait
+in its all-reduce for the others).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfdist.data import POLICIES
+from tfdist.errors import ConfigError
+
+__all__ = ["shard"]
+
+
+def shard(dataset: Any, rank: int, size: int, policy: str = "data", *,
+          num_files: int | None = None) -> Any:
+    """This rank's share of ``dataset``, batched with the GLOBAL batch size.
+
+    Args:
+        dataset: a batched ``tf.data.Dataset``.
+        rank: this process's rank.
+        size: the number of processes.
+        policy: ``"data"``: rank r keeps the r-th contiguous slice of every global batch;
+            ``"file"``: rank r reads every size-th file (``num_files`` required), and its global
+            batches are split into batches of ``global / size``; ``"off"``: the dataset already
+            is this rank's, only the batches are split.
+        num_files: the number of files the dataset reads, with ``"file"``.
+
+    Raises:
+        ConfigError: an unknown policy, fewer files than ranks, or a batch that does not divide.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"shard policy {policy!r} is not one of {POLICIES}")
+    if size == 1:
+        return dataset
+    if policy == "data":
+        return dataset.map(lambda *batch: _slice(batch, rank, size))
+    if policy == "file":
+        if num_files is None:
+            raise ConfigError("shard(policy='file') needs num_files= so that tfdist can check "
+                              "every rank gets a file; or use policy='data'")
+        if num_files < size:
+            raise ConfigError(f"{num_files} file(s) cannot be shared by {size} ranks: every "
+                              "rank needs at least one; use policy='data' or more files")
+        dataset = _file_shard(dataset, rank, size)
+    return dataset.rebatch(_per_rank_batch(dataset, size))
+
+
+def _slice(batch: tuple[Any, ...], rank: int, size: int) -> Any:
+    import tensorflow as tf
+
+    first = tf.nest.flatten(batch)[0]
+    count = tf.shape(first)[0]
+    per_rank = (count + size - 1) // size  # ceil: a short last batch leaves the last rank less
+    start = tf.minimum(rank * per_rank, count)
+    stop = tf.minimum(start + per_rank, count)
+    sliced = tf.nest.map_structure(lambda t: t[start:stop], batch)
+    return sliced if len(sliced) > 1 else sliced[0]
+
+
+def _file_shard(dataset: Any, rank: int, size: int) -> Any:
+    import tensorflow as tf
+    from tensorflow.python.distribute import input_ops
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    return input_ops.auto_shard_dataset(dataset.with_options(options), size, rank, size)
+
+
+def _per_rank_batch(dataset: Any, size: int) -> int:
+    from tensorflow.python.data.experimental.ops.distribute import compute_batch_size
+
+    batch = int(compute_batch_size(dataset))
+    if batch < 1:
+        raise ConfigError("cannot find the dataset's batch size to split it over the ranks: "
+                          "batch it with the GLOBAL batch size (dataset.batch(n)) before shard()")
+    if batch % size:
+        raise ConfigError(f"global batch size {batch} does not divide over {size} ranks: use a "
+                          f"multiple of {size}")
+    return batch // size

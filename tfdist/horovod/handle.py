@@ -1,0 +1,255 @@
+"""Creating the Horovod backend: rendezvous, ``hvd.init()``, GPU pinning, the handle.
+
+Which controller ``hvd.init()`` uses follows the launch:
+
+- horovodrun (``--gloo`` or MPI), mpirun, ``tfdist launch --backend horovod``: the launcher
+  already set everything; ``hvd.init()`` as it is.
+- an srun step: with ``TFDIST_HOROVOD_CONTROLLER=mpi``, or ``auto`` (the default) when Slurm's
+  PMIx/PMI2 plugin started the step (``srun --mpi=pmix`` sets ``PMIX_RANK``) and Horovod has MPI,
+  MPI initialises from Slurm; otherwise Gloo, with rank 0 serving the rendezvous on the step's
+  derived port (:mod:`tfdist.horovod.rendezvous`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import ConfigError, LaunchError
+from tfdist.strategy import Distributed
+
+__all__ = ["HorovodDistributed", "choose_controller", "create"]
+
+logger = logging.getLogger("tfdist")
+CONTROLLERS = ("auto", "gloo", "mpi")
+_LAUNCHED = ("horovodrun", "mpirun", "local", "single")  # hvd.init() needs nothing more
+_server: Any = None  # rank 0's rendezvous server in an srun step, kept for the process's life
+
+
+class HorovodDistributed(Distributed):
+    """The handle for the Horovod backend: one process per GPU (or CPU worker).
+
+    ``strategy`` is TensorFlow's default strategy, so ``dist.scope()`` and custom loops written
+    with ``strategy.run`` work unchanged; Horovod's collectives do the communication.
+    ``collective`` names Horovod's controller: ``"gloo"`` or ``"mpi"``.
+    """
+
+    def __init__(self, environment: ClusterEnvironment, hvd: Any, controller: str,
+                 num_gpus: int) -> None:
+        import tensorflow as tf
+
+        super().__init__(environment, "horovod", tf.distribute.get_strategy(), controller,
+                         num_gpus)
+        self.hvd = hvd
+
+    @property
+    def rank(self) -> int:
+        return int(self.hvd.rank())
+
+    @property
+    def size(self) -> int:
+        return int(self.hvd.size())
+
+    @property
+    def local_rank(self) -> int:
+        return int(self.hvd.local_rank())
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.hvd.size())
+
+    def shard(self, dataset: Any, policy: str = "data", *, num_files: int | None = None) -> Any:
+        """This rank's share of ``dataset`` (batched with the GLOBAL batch size).
+
+        Horovod has no strategy to split the input, so tfdist does it here, with the same
+        result per step as MultiWorkerMirroredStrategy: ``"data"`` gives each rank its slice of
+        every global batch (the same number of steps on every rank, also for a short last
+        batch), ``"file"`` gives each rank its files then splits the batches, ``"off"`` only
+        splits the batches (the dataset already is this rank's).
+        """
+        from tfdist.horovod.data import shard
+
+        return shard(dataset, self.rank, self.size, policy, num_files=num_files)
+
+    def backend_callbacks(self) -> list[Any]:
+        from tfdist.horovod import fit
+
+        return fit.callbacks()
+
+    def gradient_tape(self, persistent: bool = False) -> Any:
+        """A tape whose ``gradient()`` sums the gradients across ranks, like tf.distribute."""
+        import tensorflow as tf
+
+        from tfdist.horovod.ops import DistributedGradientTape
+
+        return DistributedGradientTape(tf.GradientTape(persistent=persistent), op="sum")
+
+    def reduce(self, op: str, value: Any) -> Any:
+        from tfdist.horovod.ops import reduce
+
+        return reduce(value, op)
+
+    def broadcast_initial_state(self, model: Any, optimizer: Any = None) -> None:
+        from tfdist.horovod.fit import broadcast_initial_state
+
+        broadcast_initial_state(model, optimizer)
+
+
+def choose_controller(environment: ClusterEnvironment, environ: Mapping[str, str],
+                      mpi_built: bool, gloo_built: bool) -> str:
+    """Which controller an srun step uses (pure; see the module docstring).
+
+    Raises:
+        ConfigError: ``TFDIST_HOROVOD_CONTROLLER`` is invalid or names one Horovod lacks.
+    """
+    requested = environ.get("TFDIST_HOROVOD_CONTROLLER", "auto").strip().lower() or "auto"
+    if requested not in CONTROLLERS:
+        raise ConfigError(f"TFDIST_HOROVOD_CONTROLLER={requested!r} is not one of {CONTROLLERS}")
+    if requested == "auto":
+        pmi = "PMIX_RANK" in environ or "PMI_RANK" in environ
+        requested = "mpi" if pmi and mpi_built else "gloo"
+    built = {"mpi": mpi_built, "gloo": gloo_built}[requested]
+    if not built:
+        other = "HOROVOD_WITH_GLOO=1" if requested == "gloo" else "HOROVOD_WITH_MPI=1"
+        raise ConfigError(f"this srun step needs Horovod's {requested} controller, which this "
+                          f"horovod was built without: rebuild it with {other}, or set "
+                          "TFDIST_HOROVOD_CONTROLLER to the other one")
+    return requested
+
+
+def create(environment: ClusterEnvironment, threads: int | None) -> HorovodDistributed:
+    """Initialises Horovod for this launch and returns the handle.
+
+    Raises:
+        ConfigError: Horovod is missing or unusable (see :mod:`tfdist.horovod.install`).
+        LaunchError: a launch Horovod cannot join (e.g. ``TF_CONFIG`` without a launcher).
+    """
+    from tfdist.horovod.install import import_horovod
+
+    _check_launcher(environment)
+    _prepare_environment()
+    narrowed = _narrow_gpus(environment)
+    hvd = import_horovod()
+    if environment.launcher == "slurm":
+        _join_srun_step(environment, hvd)
+    elif environment.launcher == "single" and hvd.gloo_built():
+        # One plain process: Gloo needs no peers, while MPI would try a singleton MPI_Init.
+        os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
+        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    hvd.init()
+    if int(hvd.size()) != environment.world_size:
+        raise LaunchError(
+            f"Horovod joined {hvd.size()} process(es), but {environment.reason} started "
+            f"{environment.world_size}: the processes did not find each other. With an MPI "
+            "build under srun use `srun --mpi=pmix`, or set TFDIST_HOROVOD_CONTROLLER=gloo")
+    import tensorflow as tf
+
+    from tfdist.strategy import _configure_threads
+
+    _configure_threads(threads)
+    num_gpus = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()))
+    from tfdist.horovod import fit
+
+    fit.install_compile_hook()
+    controller = "mpi" if hvd.mpi_enabled() else "gloo"
+    handle = HorovodDistributed(environment, hvd, controller, num_gpus)
+    if handle.is_chief:
+        logger.info("tfdist: Horovod %s, %d processes, %s controller, %d GPU(s) per process, %s;"
+                    " launched by %s", _version(), handle.size, controller, num_gpus,
+                    "Keras 3 (tfdist's averaging)" if fit.is_keras3()
+                    else "tf_keras (Horovod's DistributedOptimizer)", environment.reason)
+    return handle
+
+
+def _check_launcher(environment: ClusterEnvironment) -> None:
+    if environment.launcher == "local" and "HOROVOD_RANK" not in os.environ:
+        raise LaunchError(
+            "these workers were started by `tfdist launch` for MultiWorkerMirroredStrategy "
+            "(TF_CONFIG, no Horovod rendezvous): start them with `tfdist launch --backend "
+            "horovod -n N ...` to use Horovod")
+    if environment.launcher in (*_LAUNCHED, "slurm"):
+        return
+    raise LaunchError(
+        f"{environment.reason}: Horovod cannot join this launch. Start the processes with "
+        "horovodrun, mpirun, `tfdist launch --backend horovod -n N` or srun, or use "
+        "backend='mwms'")
+
+
+def _prepare_environment() -> None:
+    # A rank that stops calling collectives (uneven data, an exception on one rank) would
+    # otherwise stall the others forever; Horovod shuts down after this many seconds instead.
+    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "300")
+
+
+def _join_srun_step(environment: ClusterEnvironment, hvd: Any) -> None:
+    controller = choose_controller(environment, os.environ, bool(hvd.mpi_built()),
+                                   bool(hvd.gloo_built()))
+    if controller == "mpi":
+        os.environ["HOROVOD_CONTROLLER"] = "mpi"
+        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
+        return
+    _join_gloo(environment)
+
+
+def _join_gloo(environment: ClusterEnvironment) -> None:
+    global _server
+    from tfdist.horovod import rendezvous
+
+    host_of = [address.rsplit(":", 1)[0] for address in environment.worker_addresses]
+    address, port = environment.coordinator.rsplit(":", 1) if environment.coordinator else (
+        host_of[0], "0")
+    plan = rendezvous.slots(host_of)
+    token = f"{environment.job_id}:{os.environ.get('SLURM_STEP_ID', '')}:{len(plan)}"
+    iface = "lo" if len(set(host_of)) == 1 and _is_loopback(address) else None
+    os.environ.update(rendezvous.gloo_env(plan[environment.rank], address, int(port), iface,
+                                          os.environ))
+    if environment.rank == 0:
+        _server = rendezvous.RendezvousServer(int(port), plan, token)
+    else:
+        from tfdist.env.base import get_int
+
+        timeout = get_int(os.environ, "TFDIST_HOROVOD_START_TIMEOUT", 120)
+        rendezvous.wait_for_server(address, int(port), token, timeout)
+
+
+def _is_loopback(address: str) -> bool:
+    import socket
+
+    try:
+        return socket.gethostbyname(address).startswith("127.")
+    except OSError:
+        return False
+
+
+def _narrow_gpus(environment: ClusterEnvironment) -> bool:
+    # Before TensorFlow first looks at CUDA; keeps physical ids (see tfdist.resolver).
+    from tfdist.resolver import select_gpus
+
+    chosen = select_gpus(environment.visible_devices, environment.local_rank,
+                         environment.local_world_size, "SLURM_GPUS_PER_TASK" in os.environ)
+    if chosen is not None and chosen != environment.visible_devices:
+        os.environ["CUDA_VISIBLE_DEVICES"] = chosen
+    return chosen is not None
+
+
+def _pin_gpu(tf: Any, index: int) -> int:
+    # One GPU per process, as Horovod expects: the local rank's, or the first of this task's.
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return 0
+    mine = gpus[index % len(gpus)]
+    tf.config.experimental.set_memory_growth(mine, True)
+    tf.config.set_visible_devices(mine, "GPU")
+    return 1
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("horovod")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Builds Horovod's test environment: bash tools/horovod-env.sh VENV PYTHON (make venv-horovod).
+#
+# TensorFlow 2.18.1 (the newest that Horovod 0.28.1 builds against unpatched), its Keras 3,
+# tf_keras 2.18 (Keras 2), Horovod 0.28.1 compiled from source with Gloo and MPI (Debian's
+# Open MPI), and tfdist installed editable. The compiled wheel is cached under a key holding the
+# Horovod, TensorFlow and Python versions and the controllers, because pip's own cache keys it by
+# the sdist alone and would hand back a wheel compiled against another TensorFlow.
+# Cache folder: $TFDIST_WHEEL_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tfdist/wheels.
+set -euo pipefail
+
+HOROVOD_VERSION=0.28.1
+venv=${1:-.venv-horovod}
+python=${2:-python3}
+cd "$(dirname "$0")/.."
+root=$PWD
+[[ $venv == /* ]] || venv=$root/$venv
+bin=$venv/bin
+# Horovod's build calls `cmake` from PATH: the pinned cmake<4 (bundled gloo needs it) comes first.
+export PATH=$bin:$PATH
+quiet=(--quiet --disable-pip-version-check)
+
+log() { echo "tools/horovod-env.sh: $*" >&2; }
+
+make_venv() {
+    test -x "$bin/python" || "$python" -m venv "$venv"
+    "$bin/python" -m pip install "${quiet[@]}" -r requirements/bootstrap.txt
+    "$bin/pip" install "${quiet[@]}" -r requirements/horovod.txt
+    "$bin/pip" install "${quiet[@]}" --no-deps -r requirements/horovod-no-deps.txt
+}
+
+# Gloo always; MPI when Open MPI's compiler wrapper is there (tools/system-packages.sh).
+controllers() {
+    if command -v mpicxx >/dev/null; then echo gloo-mpi; else echo gloo; fi
+}
+
+cache_dir() {
+    local tf py
+    tf=$("$bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
+    py=$("$bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+    local base=${TFDIST_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tfdist/wheels}
+    echo "$base/horovod-$HOROVOD_VERSION-tf$tf-$py-$(controllers)"
+}
+
+# Compiles the wheel into $1.
+build_wheel() {
+    local out=$1 work
+    work=$(mktemp -d)
+    local mpi=HOROVOD_WITHOUT_MPI=1
+    [[ $(controllers) == gloo-mpi ]] && mpi=HOROVOD_WITH_MPI=1
+    log "compiling horovod $HOROVOD_VERSION ($(controllers)); this takes a few minutes"
+    env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 "$mpi" HOROVOD_WITHOUT_PYTORCH=1 \
+        HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
+        "$bin/pip" wheel "${quiet[@]}" --no-deps --no-build-isolation --no-cache-dir \
+        --no-binary horovod "horovod==$HOROVOD_VERSION" -w "$work/raw"
+    finish_wheel "$work"/raw/horovod-*.whl "$out"
+    rm -rf "$work"
+}
+
+# Strips the debug info from the wheel's libraries (~55 MB -> ~2 MB each) and moves it into the
+# cache folder $2 (atomically: a half-written wheel is never taken from the cache).
+finish_wheel() {
+    local raw=$1 out=$2 work
+    work=$(mktemp -d)
+    "$bin/python" -m wheel unpack "$raw" -d "$work/unpacked" >/dev/null
+    find "$work/unpacked" -name '*.so' -exec strip --strip-debug {} +
+    mkdir -p "$work/stripped" "$out"
+    "$bin/python" -m wheel pack "$work"/unpacked/horovod-* -d "$work/stripped" >/dev/null
+    local wheel
+    wheel=$(basename "$(compgen -G "$work/stripped/horovod-*.whl")")
+    mv "$work/stripped/$wheel" "$out/.$wheel.partial"
+    mv "$out/.$wheel.partial" "$out/$wheel"
+    rm -rf "$work"
+}
+
+install_horovod() {
+    local dir
+    dir=$(cache_dir)
+    if ! compgen -G "$dir/horovod-*.whl" >/dev/null; then
+        build_wheel "$dir"
+    else
+        log "using the cached wheel in $dir"
+    fi
+    "$bin/pip" install "${quiet[@]}" --no-deps --force-reinstall "$dir"/horovod-*.whl
+}
+
+verify() {
+    TF_CPP_MIN_LOG_LEVEL=2 "$bin/horovodrun" --check-build
+    TF_CPP_MIN_LOG_LEVEL=2 "$bin/python" - "$(controllers)" <<'EOF'
+import sys
+import horovod.tensorflow as hvd
+assert hvd.gloo_built(), "horovod was built without Gloo"
+if sys.argv[1] == "gloo-mpi":
+    assert hvd.mpi_built(), "horovod was built without MPI"
+import importlib.metadata
+import tensorflow as tf
+print(f"horovod {importlib.metadata.version('horovod')} built for TensorFlow {tf.__version__}: "
+      f"gloo={hvd.gloo_built()} mpi={hvd.mpi_built()}")
+EOF
+}
+
+make_venv
+install_horovod
+"$bin/pip" install "${quiet[@]}" --no-deps --no-build-isolation -e .
+verify
+touch "$venv/.tfdist-installed"
+log "ready: $venv"
