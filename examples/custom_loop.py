@@ -14,6 +14,8 @@ take). Each change for distributed training is marked `tfdist:`.
 
 from __future__ import annotations
 
+import sys
+
 from absl import app, flags
 
 import tfdist
@@ -50,6 +52,14 @@ def given(name: str) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
+    try:
+        tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
+        train()
+    except tfdist.TfdistError as error:  # a setup mistake: print the fix, not a traceback
+        sys.exit(f"tfdist: {error}")
+
+
+def train() -> None:
     tfdist.datasets.prepare(FLAGS.dataset, FLAGS.data_dir)  # runs no TensorFlow op
     import tensorflow as tf
 

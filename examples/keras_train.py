@@ -13,6 +13,7 @@ local builder: nothing is downloaded. Each change for distributed training is ma
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import app, flags
 
@@ -54,6 +55,14 @@ def given(name: str) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
+    try:
+        tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
+        train()
+    except tfdist.TfdistError as error:  # a setup mistake: print the fix, not a traceback
+        sys.exit(f"tfdist: {error}")
+
+
+def train() -> None:
     # tfdist: write the dataset files now; this runs no TensorFlow op.
     tfdist.datasets.prepare(FLAGS.dataset, FLAGS.data_dir)
     import tensorflow as tf

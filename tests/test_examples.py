@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -47,3 +48,14 @@ def test_bad_backend_flag_is_rejected_with_the_choices(tmp_path):
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode != 0
     assert "value should be one of <auto|mwms|single>" in run.stderr
+
+
+@pytest.mark.parametrize("example", ["keras_train.py", "custom_loop.py"])
+def test_a_launch_that_cannot_train_stops_with_the_fix_not_a_traceback(example):
+    # The batch shell of a 4-task Slurm job, outside srun: detection refuses before TensorFlow.
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "5", "SLURM_NTASKS": "4"}
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--epochs=1"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stderr.startswith("tfdist: ") and "srun" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
