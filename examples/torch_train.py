@@ -4,8 +4,7 @@
     tfdist launch -n 2 examples/torch_train.py --epochs=8 --scale_lr       # 2 local workers
     torchrun --standalone --nproc-per-node=2 examples/torch_train.py       # torchrun
     srun python examples/torch_train.py --model_dir=$SCRATCH/run1          # one Slurm task per GPU
-    srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 \\
-        --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 examples/torch_train.py  # one per node
+    tfdist job --backend torch --nodes 2 --submit examples/torch_train.py  # torchrun per node
 
 The twin of examples/keras_train.py: the same data (scikit-learn's 8x8 digits, the same train/test
 split, nothing downloaded), the same model and the same flags, with two differences. ``--backend``
@@ -17,6 +16,7 @@ change for distributed training is marked `tfdist:`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
@@ -53,6 +53,16 @@ def build_model() -> nn.Module:
         nn.Linear(64 * 4 * 4, 64), nn.ReLU(),
         nn.Linear(64, 10),
     )
+
+
+def digest(model: nn.Module) -> str:
+    """A short hex digest of the parameters and buffers: equal on two ranks, bit-identical."""
+    blake = hashlib.blake2b(digest_size=8)
+    for name, tensor in tfdist.torch.unwrap(model).state_dict().items():
+        data = tensor.detach().cpu().contiguous()
+        blake.update(f"{name} {data.dtype} {tuple(data.shape)}\n".encode())
+        blake.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype's bytes
+    return blake.hexdigest()
 
 
 def given(name: str) -> str | None:
@@ -131,6 +141,8 @@ def main(argv: list[str]) -> None:
                        f"{seconds / len(train) * 1000:.0f}ms/step - accuracy: {accuracy:.4f} - "
                        f"loss: {loss:.4f}")
         loss, accuracy, images = evaluate(dist, model, test)
+        # tfdist: every rank prints a digest of its weights: equal digests, identical weights.
+        print(f"tfdist: rank {dist.rank} of {dist.size}: final weights {digest(model)}", flush=True)
         dist.print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}  ({images} images)")
         if FLAGS.model_dir:  # tfdist: the chief writes the final model, atomically
             dist.save(model, os.path.join(FLAGS.model_dir, "final.pt"))

@@ -515,8 +515,8 @@ def _expected_argv(config: JobConfig) -> list[str]:
     program = [c.script or "", *c.args]
     bind = [f"--cpu-bind={c.cpu_bind}"] if c.cpu_bind else []
     if launcher == "srun":
-        return [*bind, *task_output, *c.launcher_args, *container, *python,
-                *program]
+        return ["--kill-on-bad-exit=1", *bind, *task_output, *c.launcher_args, *container,
+                *python, *program]
     if launcher == "mpirun":
         forwarded = [part for name in ("PATH", "PYTHONUNBUFFERED", "TFDIST_BACKEND", *c.env)
                      for part in ("-x", name)]
@@ -525,10 +525,16 @@ def _expected_argv(config: JobConfig) -> list[str]:
     if launcher == "horovodrun":
         return ["-np", "4", "-H", "n9:2,n10:2", *c.launcher_args, *python, *program]
     port = port_base({"SLURM_JOB_ID": "4242"}, 1)
-    runner = [c.python, "-m", "torch.distributed.run"] if c.python else ["torchrun"]
-    return ["--ntasks-per-node=1", *bind, *task_output, *container, *runner,
-            "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=n9:{port}", "--rdzv-id=4242", *c.launcher_args, *program]
+    return ["--kill-on-bad-exit=1", "--ntasks-per-node=1", *bind, *task_output, *container,
+            *_per_task_torchrun(c), "--nnodes=2", "--nproc-per-node=2", "--master-addr=n9",
+            f"--master-port={port}", "--rdzv-id=4242", *c.launcher_args, *program]
+
+
+def _per_task_torchrun(c: JobConfig) -> list[str]:
+    if c.python:
+        return ["bash", "-c", 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" '
+                '"$@"', c.python]
+    return ["bash", "-c", 'exec "$0" --node-rank="$SLURM_NODEID" "$@"', "torchrun"]
 
 
 @pytest.mark.parametrize(("launcher", "runtime"), [
@@ -549,11 +555,34 @@ def test_hostile_values_arrive_byte_for_byte(launcher: str, runtime: str,
     assert module_calls == [["purge"], ["load", *config.modules]]
 
 
+@pytest.mark.parametrize("with_python", [False, True])
+def test_each_torchrun_takes_its_node_rank_from_its_own_task(with_python: bool,
+                                                             tmp_path: Path) -> None:
+    # What srun runs on the second node: the task's shell fills in SLURM_NODEID=1, so node ranks
+    # follow Slurm's order (torchrun's c10d would sort the nodes by name: n10 before n9).
+    python = str(tmp_path / "py 'x'" / "python") if with_python else None
+    config = JobConfig(**{**MATRIX["torchrun-venv"], "python": python, "venv": None})
+    argv = _expected_argv(config)
+    per_task = argv[argv.index("bash"):]
+    bin_dir = _stubs(tmp_path)
+    runner = Path(python) if python else bin_dir / "torchrun"
+    runner.parent.mkdir(parents=True, exist_ok=True)
+    runner.write_text(STUB.format(python=sys.executable))
+    runner.chmod(0o755)
+    log = tmp_path / "stub.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log), "SLURM_NODEID": "1"}
+    subprocess.run(per_task, env=env, check=True, timeout=30)
+    (call,) = [json.loads(line) for line in log.read_text().splitlines()]
+    head = ["-m", "torch.distributed.run"] if python else []
+    assert call["argv"][:len(head) + 2] == [*head, "--node-rank=1", "--nnodes=2"]
+
+
 def test_enroot_values_arrive_byte_for_byte(tmp_path: Path) -> None:
     config = JobConfig(script="t.py", runtime="enroot", image="img $(touch PWNED)'#x",
                        binds=["/a b;$(touch PWNED):/in", "/c:/d:ro"], launcher_args=["--x=1"])
     launch = _launch_call(_run_script(render(config), tmp_path))
-    assert launch["argv"] == ["--cpu-bind=cores", "--container-image=img $(touch PWNED)'#x",
+    assert launch["argv"] == ["--kill-on-bad-exit=1", "--cpu-bind=cores",
+                              "--container-image=img $(touch PWNED)'#x",
                               "--container-mounts=/a b;$(touch PWNED):/in,/c:/d:ro", "--x=1",
                               "python", "t.py"]
 

@@ -229,7 +229,7 @@ def _program(c: JobConfig) -> str:
 
 def _srun_segments(c: JobConfig, *, per_node: bool = False) -> list[str]:
     """``srun`` and its options (binding, PMIx for Horovod, per-task output), then pyxis's."""
-    options = ["srun"]
+    options = ["srun", "--kill-on-bad-exit=1"]  # one failed task ends the step, not a hang
     if per_node:
         options.append("--ntasks-per-node=1")
     if c.cpu_bind:
@@ -319,17 +319,28 @@ def _torchrun(c: JobConfig) -> str:
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"rdzv_port={rendezvous_port_expression()}",
     ]
-    runner = f"{word(c.python)} -m torch.distributed.run" if c.python else "torchrun"
-    torchrun = (f'{runner} --nnodes="$SLURM_NNODES" '
-                '--nproc-per-node="${SLURM_GPUS_PER_NODE##*:}"')
-    rendezvous = ('--rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port" '
+    # Each task's own shell fills in its node: torchrun's c10d rendezvous would number the nodes
+    # by sorting host names as strings (n10 before n9), so the chief would not run on the first.
+    if c.python:
+        per_task = ("bash -c 'exec \"$0\" -m torch.distributed.run "
+                    f"--node-rank=\"$SLURM_NODEID\" \"$@\"' {word(c.python)}")
+    else:
+        per_task = "bash -c 'exec \"$0\" --node-rank=\"$SLURM_NODEID\" \"$@\"' torchrun"
+    torchrun = '--nnodes="$SLURM_NNODES" --nproc-per-node="${SLURM_GPUS_PER_NODE##*:}"'
+    rendezvous = ('--master-addr="$head_node" --master-port="$rdzv_port" '
                   '--rdzv-id="$SLURM_JOB_ID"')
     program = " ".join([word(c.script or ""), words(c.args)]).rstrip()
     comment = ["# Launch: one srun task per node runs torchrun, which starts one process per "
-               "GPU of the node."]
+               "GPU of the node.",
+               "# Node ranks follow Slurm's node order (SLURM_NODEID, filled in by each task's "
+               "shell), so the",
+               "# chief runs on the first node; c10d would order the nodes by name (n10 before "
+               "n9).",
+               "# shellcheck disable=SC2016  # $0, $@ and SLURM_NODEID are the task shell's"]
     return "\n".join([*setup, "", _lines(comment + _container_comment(c),
-                                         _srun_segments(c, per_node=True), _apptainer(c), torchrun,
-                                         rendezvous, words(c.launcher_args), program)])
+                                         _srun_segments(c, per_node=True), _apptainer(c),
+                                         per_task, torchrun, rendezvous, words(c.launcher_args),
+                                         program)])
 
 
 def _build(c: JobConfig) -> str:
