@@ -397,6 +397,14 @@ def test_yaml_numbers_are_accepted_as_text(tmp_path: Path) -> None:
         "90", "7", ("--epochs", "8"), {"NCCL_IB_GID_INDEX": "3"})
 
 
+def test_horovod_srun_with_gloo_forced_asks_for_no_pmix() -> None:
+    mpi = render(JobConfig(backend="horovod", script="t.py"))
+    gloo = render(JobConfig(backend="horovod", script="t.py",
+                            env={"TFDIST_HOROVOD_CONTROLLER": "gloo"}))
+    assert "srun --kill-on-bad-exit=1 --cpu-bind=cores --mpi=pmix" in mpi
+    assert "--mpi=pmix" not in gloo and "Gloo rendezvous started by tfdist" in gloo
+
+
 def test_double_dash_lets_the_script_start_with_a_dash(
         capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _cli(["--gpus-per-node", "0", "--", "-m", "tfdist", "env", "--json"], capsys)

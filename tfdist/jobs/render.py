@@ -82,6 +82,8 @@ def _header(c: JobConfig, source: str | None) -> str:
         title = "Build a Python venv on the node type that will train"
     else:
         title = _TITLES[(c.backend, c.effective_launcher)].format(unit=_unit(c))
+        if c.backend == "horovod" and c.effective_launcher == "srun" and not _horovod_mpi(c):
+            title = title.replace("MPI started through PMIx", "Gloo rendezvous started by tfdist")
         title += _RUNTIME_TITLES[c.runtime]
     lines = ["#!/bin/bash", f"# {title}."]
     if source is not None:
@@ -234,7 +236,7 @@ def _srun_segments(c: JobConfig, *, per_node: bool = False) -> list[str]:
         options.append("--ntasks-per-node=1")
     if c.cpu_bind:
         options.append(word(f"--cpu-bind={c.cpu_bind}"))
-    if c.backend == "horovod":
+    if _horovod_mpi(c):
         options.append("--mpi=pmix")
     if c.task_output is not None:
         options.append(word(f"--output={c.task_output}"))
@@ -245,6 +247,11 @@ def _srun_segments(c: JobConfig, *, per_node: bool = False) -> list[str]:
             container.append(word(f"--container-mounts={','.join(c.binds)}"))
     extra = [] if per_node else [word(arg) for arg in c.launcher_args]
     return [" ".join(options), *container, " ".join(extra)]
+
+
+def _horovod_mpi(c: JobConfig) -> bool:
+    """Horovod under srun uses MPI through PMIx, unless the job forces tfdist's Gloo rendezvous."""
+    return c.backend == "horovod" and c.env.get("TFDIST_HOROVOD_CONTROLLER") != "gloo"
 
 
 def _apptainer(c: JobConfig) -> str | None:
@@ -278,7 +285,7 @@ def _lines(comment: list[str], *segments: str | list[str] | None) -> str:
 def _srun(c: JobConfig) -> str:
     pinned = ", bound to its cores" if c.cpu_bind else ""
     comment = [f"# Launch: one srun task per {_unit(c)} (--ntasks-per-node on each node){pinned}."]
-    if c.backend == "horovod":
+    if _horovod_mpi(c):
         comment.append("# --mpi=pmix lets Horovod's MPI start under srun (`srun --mpi=list` "
                        "shows your site's plugins).")
     return _lines(comment + _container_comment(c), _srun_segments(c), _apptainer(c), _program(c))
