@@ -50,7 +50,7 @@ def test_bad_backend_flag_is_rejected_with_the_choices(tmp_path):
     run = subprocess.run([sys.executable, EXAMPLE, "--backend=horovd"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode != 0
-    assert "value should be one of <auto|mwms|single>" in run.stderr
+    assert "value should be one of <auto|mwms|horovod|single>" in run.stderr
 
 
 @pytest.mark.parametrize("example", ["keras_train.py", "custom_loop.py"])

@@ -39,7 +39,6 @@ import os
 import re
 import shlex
 import subprocess
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from slurm_jobs import (
     ROOT,
     TWO_NODES,
     RenderedJob,
+    check_saved_models,
     cluster_config,
     final_weights,
     run_rendered,
@@ -184,39 +184,9 @@ def check_training(job: RenderedJob, *, collective: str, launched_by: str, world
                 f"rank {rank}'s file must hold its own final-weights line\n{job.describe()}"
         assert backend in outputs[0] and _ACCURACY.search(outputs[0]), job.describe()
 
-    saved = sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*.keras"))
-    model_dir = job.model_dir.relative_to(job.workdir)
-    assert saved == [f"{model_dir}/checkpoint.keras", f"{model_dir}/final.keras"], \
-        f"exactly one checkpoint and one final model, by the chief: {saved}\n{job.describe()}"
-    partial = [p.name for p in job.model_dir.rglob(".partial-*")]
-    assert not partial, f"unfinished checkpoint writes left: {partial}\n{job.describe()}"
-    # events.out.tfevents.TIME.HOST.PID.N.v2: one writer, the chief, on the first node.
-    names = sorted(p.name for p in (job.model_dir / "logs").rglob("events.out.tfevents.*"))
-    writers = {tuple(name.split(".")[4:6]) for name in names}
-    assert len(writers) == 1 and next(iter(writers))[0] == TWO_NODES[0], \
-        f"TensorBoard files by {len(writers)} processes: {names}\n{job.describe()}"
     (digest,) = digests
-    for name in ("checkpoint.keras", "final.keras"):
-        path = job.model_dir / name
-        assert zipfile.is_zipfile(path), f"{name} is not a .keras (zip) file\n{job.describe()}"
-        try:
-            loaded = saved_digest(path)
-        except Exception as err:  # any failure to load is the finding
-            pytest.fail(f"{name} does not load: {type(err).__name__}: {err}\n{job.describe()}")
-        assert loaded == digest, \
-            f"{name} holds weights {loaded}, not the ranks' final {digest}\n{job.describe()}"
-    return digest
-
-
-def saved_digest(path: Path) -> str:
-    """Loads a .keras file (written by Keras 3 in .venv-horovod) in this process (TensorFlow
-    2.21's Keras 3) and returns the digest the example prints."""
-    import tensorflow as tf
-
-    import tfdist.sync
-
-    model = tf.keras.models.load_model(path, compile=False)
-    digest: str = tfdist.sync.digest(tfdist.sync.model_variables(model))
+    # .keras files written by Keras 3.15 in .venv-horovod load in this process's TF 2.21.
+    check_saved_models(job, digest)
     return digest
 
 

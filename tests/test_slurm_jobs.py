@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from slurm_jobs import (
     TASK_OUTPUT,
     TWO_NODES,
     RenderedJob,
+    check_saved_models,
     cluster_config,
     final_weights,
     run_rendered,
@@ -114,33 +114,8 @@ def check_training(job: RenderedJob) -> str:
     others = [rank for rank, text in outputs.items() if rank and "test accuracy" in text]
     assert not others, f"ranks {others} reported as chief\n{job.describe()}"
 
-    saved = sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*.keras"))
-    model_dir = job.model_dir.relative_to(job.workdir)
-    assert saved == [f"{model_dir}/checkpoint.keras", f"{model_dir}/final.keras"], \
-        f"exactly one checkpoint and one final model, by the chief: {saved}\n{job.describe()}"
-    partial = [p.name for p in job.model_dir.rglob(".partial-*")]
-    assert not partial, f"unfinished checkpoint writes left: {partial}\n{job.describe()}"
     (digest,) = digests
-    for name in ("checkpoint.keras", "final.keras"):
-        path = job.model_dir / name
-        assert zipfile.is_zipfile(path), f"{name} is not a .keras (zip) file\n{job.describe()}"
-        try:
-            loaded = saved_digest(path)
-        except Exception as err:  # any failure to load is the finding
-            pytest.fail(f"{name} does not load: {type(err).__name__}: {err}\n{job.describe()}")
-        assert loaded == digest, \
-            f"{name} holds weights {loaded}, not the ranks' final {digest}\n{job.describe()}"
-    return digest
-
-
-def saved_digest(path: Path) -> str:
-    """Loads a .keras file in this process and returns the digest the example prints."""
-    import tensorflow as tf
-
-    import tfdist.sync
-
-    model = tf.keras.models.load_model(path, compile=False)
-    digest: str = tfdist.sync.digest(tfdist.sync.model_variables(model))
+    check_saved_models(job, digest)
     return digest
 
 

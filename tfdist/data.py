@@ -15,7 +15,7 @@ from tfdist.errors import ConfigError
 if TYPE_CHECKING:
     from tfdist.strategy import Distributed
 
-__all__ = ["POLICIES", "shard", "shard_files", "with_policy"]
+__all__ = ["POLICIES", "shard", "shard_files", "split_batch", "with_policy"]
 
 POLICIES = ("data", "file", "off")
 
@@ -75,3 +75,16 @@ def _check_enough_files(num_files: int, size: int) -> None:
         raise ConfigError(f"{num_files} input file(s) for {size} workers: at least one worker "
                           "would get no data and the collectives would hang. Split the data "
                           f"into >= {size} files, or shard by element with policy='data'")
+
+
+def split_batch(global_batch_size: int, replicas: int) -> int:
+    """Each replica's share of a global batch (TensorFlow and PyTorch handles alike).
+
+    Raises:
+        ConfigError: the global batch does not divide evenly, naming the nearest that does.
+    """
+    if global_batch_size % replicas:
+        nearest = max(replicas, global_batch_size // replicas * replicas)
+        raise ConfigError(f"global batch size {global_batch_size} does not divide over "
+                          f"{replicas} replicas: use a multiple of {replicas}, e.g. {nearest}")
+    return global_batch_size // replicas

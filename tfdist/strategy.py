@@ -94,12 +94,9 @@ class Distributed:
         Raises:
             ConfigError: the global batch does not divide evenly.
         """
-        replicas = self.num_replicas
-        if global_batch_size % replicas:
-            nearest = max(replicas, global_batch_size // replicas * replicas)
-            raise ConfigError(f"global batch size {global_batch_size} does not divide over "
-                              f"{replicas} replicas: use a multiple of {replicas}, e.g. {nearest}")
-        return global_batch_size // replicas
+        from tfdist.data import split_batch
+
+        return split_batch(global_batch_size, self.num_replicas)
 
     def global_batch_size(self, per_replica_batch_size: int) -> int:
         """The global batch that gives each replica ``per_replica_batch_size`` examples."""

@@ -18,18 +18,20 @@ A Horovod or torchrun job is the same three lines with ``backend=``/``launcher=`
 from __future__ import annotations
 
 import re
+import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from slurmtest import JobResult, SlurmCluster, SlurmJobTimeoutError
 
 from tfdist.jobs import JobConfig, check_output_dirs, render, save
 
 __all__ = ["EXAMPLE", "HERE", "NODELIST", "RECORDING_PYTHON", "ROOT", "TASK_OUTPUT", "TWO_NODES",
-           "RenderedJob", "cluster_config", "final_weights", "run_rendered", "submit_rendered",
-           "train_args"]
+           "RenderedJob", "check_saved_models", "cluster_config", "final_weights", "run_rendered",
+           "saved_digest", "submit_rendered", "train_args"]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -196,3 +198,39 @@ def _describe(head: str, script: Path, tasks: Mapping[int, Path]) -> str:
     if not tasks:
         parts.append("(no per-task output files)")
     return "\n".join(parts)
+
+
+def check_saved_models(job: RenderedJob, digest: str) -> None:
+    """The chief alone wrote ``checkpoint.keras`` and ``final.keras`` (atomically) and the
+    TensorBoard logs, and both models load in this process holding the ranks' final ``digest``."""
+    saved = sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*.keras"))
+    model_dir = job.model_dir.relative_to(job.workdir)
+    assert saved == [f"{model_dir}/checkpoint.keras", f"{model_dir}/final.keras"], \
+        f"exactly one checkpoint and one final model, by the chief: {saved}\n{job.describe()}"
+    partial = [p.name for p in job.model_dir.rglob(".partial-*")]
+    assert not partial, f"unfinished checkpoint writes left: {partial}\n{job.describe()}"
+    # events.out.tfevents.TIME.HOST.PID.N.v2: one writer, the chief, on the first node.
+    names = sorted(p.name for p in (job.model_dir / "logs").rglob("events.out.tfevents.*"))
+    writers = {tuple(name.split(".")[4:6]) for name in names}
+    assert len(writers) == 1 and next(iter(writers))[0] == TWO_NODES[0], \
+        f"TensorBoard files by {len(writers)} processes: {names}\n{job.describe()}"
+    for name in ("checkpoint.keras", "final.keras"):
+        path = job.model_dir / name
+        assert zipfile.is_zipfile(path), f"{name} is not a .keras (zip) file\n{job.describe()}"
+        try:
+            loaded = saved_digest(path)
+        except Exception as err:  # any failure to load is the finding
+            pytest.fail(f"{name} does not load: {type(err).__name__}: {err}\n{job.describe()}")
+        assert loaded == digest, \
+            f"{name} holds weights {loaded}, not the ranks' final {digest}\n{job.describe()}"
+
+
+def saved_digest(path: Path) -> str:
+    """Loads a .keras file in this process and returns the digest the examples print."""
+    import tensorflow as tf
+
+    import tfdist.sync
+
+    model = tf.keras.models.load_model(path, compile=False)
+    digest: str = tfdist.sync.digest(tfdist.sync.model_variables(model))
+    return digest

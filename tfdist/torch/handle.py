@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
+from tfdist.data import split_batch
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.torch.rendezvous import Rendezvous, plan
@@ -146,12 +147,7 @@ class TorchDistributed:
         Raises:
             ConfigError: the global batch does not divide evenly.
         """
-        replicas = self.num_replicas
-        if global_batch_size % replicas:
-            nearest = max(replicas, global_batch_size // replicas * replicas)
-            raise ConfigError(f"global batch size {global_batch_size} does not divide over "
-                              f"{replicas} replicas: use a multiple of {replicas}, e.g. {nearest}")
-        return global_batch_size // replicas
+        return split_batch(global_batch_size, self.num_replicas)
 
     def global_batch_size(self, per_replica_batch_size: int) -> int:
         """The global batch that gives each replica ``per_replica_batch_size`` examples."""
