@@ -37,7 +37,7 @@ from conftest import ROOT, WORKERS, load_weights
 
 HVD_BIN = ROOT / ".venv-horovod" / "bin"
 HVD_PY = HVD_BIN / "python"
-WORKER = str(WORKERS / "hvd_worker.py")
+WORKER = str(WORKERS / "train_worker.py")  # with a 4th argument: the backend
 DATA_DIR = str(ROOT / ".cache" / "tensorflow_datasets")
 TIMEOUT = 240
 KERAS = {"keras3": {}, "tf_keras": {"TF_USE_LEGACY_KERAS": "1"}}
@@ -129,7 +129,7 @@ def _results(out: Path) -> list[dict]:
 
 
 def _train(tmp_path: Path, launcher: str, loop: str, mode: str, keras: str):
-    job = run(launcher, [WORKER, str(tmp_path), loop, mode], KERAS[keras])
+    job = run(launcher, [WORKER, str(tmp_path), loop, mode, "horovod"], KERAS[keras])
     return job, _results(tmp_path) if (tmp_path / "result-1.json").exists() else []
 
 

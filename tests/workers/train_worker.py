@@ -1,13 +1,19 @@
 """One worker of the multi-process tests: trains a small model and saves its final weights.
 
-    python train_worker.py OUT_DIR {fit,custom} {dist,control}
+    python train_worker.py OUT_DIR {fit,custom} {dist,control,stock} [{mwms,horovod}]
 
-``dist`` trains through tfdist (gradients averaged across workers); ``control`` trains each
-worker alone on its own shard of the data, the same steps without averaging: its weights must
-differ between workers, or the test could not tell averaging from no averaging.
-In ``dist`` mode each worker seeds its initial weights differently: the strategy must broadcast
-rank 0's. In ``control`` mode both start from the same weights, so only the missing averaging
-can make them differ.
+``dist`` trains through tfdist's backend (MultiWorkerMirroredStrategy by default, or Horovod):
+gradients are averaged across workers, and each worker seeds its initial weights differently,
+so rank 0's must be broadcast. ``control`` trains each worker alone on its own shard of the data
+(backend "single", the same seed), the same steps without averaging: its weights must differ
+between workers, or the test could not tell averaging from no averaging. ``stock`` (Horovod,
+fit, Keras 3) wraps the optimizer in horovod.tensorflow.keras's own DistributedOptimizer, which
+silently does not average under Keras 3: tfdist's replica sync check must stop it.
+
+The custom loop is the same under both backends: strategy.run, ``dist.gradient_tape()`` (a
+plain tape under MWMS, a summing all-reduce under Horovod), ``dist.reduce``. Runs under any
+launcher (tfdist launch, horovodrun, mpirun, srun variables). A failure is written to
+result-RANK.json as ``{"error": ...}`` and exits 3.
 """
 
 from __future__ import annotations
@@ -15,42 +21,59 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 
 import numpy as np
 
 import tfdist
+from tfdist import keras_compat
 
 
-def main(out_dir: str, loop: str, mode: str) -> None:
+def main(out_dir: str, loop: str, mode: str, backend: str = "mwms") -> None:
     rank = tfdist.detect().rank
-    dist = tfdist.init(backend="mwms" if mode == "dist" else "single")
+    try:
+        result = train(out_dir, loop, mode, backend, rank)
+    except Exception as error:
+        _write(out_dir, rank, {"rank": rank, "error": f"{type(error).__name__}: {error}"})
+        traceback.print_exc()
+        sys.exit(3)
+    _write(out_dir, rank, result)
+
+
+def train(out_dir: str, loop: str, mode: str, backend: str, rank: int) -> dict:
+    dist = tfdist.init(backend="single" if mode == "control" else backend)
     import tensorflow as tf
 
     keras = tf.keras
-    keras.utils.set_random_seed(100 + rank if mode == "dist" else 100)
+    keras.utils.set_random_seed(100 if mode == "control" else 100 + rank)
     x, y = _data()
     global_batch = 32
     with dist.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                                   keras.layers.Dense(3)])
         optimizer = keras.optimizers.SGD(0.05)
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if mode == "stock":
+            import horovod.tensorflow.keras as hvd_keras
+
+            optimizer = hvd_keras.DistributedOptimizer(optimizer)
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     if mode == "control":  # this worker's half of the data in batches of half the size:
         dataset = dataset.shard(2, rank)  # the same steps as in dist mode, minus averaging
         global_batch //= 2
     if loop == "fit":
         with dist.scope():
-            model.compile(optimizer=optimizer, loss=loss)
-        history = model.fit(dist.shard(dataset.batch(global_batch)), epochs=3, verbose=0)
+            model.compile(optimizer=optimizer,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(dist.shard(dataset.batch(global_batch)), epochs=3, verbose=0,
+                            callbacks=dist.callbacks())
         losses = [float(v) for v in history.history["loss"]]
     else:
         losses = _custom_loop(dist, model, optimizer, dataset.batch(global_batch), global_batch)
     weights = {f"w{i}": v.numpy() for i, v in enumerate(model.trainable_variables)}
     np.savez(os.path.join(out_dir, f"weights-{rank}.npz"), **weights)
-    with open(os.path.join(out_dir, f"result-{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "size": dist.size, "backend": dist.backend,
-                   "launcher": dist.environment.launcher, "losses": losses}, f)
+    return {"rank": rank, "size": dist.size, "backend": dist.backend,
+            "collective": dist.collective, "launcher": dist.environment.launcher,
+            "keras3": keras_compat.is_keras3(keras), "losses": losses}
 
 
 def _data() -> tuple[np.ndarray, np.ndarray]:
@@ -60,32 +83,44 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def _custom_loop(dist: tfdist.Distributed, model, optimizer, dataset, global_batch):  # type: ignore[no-untyped-def]
+def _custom_loop(dist, model, optimizer, dataset, global_batch):  # type: ignore[no-untyped-def]
     import tensorflow as tf
+
+    from tfdist import sync
 
     strategy = dist.strategy
     per_example = tf.keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction="none")
     distributed = strategy.experimental_distribute_dataset(dist.shard(dataset))
+    dist.broadcast_initial_state(model, optimizer)
 
-    @tf.function
+    @tf.function(reduce_retracing=True)
     def step(x, y):  # type: ignore[no-untyped-def]
         def replica_step(x, y):  # type: ignore[no-untyped-def]
-            with tf.GradientTape() as tape:
+            with dist.gradient_tape() as tape:
                 loss = tf.nn.compute_average_loss(per_example(y, model(x, training=True)),
                                                   global_batch_size=global_batch)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return loss
 
-        return strategy.reduce("SUM", strategy.run(replica_step, args=(x, y)), axis=None)
+        return dist.reduce("sum", strategy.run(replica_step, args=(x, y)))
 
     losses = []
-    for _ in range(3):
-        total = [float(step(x, y)) for x, y in distributed]
+    for epoch in range(3):
+        total = []
+        for x, y in distributed:
+            total.append(float(step(x, y)))
+            if epoch == 0 and len(total) == 1:
+                sync.check(dist, sync.model_variables(model), step=1)
         losses.append(sum(total) / len(total))
     return losses
 
 
+def _write(out_dir: str, rank: int, result: dict) -> None:
+    with open(os.path.join(out_dir, f"result-{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
