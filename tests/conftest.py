@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -34,3 +36,30 @@ def load_weights(out_dir: Path, rank: int) -> list[np.ndarray]:
 def load_result(out_dir: Path, rank: int) -> dict:
     return json.loads((out_dir / f"result-{rank}.json").read_text())
 
+
+_FINAL_WEIGHTS = re.compile(r"^(?:\[\d+\] )?tfdist: rank (\d+) of (\d+): final weights (\S+)\s*$",
+                            re.M)
+
+
+def final_weights(outputs: Mapping[int, str] | Iterable[str]) -> dict[int, tuple[int, str]]:
+    """The ``tfdist: rank R of N: final weights HEX`` lines the examples print on every rank
+    (also behind ``tfdist launch``'s ``[rank] `` prefix).
+
+    Args:
+        outputs: texts to search (per-task outputs by rank, or any texts).
+
+    Returns:
+        ``{R: (N, HEX)}``: equal HEX means bit-identical weights.
+
+    Raises:
+        ValueError: a rank reported twice.
+    """
+    texts = outputs.values() if isinstance(outputs, Mapping) else outputs
+    found: dict[int, tuple[int, str]] = {}
+    for text in texts:
+        for match in _FINAL_WEIGHTS.finditer(text):
+            rank = int(match.group(1))
+            if rank in found:
+                raise ValueError(f"rank {rank} reported its final weights twice")
+            found[rank] = (int(match.group(2)), match.group(3))
+    return found

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, launch
+from conftest import ROOT, final_weights, launch
 
 pytestmark = pytest.mark.multiprocess
 EXAMPLE = str(ROOT / "examples" / "keras_train.py")
@@ -30,8 +30,8 @@ def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
     assert "learning rate 0.002" in run.stdout  # --scale_lr doubled 1e-3
     assert _accuracy(run.stdout) > 0.9
     # Every rank prints a digest of its final weights: equal digests, identical weights.
-    digests = dict(re.findall(r"tfdist: rank (\d) of 2: final weights ([0-9a-f]+)", run.stdout))
-    assert sorted(digests) == ["0", "1"] and len(set(digests.values())) == 1, digests
+    weights = final_weights([run.stdout])
+    assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights
     # Only the chief reports, and only the chief's files exist.
     assert "[1] test loss" not in run.stdout and "[1] Epoch" not in run.stdout
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [

@@ -21,7 +21,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import ROOT, WORKERS, load_weights
+from conftest import ROOT, WORKERS, final_weights, load_weights
 
 import tfdist.datasets
 from tfdist.env import detect, slurm
@@ -460,12 +460,6 @@ def _accuracy(output: str) -> float:
     return float(found[-1].split("test accuracy")[1].split()[0])
 
 
-def _digests(output: str) -> dict[int, str]:
-    """Each rank's final-weights digest, from `tfdist: rank R of N: final weights HEX`."""
-    found = re.findall(r"tfdist: rank (\d+) of \d+: final weights ([0-9a-f]+)", output)
-    return {int(rank): digest for rank, digest in found}
-
-
 @pytest.mark.multiprocess
 def test_example_on_two_workers_with_the_keras_flags(tmp_path):
     flagfile = tmp_path / "flags.txt"
@@ -476,8 +470,8 @@ def test_example_on_two_workers_with_the_keras_flags(tmp_path):
     assert "[0] tfdist: 2 worker(s), 2 replica(s), backend gloo, device cpu" in run.stdout
     assert "learning rate 0.002" in run.stdout  # --scale_lr doubled 1e-3
     assert _accuracy(run.stdout) > 0.9
-    digests = _digests(run.stdout)
-    assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1, digests
+    weights = final_weights([run.stdout])
+    assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights
     assert "[1] test loss" not in run.stdout and "[1] Epoch" not in run.stdout
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["final.pt"]
     sys.path.insert(0, str(ROOT / "examples"))
@@ -494,8 +488,8 @@ def test_example_under_torchrun(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "tfdist: 2 worker(s), 2 replica(s), backend gloo" in run.stdout
     assert _accuracy(run.stdout) > 0.9
-    digests = _digests(run.stdout)
-    assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1, digests
+    weights = final_weights([run.stdout])
+    assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights
 
 
 @pytest.mark.multiprocess

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import re
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import final_weights
 from slurmtest import JobResult, SlurmCluster, SlurmJobTimeoutError
 
 from tfdist.jobs import JobConfig, check_output_dirs, render, save
@@ -43,7 +44,6 @@ RECORDING_PYTHON = HERE / "recording-python"
 TWO_NODES = ("n9", "n10")
 NODELIST = "--nodelist=n[9-10]"
 TASK_OUTPUT = "%x-%j-%t.out"
-_FINAL_WEIGHTS = re.compile(r"^tfdist: rank (\d+) of (\d+): final weights (\S+)\s*$", re.M)
 
 
 def cluster_config(cluster: SlurmCluster, **keys: Any) -> JobConfig:
@@ -148,29 +148,6 @@ def run_rendered(cluster: SlurmCluster, config: JobConfig, *, timeout: float,
         tasks = _task_files(config, job_id, script.parent)
         raise SlurmJobTimeoutError(_describe(str(err), script, tasks)) from None
     return RenderedJob(config=config, script=script, result=result)
-
-
-def final_weights(outputs: Mapping[int, str] | Iterable[str]) -> dict[int, tuple[int, str]]:
-    """The ``tfdist: rank R of N: final weights HEX`` lines of examples/keras_train.py.
-
-    Args:
-        outputs: texts to search (per-task outputs by rank, or any texts).
-
-    Returns:
-        ``{R: (N, HEX)}``: equal HEX means bit-identical weights.
-
-    Raises:
-        ValueError: a rank reported twice.
-    """
-    texts = outputs.values() if isinstance(outputs, Mapping) else outputs
-    found: dict[int, tuple[int, str]] = {}
-    for text in texts:
-        for match in _FINAL_WEIGHTS.finditer(text):
-            rank = int(match.group(1))
-            if rank in found:
-                raise ValueError(f"rank {rank} reported its final weights twice")
-            found[rank] = (int(match.group(2)), match.group(3))
-    return found
 
 
 def _task_files(config: JobConfig, job_id: str, workdir: Path) -> dict[int, Path]:
