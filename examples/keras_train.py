@@ -103,8 +103,9 @@ def train() -> None:
     labels = [int(y) for _, batch in test.unbatch().batch(4096) for y in batch.numpy()]
     agree = float((predicted == labels).mean())
     # tfdist: every rank prints a digest of its weights; equal digests mean bit-identical weights.
+    # One write with its newline, so ranks that share an output file don't interleave lines.
     print(f"tfdist: rank {dist.rank} of {dist.size}: final weights "
-          f"{digest(model_variables(model))}", flush=True)
+          f"{digest(model_variables(model))}\n", end="", flush=True)
     if dist.is_chief:  # tfdist: only the chief reports and writes the final model
         print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}  "
               f"(predict: {agree:.4f} on {len(labels)} images)", flush=True)

@@ -142,7 +142,9 @@ def main(argv: list[str]) -> None:
                        f"loss: {loss:.4f}")
         loss, accuracy, images = evaluate(dist, model, test)
         # tfdist: every rank prints a digest of its weights: equal digests, identical weights.
-        print(f"tfdist: rank {dist.rank} of {dist.size}: final weights {digest(model)}", flush=True)
+        # One write with its newline, so ranks sharing an output file don't interleave lines.
+        print(f"tfdist: rank {dist.rank} of {dist.size}: final weights {digest(model)}\n",
+              end="", flush=True)
         dist.print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}  ({images} images)")
         if FLAGS.model_dir:  # tfdist: the chief writes the final model, atomically
             dist.save(model, os.path.join(FLAGS.model_dir, "final.pt"))
