@@ -273,6 +273,27 @@ def test_load_shards_by_data(data_dir: pathlib.Path) -> None:
     assert policy == tf.data.experimental.AutoShardPolicy.DATA
 
 
+def _dataset_ops(dataset: Any) -> set[str]:
+    import tensorflow as tf
+
+    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())
+    return {node.op for node in graph.node} | {
+        node.op for function in graph.library.function for node in function.node_def}
+
+
+def test_load_keeps_no_memory_cache_shared_by_iterators(data_dir: pathlib.Path) -> None:
+    # tfds would cache this small dataset in memory, one cache shared by every iterator of the
+    # dataset; under MultiWorkerMirroredStrategy that cache cut a 4-worker job's predict and
+    # label loop short (358 and 352 of 360 rows). load() must read the file instead.
+    from tfdist.datasets.digits import TfdistDigits
+
+    stock = TfdistDigits(data_dir=os.fspath(data_dir)).as_dataset(split="test")
+    assert any(op.startswith("CacheDataset") for op in _dataset_ops(stock)), \
+        "control: tfds's default pipeline caches this dataset, so the check below means something"
+    ops = _dataset_ops(tfdist.datasets.load("digits", "test", data_dir))
+    assert not any(op.startswith("CacheDataset") for op in ops), sorted(ops)
+
+
 def test_unknown_name_lists_available(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown dataset 'mnist'; available datasets: digits"):
         tfdist.datasets.load("mnist", "train", tmp_path)

@@ -82,7 +82,8 @@ def torch_job(cluster: SlurmCluster, **keys: Any) -> tuple[RenderedJob, str]:
     """Renders a torch job for n9 and n10 (2 fake GPUs each), runs it; returns it and its
     rendering. ``keys`` go to :func:`cluster_config` (``launcher``, ``script``, ``args``...)."""
     workdir = cluster.new_workdir()
-    env = {"OMP_NUM_THREADS": "1"}  # 4 ranks share 2 cores
+    # 4 ranks share 2 cores; a rank killed by a signal prints every thread's Python stack.
+    env = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if keys.get("launcher") == "torchrun":
         env["LOGLEVEL"] = "INFO"  # torchrun's agents log their rendezvous
     config = cluster_config(cluster, backend="torch", python=host_python(cluster, workdir),

@@ -298,7 +298,10 @@ def _clean_env(**extra: str) -> dict[str, str]:
     """This environment minus any launcher's variables; CPU only, so gloo on any machine."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_NAMES}
-    return {**env, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **extra}
+    # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT, SIGSEGV) prints every thread's
+    # Python stack, so an intermittent crash leaves more than its C++ message.
+    return {**env, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "CUDA_VISIBLE_DEVICES": "",
+            **extra}
 
 
 def _results(out: Path) -> tuple[list[list[np.ndarray]], list[dict]]:

@@ -212,8 +212,18 @@ def load(
     root = resolve_data_dir(data_dir)
     prepare(root)
     builder = TfdistDigits(data_dir=os.fspath(root))
+    # No tfds auto-cache. tfds caches small datasets in memory (``ds.cache()``), and tf.data
+    # shares that one cache among all iterators of the dataset, including the copies that
+    # tf.distribute rewrites to shard it, completing or resetting it from whichever iterator
+    # gets there first. Under MultiWorkerMirroredStrategy, Keras's evaluate and predict and a
+    # plain loop over the same dataset then share state: on a 4-worker job, one worker's
+    # predict pipeline and its plain label loop both stopped at row 352 of 360 (predict
+    # returned 358 rows). The splits are a few hundred kB: read the file every time.
     dataset = builder.as_dataset(
-        split=split, as_supervised=as_supervised, shuffle_files=shuffle_files
+        split=split,
+        as_supervised=as_supervised,
+        shuffle_files=shuffle_files,
+        read_config=tfds.ReadConfig(try_autocache=False),
     )
     return with_policy(dataset, "data")
 
