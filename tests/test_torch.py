@@ -8,6 +8,8 @@ compares both ranks' final weights bit for bit, and a control run without DDP mu
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -15,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -224,6 +227,39 @@ def test_init_refuses_other_settings_and_a_foreign_group(plain_process):
 def test_bad_settings_name_the_choices(plain_process, kwargs, environ, message):
     with mock.patch.dict(os.environ, environ), pytest.raises(ConfigError, match=message):
         tfdist.torch.init(**kwargs)
+
+
+def test_runnable_threads_counts_running_threads_of_that_name_only():
+    # The teardown waits on this count for gloo's workers; here two named threads of our own,
+    # one hashing without the GIL (running) and one waiting on an event (asleep).
+    from tfdist.torch.handle import _runnable_threads
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    stop, named = threading.Event(), threading.Barrier(3)
+
+    def run(name: bytes, busy: bool) -> None:
+        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME: this thread's comm
+        named.wait()
+        data = b"x" * (8 << 20)
+        while not stop.wait(0 if busy else 5):
+            hashlib.sha256(data).digest()  # releases the GIL: the thread stays runnable
+
+    threads = [threading.Thread(target=run, args=(b"tfdist_busy", True)),
+               threading.Thread(target=run, args=(b"tfdist_idle", False))]
+    for thread in threads:
+        thread.start()
+    try:
+        named.wait()
+        seen = [(_runnable_threads("tfdist_busy"), _runnable_threads("tfdist_idle"))
+                for _ in range(50) if not time.sleep(0.001)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert any(busy == 1 for busy, _ in seen), seen
+    assert all(idle == 0 for _, idle in seen), seen
+    assert _runnable_threads("tfdist_busy") == 0  # ended
+    assert _runnable_threads("no such thread") == 0
 
 
 def test_batch_arithmetic_and_lr_warmup_on_two_replicas():

@@ -11,6 +11,7 @@ import builtins
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -315,10 +316,12 @@ def shutdown(*, barrier: bool = True) -> None:
         try:
             if handle.size > 1:
                 handle.barrier()
+            _drain_gloo_workers()
         finally:
             torch_dist.destroy_process_group()
         return
     try:
+        _drain_gloo_workers()
         torch_dist.destroy_process_group()
     except Exception as error:  # the caller is already handling an error: keep it visible
         logger.warning("tfdist: destroying the process group failed: %s", error)
@@ -386,6 +389,49 @@ def _create_group(rendezvous: Rendezvous, backend: str, timeout_s: float) -> Non
             "Check that every rank was started with the same world size and that rank 0's "
             "address is reachable from here (TFDIST_HOST_TEMPLATE, or MASTER_ADDR/MASTER_PORT)"
         ) from error
+
+
+def _drain_gloo_workers(timeout_s: float = 2.0) -> None:
+    """Gives gloo's worker threads the GIL until none of them is running, at most ``timeout_s``.
+
+    A gloo worker drops each work it ran a moment after the caller's collective returned, and
+    with it the thread-local state captured when the work was queued, which holds Python
+    objects: dropping it takes the GIL. Once the script ends, that can happen during interpreter
+    finalization, where the thread is unwound with ``pthread_exit`` and the rank aborts with
+    "terminate called without an active exception" after all its work is done
+    (pytorch/pytorch#190489). ``destroy_process_group()`` does not stop these threads: once
+    ``torch._dynamo`` is loaded after the group exists (the first ``optimizer.step()`` or DDP
+    loads it), the group outlives it. And if the group is freed while a worker still waits for
+    the GIL (a DDP reducer dropping the last reference), the join in its destructor deadlocks.
+
+    So before the group goes: sleep in short steps (which releases the GIL, letting a waiting
+    worker finish) until no ``pt_gloo_runloop`` thread is runnable three polls in a row.
+    Without ``/proc`` (not Linux) it sleeps three steps. NCCL has no such workers.
+    """
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = quiet + 1 if not _runnable_threads("pt_gloo_runloop") else 0
+
+
+def _runnable_threads(name: str) -> int:
+    """How many of this process's threads called ``name`` are running or runnable now."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # the thread has ended
+            continue
+        # "tid (comm) state ...": comm may hold spaces and parentheses; state follows the last ")"
+        comm, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:][:1]
+        count += comm == name and state == "R"
+    return count
 
 
 def _register_atexit() -> None:
