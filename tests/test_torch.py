@@ -257,7 +257,8 @@ def test_runnable_threads_counts_running_threads_of_that_name_only():
         for thread in threads:
             thread.join()
     assert any(busy == 1 for busy, _ in seen), seen
-    assert all(idle == 0 for _, idle in seen), seen
+    # The idle thread may still run on its way into wait() at first; after 50 ms it sleeps.
+    assert all(idle == 0 for _, idle in seen[-20:]), seen
     assert _runnable_threads("tfdist_busy") == 0  # ended
     assert _runnable_threads("no such thread") == 0
 
