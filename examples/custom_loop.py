@@ -114,7 +114,7 @@ def train() -> None:
 
     train, test = split("train", shuffle=True), split("test", shuffle=False)
     if dist.is_chief:
-        print(f"tfdist: {dist.size} worker(s), {dist.num_replicas} replica(s), backend "
+        print(f"tfdist: {dist.world_size} worker(s), {dist.num_replicas} replica(s), backend "
               f"{dist.backend}, collective {dist.collective}, learning rate {lr:g}", flush=True)
     for epoch in range(FLAGS.epochs):
         losses, correct, seen = [], 0.0, 0.0

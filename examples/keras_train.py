@@ -91,7 +91,7 @@ def train() -> None:
 
     train, test = split("train", shuffle=True), split("test", shuffle=False)
     if dist.is_chief:
-        print(f"tfdist: {dist.size} worker(s), {dist.num_replicas} replica(s), backend "
+        print(f"tfdist: {dist.world_size} worker(s), {dist.num_replicas} replica(s), backend "
               f"{dist.backend}, collective {dist.collective}, learning rate {lr:g}", flush=True)
     model.fit(train, epochs=FLAGS.epochs, verbose=2,
               # tfdist: chief-only checkpoints and logs, per-worker backups, LR warmup.
@@ -104,7 +104,7 @@ def train() -> None:
     agree = float((predicted == labels).mean())
     # tfdist: every rank prints a digest of its weights; equal digests mean bit-identical weights.
     # One write with its newline, so ranks that share an output file don't interleave lines.
-    print(f"tfdist: rank {dist.rank} of {dist.size}: final weights "
+    print(f"tfdist: rank {dist.rank} of {dist.world_size}: final weights "
           f"{digest(model_variables(model))}\n", end="", flush=True)
     if dist.is_chief:  # tfdist: only the chief reports and writes the final model
         print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}  "

@@ -7,9 +7,9 @@
     tfdist job --backend torch --nodes 2 --submit examples/torch_train.py  # torchrun per node
 
 The twin of examples/keras_train.py: the same data (scikit-learn's 8x8 digits, the same train/test
-split, nothing downloaded), the same model and the same flags, with two differences. ``--backend``
-picks the process group's backend (``auto``: NCCL with CUDA, gloo on CPU), since in PyTorch that
-is what chooses the all-reduce; so there is no ``--collective``. ``--data_dir`` is accepted, so
+split, nothing downloaded), the same model and the same flags, with two differences. The backend
+is DDP, and ``--collective`` picks its process group's (``auto``: NCCL with CUDA, gloo on CPU),
+not MWMS's all-reduce. ``--data_dir`` is accepted, so
 one command line serves both, but unused: the arrays come from scikit-learn in memory. Each
 change for distributed training is marked `tfdist:`.
 """
@@ -38,7 +38,8 @@ flags.DEFINE_float("warmup_epochs", 0, "Ramp the scaled learning rate up over th
 flags.DEFINE_string("model_dir", None, "The chief saves final.pt (a state_dict) here.")
 flags.DEFINE_string("data_dir", None, "Unused (accepted so keras_train.py's flags work).")
 flags.DEFINE_enum("dataset", "digits", tfdist.datasets.available(), "Dataset to train on.")
-flags.DEFINE_enum("backend", "auto", ["auto", "nccl", "gloo"], "Process group backend.")
+flags.DEFINE_enum("collective", "auto", ["auto", "nccl", "gloo"],
+                  "The process group's collective (DDP's all-reduce).")
 flags.DEFINE_integer("seed", 0, "Random seed for weights and shuffling.")
 
 
@@ -110,7 +111,7 @@ def evaluate(dist: tfdist.torch.TorchDistributed, model: nn.Module, loader: Data
             loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
             correct += int((logits.argmax(dim=1) == y).sum())
             seen += len(y)
-    total = round(dist.average(seen) * dist.size)
+    total = round(dist.average(seen) * dist.world_size)
     return dist.average(loss_sum / seen, seen), dist.average(correct / seen, seen), total
 
 
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> None:
     del argv
     torch.manual_seed(FLAGS.seed)
     # tfdist: the process group first: torchrun, srun, tfdist launch or one process.
-    with tfdist.torch.distributed(given("backend")) as dist:
+    with tfdist.torch.distributed(given("collective")) as dist:
         model = dist.wrap(build_model())  # tfdist: DDP on this rank's device
         # tfdist: linear scaling by the number of replicas, when asked.
         lr = dist.scale_lr(FLAGS.learning_rate) if FLAGS.scale_lr else FLAGS.learning_rate
@@ -129,8 +130,9 @@ def main(argv: list[str]) -> None:
         warmup = None
         if FLAGS.warmup_epochs:  # tfdist: ramp up from lr / size, as the Keras callback does
             warmup = dist.warmup(optimizer, round(FLAGS.warmup_epochs * len(train)))
-        dist.print(f"tfdist: {dist.size} worker(s), {dist.num_replicas} replica(s), backend "
-                   f"{dist.backend}, device {dist.device}, learning rate {lr:g}")
+        dist.print(f"tfdist: {dist.world_size} worker(s), {dist.num_replicas} replica(s), "
+                   f"backend {dist.backend}, collective {dist.collective}, device {dist.device}, "
+                   f"learning rate {lr:g}")
         for epoch in range(FLAGS.epochs):
             start = time.perf_counter()
             loss, accuracy = train_epoch(dist, model, train, optimizer, warmup)
@@ -143,7 +145,7 @@ def main(argv: list[str]) -> None:
         loss, accuracy, images = evaluate(dist, model, test)
         # tfdist: every rank prints a digest of its weights: equal digests, identical weights.
         # One write with its newline, so ranks sharing an output file don't interleave lines.
-        print(f"tfdist: rank {dist.rank} of {dist.size}: final weights {digest(model)}\n",
+        print(f"tfdist: rank {dist.rank} of {dist.world_size}: final weights {digest(model)}\n",
               end="", flush=True)
         dist.print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}  ({images} images)")
         if FLAGS.model_dir:  # tfdist: the chief writes the final model, atomically

@@ -12,14 +12,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
+from tfdist.backends import choose as choose_backend
+from tfdist.backends.horovod import choose_controller
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import ConfigError
-from tfdist.horovod.handle import choose_controller
 from tfdist.horovod.rendezvous import Slot, gloo_env, slots
 from tfdist.launch import build_horovod_workers, horovod_worker_env
-from tfdist.strategy import choose_backend
+from tfdist.settings import resolve
+from tfdist.strategy import resolve_settings
 
 ENV = {
     "one process": ClusterEnvironment("single"),
@@ -59,12 +61,18 @@ def test_explicit_backend_wins(launch, requested):
 
 
 def test_backend_setting_accepts_horovod_and_names_choices():
-    from tfdist.strategy import _settings
-
-    assert _settings(None, None, None, {"TFDIST_BACKEND": "Horovod"})["backend"] == "horovod"
-    assert _settings("horovod", None, None, {"TFDIST_BACKEND": "mwms"})["backend"] == "horovod"
+    assert resolve_settings(environ={"TFDIST_BACKEND": "Horovod"})["backend"] == "horovod"
+    given = resolve_settings("horovod", environ={"TFDIST_BACKEND": "mwms"})
+    assert given["backend"] == "horovod"
     with pytest.raises(ConfigError, match=r"'hvd' is not one of \('auto', 'mwms', 'horovod'"):
-        _settings("hvd", None, None, {})
+        resolve_settings("hvd", environ={})
+
+
+def _srun_step(environ: dict[str, str]) -> ClusterEnvironment:
+    """Task 0 of a 2-task srun step on one node, with ``environ`` added (PMIx, settings)."""
+    return detect({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+                   "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n1",
+                   "SLURM_JOB_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2", **environ})
 
 
 CONTROLLER = {
@@ -83,7 +91,8 @@ CONTROLLER = {
 @pytest.mark.parametrize("case", sorted(CONTROLLER))
 def test_srun_controller(case):
     environ, mpi, gloo, expected = CONTROLLER[case]
-    assert choose_controller(ENV["srun step"], environ, mpi, gloo) == expected
+    requested = resolve("horovod_controller", environ=environ)
+    assert choose_controller(_srun_step(environ), requested, mpi, gloo) == expected
 
 
 @pytest.mark.parametrize(("environ", "mpi", "gloo", "message"), [
@@ -93,7 +102,8 @@ def test_srun_controller(case):
 ])
 def test_srun_controller_errors(environ, mpi, gloo, message):
     with pytest.raises(ConfigError, match=message):
-        choose_controller(ENV["srun step"], environ, mpi, gloo)
+        requested = resolve("horovod_controller", environ=environ)
+        choose_controller(_srun_step(environ), requested, mpi, gloo)
 
 
 def test_slots_match_horovodrun_for_two_nodes():
@@ -110,7 +120,7 @@ def test_slots_cyclic_order():
 
 
 def test_gloo_env_is_what_horovodrun_sets():
-    env = gloo_env(Slot("n2", 3, 0, 1, 4, 1, 2), "n1-ib0", 20480, None, {})
+    env = gloo_env(Slot("n2", 3, 0, 1, 4, 1, 2), "n1-ib0", 20480, None)
     assert env == {
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": "n1-ib0", "HOROVOD_GLOO_RENDEZVOUS_PORT": "20480",
         "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
@@ -120,10 +130,12 @@ def test_gloo_env_is_what_horovodrun_sets():
 
 
 def test_gloo_env_user_settings_win():
-    env = gloo_env(Slot("n1", 0, 0, 0, 1, 1, 1), "n1", 1, "lo",
-                   {"HOROVOD_GLOO_IFACE": "ib0", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600"})
+    env = horovod_worker_env({"HOROVOD_GLOO_IFACE": "ib0", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600"},
+                             4321, 0, 1)
     assert (env["HOROVOD_GLOO_IFACE"], env["HOROVOD_GLOO_TIMEOUT_SECONDS"]) == ("ib0", "600")
-    assert gloo_env(Slot("n1", 0, 0, 0, 1, 1, 1), "n1", 1, "lo", {})["HOROVOD_GLOO_IFACE"] == "lo"
+    assert gloo_env(Slot("n1", 0, 0, 0, 1, 1, 1), "n1", 1, "lo")["HOROVOD_GLOO_IFACE"] == "lo"
+    with pytest.raises(ConfigError, match="HOROVOD_GLOO_TIMEOUT_SECONDS='soon'"):
+        horovod_worker_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "soon"}, 4321, 0, 1)
 
 
 def test_launch_horovod_worker_env():
@@ -224,7 +236,7 @@ def test_horovod_file_shard_and_off(tmp_path):
 @pytest.mark.parametrize(("policy", "kwargs", "message"), [
     ("rows", {}, "is not one of"),
     ("file", {}, "needs num_files="),
-    ("file", {"num_files": 1}, "1 file.s. cannot be shared by 2 ranks"),
+    ("file", {"num_files": 1}, "1 input file.s. for 2 workers"),
 ])
 def test_horovod_shard_refusals(policy, kwargs, message):
     import tensorflow as tf

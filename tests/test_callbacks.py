@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import WORKERS, launch, load_result, load_weights
+from helpers import WORKERS, launch, load_result, load_weights
 
 pytestmark = pytest.mark.multiprocess
 RESUME = str(WORKERS / "resume_worker.py")

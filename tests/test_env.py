@@ -1,8 +1,9 @@
 """Launcher detection: environment variables in, a ClusterEnvironment out.
 
 Every table row is what a launcher really puts in a process's environment (Slurm's as measured
-on the test cluster, see shared/facts/slurm-testbed.md "What a task sees") and what tfdist must
-make of it. Rows run twice: with the dict passed to ``detect`` and with ``os.environ`` patched.
+on the test cluster of tests/slurm/, whose jobs in test_slurm_cluster.py check it) and what
+tfdist must make of it. Rows run twice: with the dict passed to ``detect`` and with
+``os.environ`` patched.
 """
 
 from __future__ import annotations
@@ -218,6 +219,30 @@ DETECTED: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
              "visible_devices": None}),
     "nothing but CUDA_VISIBLE_DEVICES": (
         {"CUDA_VISIBLE_DEVICES": "1"}, {"launcher": "single", "visible_devices": "1"}),
+    # What the backends need from the launch, carried so that nothing reads it again.
+    "srun step: its id, no GPU binding, no MPI plugin": (
+        srun_task(0, 0, 0, "0,1"),
+        {"step_id": "0", "gpus_per_task": None, "mpi_plugin": None, "launched_for": None,
+         "master_addr": None, "master_port": None}),
+    "srun --gpus-per-task=1": (
+        srun_task(1, 1, 0, "0,1", SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="1"),
+        {"gpus_per_task": 1, "visible_devices": "1"}),
+    "srun --gpus-per-task=a100:2": (
+        srun_task(1, 1, 0, "0,1", SLURM_GPUS_PER_TASK="a100:2"), {"gpus_per_task": 2}),
+    "srun --mpi=pmix: the plugin": (
+        srun_task(0, 0, 0, "0,1", PMIX_RANK="0"), {"mpi_plugin": "pmix"}),
+    "srun --mpi=pmi2": (srun_task(0, 0, 0, "0,1", PMI_RANK="0"), {"mpi_plugin": "pmi2"}),
+    "a job script's MASTER_ADDR and MASTER_PORT": (
+        srun_task(2, 0, 1, "2,3", MASTER_ADDR="head", MASTER_PORT="29400"),
+        {"master_addr": "head", "master_port": 29400, "coordinator": f"n1:{P}"}),
+    "mpirun with MASTER_ADDR only": (
+        {**OPEN_MPI, "MASTER_ADDR": "n1"}, {"master_addr": "n1", "master_port": None}),
+    "tfdist launch (MWMS workers)": (
+        {"TF_CONFIG": tf_config({"worker": ["localhost:5000", "localhost:5001"]}, "worker", 0),
+         "TFDIST_LAUNCHER": "local"}, {"launcher": "local", "launched_for": "mwms"}),
+    "tfdist launch --backend horovod": (
+        {**HOROVOD_GLOO, "TFDIST_LAUNCHER": "local"},
+        {"launcher": "local", "launched_for": "horovod", "rank": 2}),
 }
 
 
@@ -294,6 +319,11 @@ RAISES: dict[str, tuple[dict[str, str], type[Exception], str]] = {
     "TFDIST_HOST_TEMPLATE without {host}": (
         srun_task(0, 0, 0, "0,1", TFDIST_HOST_TEMPLATE="ib0"), ConfigError,
         "TFDIST_HOST_TEMPLATE"),
+    "SLURM_GPUS_PER_TASK not a count": (
+        srun_task(0, 0, 0, "0,1", SLURM_GPUS_PER_TASK="many"), ConfigError,
+        "SLURM_GPUS_PER_TASK='many'"),
+    "MASTER_PORT not a number": (
+        srun_task(0, 0, 0, "0,1", MASTER_PORT="auto"), ConfigError, "MASTER_PORT"),
     "TFDIST_PORT_BASE not a number": (
         srun_task(0, 0, 0, "0,1", TFDIST_PORT_BASE="high"), ConfigError, "TFDIST_PORT_BASE"),
     "TFDIST_PORT_BASE privileged": (

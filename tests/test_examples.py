@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, final_weights, launch
+from helpers import ROOT, final_weights, launch
 
 pytestmark = pytest.mark.multiprocess
 EXAMPLE = str(ROOT / "examples" / "keras_train.py")

@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
-from tfdist.data import shard_files
 from tfdist.errors import ConfigError
+from tfdist.sharding import shard_files
 
 SCRIPT = r"""
 import json, tensorflow as tf
@@ -24,10 +24,11 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 from tfdist import ConfigError, ClusterEnvironment
 from tfdist.callbacks import LearningRateWarmup
-from tfdist.strategy import Distributed
+from tfdist.backends.mwms import MultiWorkerDistributed
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-dist = Distributed(ClusterEnvironment("local", world_size=2, local_world_size=2, num_nodes=1),
-                   "mwms", strategy, "ring", 0)
+dist = MultiWorkerDistributed(
+    ClusterEnvironment("local", world_size=2, local_world_size=2, num_nodes=1), strategy,
+    "ring", 0)
 out = {"replicas": dist.num_replicas, "lr": dist.scale_lr(0.01),
        "per_replica": dist.per_replica_batch_size(64), "global": dist.global_batch_size(16)}
 def error(call):

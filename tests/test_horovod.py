@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, WORKERS, load_weights
+from helpers import ROOT, WORKERS, load_weights
 
 HVD_BIN = ROOT / ".venv-horovod" / "bin"
 HVD_PY = HVD_BIN / "python"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from conftest import WORKERS, launch
+from helpers import WORKERS, launch
 
 from tfdist import keras_compat
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import WORKERS, launch, load_result, load_weights
+from helpers import WORKERS, launch, load_result, load_weights
 
 pytestmark = pytest.mark.multiprocess
 KERAS = {"keras3": {}, "tf_keras": {"TF_USE_LEGACY_KERAS": "1"}}

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, WORKERS
+from helpers import ROOT, WORKERS
 
 TWO_WORKERS = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                           "task": {"type": "worker", "index": 0}})

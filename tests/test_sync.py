@@ -16,9 +16,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import ROOT, WORKERS, launch, load_result
+from helpers import ROOT, WORKERS, launch, load_result
 
-from tfdist import ClusterEnvironment, Distributed, sync
+from tfdist import ClusterEnvironment, sync
+from tfdist.backends.mwms import MultiWorkerDistributed
+from tfdist.backends.single import SingleDistributed
 from tfdist.errors import ConfigError, ReplicaMismatchError
 from tfdist.sync import ReplicaSyncCheck, fingerprint, mismatch_error, sync_check_callback
 
@@ -129,8 +131,8 @@ def test_different_variable_counts_mean_different_models():
 # --- settings: argument > environment > default ---------------------------------------------
 
 # A handle that is never used to train: settings and build() only read its attributes.
-MWMS = Distributed(ClusterEnvironment("local", world_size=2, local_world_size=2), "mwms",
-                   SimpleNamespace(num_replicas_in_sync=2), "ring", 0)
+MWMS = MultiWorkerDistributed(ClusterEnvironment("local", world_size=2, local_world_size=2),
+                              SimpleNamespace(num_replicas_in_sync=2), "ring", 0)
 
 
 @pytest.mark.parametrize(("enabled", "every", "env", "expected"), [
@@ -164,7 +166,8 @@ def test_bad_settings_name_the_setting(every, env, named):
 
 
 def test_one_process_has_nothing_to_compare():
-    single = Distributed(ClusterEnvironment("local"), "single", None, "none", 0)
+    single = SingleDistributed(ClusterEnvironment("local"),
+                               SimpleNamespace(num_replicas_in_sync=1), "none", 0)
     assert sync_check_callback(single, True, 3, {}) is None
 
 

@@ -24,7 +24,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import ROOT, WORKERS, final_weights, load_weights
+from helpers import ROOT, WORKERS, final_weights, load_weights
 
 import tfdist.datasets
 from tfdist.env import detect, slurm
@@ -88,7 +88,7 @@ _PORT = slurm.port_base({"SLURM_JOB_ID": str(_JOB)}, 2)
         "srun-host-template", "srun-port-base", "srun-master-override", "srun-master-port",
         "mpirun-with-master"])
 def test_rendezvous_follows_the_launcher(environ, expected):
-    found = plan(detect(environ), environ)
+    found = plan(detect(environ))
     assert (found.init_method, found.rank, found.world_size) == (
         expected.init_method, expected.rank, expected.world_size)
     assert found.reason
@@ -97,9 +97,9 @@ def test_rendezvous_follows_the_launcher(environ, expected):
 def test_srun_rendezvous_uses_the_port_derived_for_every_backend():
     environ = _srun_step(0, 1234)
     environment = detect(environ)
-    assert plan(environment, environ).init_method == f"tcp://{environment.worker_addresses[0]}"
+    assert plan(environment).init_method == f"tcp://{environment.worker_addresses[0]}"
     assert environment.worker_addresses[0] == f"localhost:{slurm.port_base(environ, 2)}"
-    assert "first node of the step's nodelist" in plan(environment, environ).reason
+    assert "first node of the step's nodelist" in plan(environment).reason
 
 
 _HOROVOD = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
@@ -111,7 +111,7 @@ _HOROVOD = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
     ids=["mpirun", "horovodrun", "tfdist-launch-horovod"])
 def test_mpi_without_master_address_names_the_fix(environ):
     with pytest.raises(LaunchError) as raised:
-        plan(detect(environ), environ)
+        plan(detect(environ))
     message = str(raised.value)
     assert "torchrun" in message and "srun" in message and "MASTER_ADDR" in message
 
@@ -119,7 +119,7 @@ def test_mpi_without_master_address_names_the_fix(environ):
 def test_torchrun_variables_without_its_store_are_refused():
     environ = {k: v for k, v in _TORCHRUN.items() if not k.startswith("MASTER_")}
     with pytest.raises(LaunchError, match="start the script with torchrun"):
-        plan(detect(environ), environ)
+        plan(detect(environ))
 
 
 # --- The epoch sampler -----------------------------------------------------------------------
@@ -171,8 +171,8 @@ def plain_process():
 def test_one_process_runs_the_same_code(plain_process, tmp_path):
     with tfdist.torch.distributed() as dist:
         assert (dist.rank, dist.size, dist.local_rank, dist.is_chief) == (0, 1, 0, True)
-        assert (dist.backend, str(dist.device), dist.rendezvous.init_method) == (
-            "gloo", "cpu", None)
+        assert (dist.backend, dist.collective, str(dist.device),
+                dist.rendezvous.init_method) == ("ddp", "gloo", "cpu", None)
         assert tfdist.torch.init() is dist is tfdist.torch.current()
         model = dist.wrap(torch.nn.Linear(3, 2))
         assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -198,7 +198,7 @@ def test_nccl_without_cuda_falls_back_to_gloo_and_says_so(plain_process, caplog)
         pytest.skip("CUDA is available here: NCCL is used")
     with caplog.at_level(logging.WARNING, logger="tfdist"):
         dist = tfdist.torch.init("nccl")
-    assert dist.backend == "gloo"
+    assert dist.collective == "gloo"
     assert "NCCL was requested but CUDA is not available" in caplog.text
 
 
@@ -218,9 +218,10 @@ def test_init_refuses_other_settings_and_a_foreign_group(plain_process):
 
 
 @pytest.mark.parametrize(("kwargs", "environ", "message"), [
-    ({"backend": "mpi"}, {}, r"'mpi' is not one of \('auto', 'nccl', 'gloo'\).*"
-                             "TFDIST_TORCH_BACKEND"),
-    ({}, {"TFDIST_TORCH_BACKEND": "nccl2"}, "'nccl2' is not one of"),
+    ({"collective": "mpi"}, {}, r"'mpi' is not one of \('auto', 'nccl', 'gloo'\).*"
+                                "TFDIST_TORCH_COLLECTIVE"),
+    ({}, {"TFDIST_TORCH_COLLECTIVE": "nccl2"}, "'nccl2' is not one of"),
+    ({}, {"TFDIST_TORCH_BACKEND": "nccl2"}, "'nccl2' is not one of"),  # the old name
     ({}, {"TFDIST_TORCH_TIMEOUT": "soon"}, "TFDIST_TORCH_TIMEOUT='soon' is not a number"),
     ({"timeout": 0}, {}, "positive number of seconds"),
 ])
@@ -348,8 +349,8 @@ def _results(out: Path) -> tuple[list[list[np.ndarray]], list[dict]]:
 
 def _assert_ddp_run(out: Path, launcher: str) -> list[dict]:
     weights, results = _results(out)
-    assert [(r["rank"], r["size"], r["launcher"], r["backend"]) for r in results] == [
-        (0, 2, launcher, "gloo"), (1, 2, launcher, "gloo")]
+    assert [(r["rank"], r["size"], r["launcher"], r["backend"], r["collective"])
+            for r in results] == [(0, 2, launcher, "ddp", "gloo"), (1, 2, launcher, "ddp", "gloo")]
     for a, b in zip(weights[0], weights[1], strict=True):
         np.testing.assert_array_equal(a, b)  # bit for bit, from different initial weights
     assert results[0]["losses"] == results[1]["losses"]  # averaged over the ranks
@@ -507,7 +508,8 @@ def test_example_on_two_workers_with_the_keras_flags(tmp_path):
                         f"--model_dir={tmp_path}/m\n--data_dir={tmp_path}/data\n")
     run = _tfdist_launch([EXAMPLE, f"--flagfile={flagfile}"])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "[0] tfdist: 2 worker(s), 2 replica(s), backend gloo, device cpu" in run.stdout
+    assert ("[0] tfdist: 2 worker(s), 2 replica(s), backend ddp, collective gloo, device cpu"
+            in run.stdout)
     assert "learning rate 0.002" in run.stdout  # --scale_lr doubled 1e-3
     assert _accuracy(run.stdout) > 0.9
     weights = final_weights([run.stdout])
@@ -526,7 +528,7 @@ def test_example_on_two_workers_with_the_keras_flags(tmp_path):
 def test_example_under_torchrun(tmp_path):
     run = _torchrun([EXAMPLE, "--epochs=5"])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "tfdist: 2 worker(s), 2 replica(s), backend gloo" in run.stdout
+    assert "tfdist: 2 worker(s), 2 replica(s), backend ddp, collective gloo" in run.stdout
     assert _accuracy(run.stdout) > 0.9
     weights = final_weights([run.stdout])
     assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights
@@ -539,5 +541,6 @@ def test_example_in_one_plain_process():
                          env=_clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "tfdist: 1 worker(s), 1 replica(s), backend gloo, device cpu" in run.stdout
+    assert ("tfdist: 1 worker(s), 1 replica(s), backend ddp, collective gloo, device cpu"
+            in run.stdout)
     assert _accuracy(run.stdout) > 0.8

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfdist import keras_compat, sync
 
 if TYPE_CHECKING:
-    from tfdist.strategy import Distributed
+    from tfdist.backends.base import Distributed
 
 __all__ = ["ChiefOnly", "AtomicCheckpoint", "LearningRateWarmup", "WorkerBackupAndRestore",
            "build"]

@@ -1,5 +1,6 @@
 """The ``tfdist`` command: ``tfdist launch`` runs local workers, ``tfdist env`` shows the
-cluster environment tfdist detects, ``tfdist job`` renders and submits Slurm job scripts.
+cluster environment tfdist detects, ``tfdist settings`` every setting and its value here,
+``tfdist job`` renders and submits Slurm job scripts.
 
 Each subcommand has one small function adding its flags and one running it. Nothing here imports
 TensorFlow, so ``tfdist --help`` stays fast.
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_launch(commands)
     _add_env(commands)
+    _add_settings(commands)
     _add_job(commands)
     return parser
 
@@ -162,6 +164,32 @@ def _run_env(args: argparse.Namespace) -> int:
         print(json.dumps(fields, indent=2, default=str))
     else:
         print("\n".join(f"{name}: {value}" for name, value in fields.items()))
+    return 0
+
+
+def _add_settings(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "settings",
+        help="print every tfdist setting, its value here and where it came from",
+        description="Print every setting (argument, environment variable, value, source) as "
+        "this environment sets it; an invalid value is an error naming the allowed ones.",
+    )
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the README's reference table instead")
+    parser.set_defaults(handler=_run_settings)
+
+
+def _run_settings(args: argparse.Namespace) -> int:
+    from tfdist import settings
+
+    if args.markdown:
+        print(settings.markdown_table())
+        return 0
+    rows = [(entry.variable, settings.shown(value), source)
+            for entry, value, source in settings.current()]
+    width = max(len(variable) for variable, _, _ in rows)
+    for variable, value, source in rows:
+        print(f"{variable:<{width}}  {value}  ({source})")
     return 0
 
 

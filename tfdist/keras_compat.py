@@ -23,7 +23,9 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["AFFECTED", "needs_fix", "apply", "is_keras3"]
+from tfdist.settings import resolve
+
+__all__ = ["AFFECTED", "apply", "is_keras3", "legacy_keras_requested", "needs_fix"]
 
 logger = logging.getLogger("tfdist")
 
@@ -48,9 +50,14 @@ def is_keras3(keras_module: Any) -> bool:
     return not str(getattr(keras_module, "__version__", "3")).startswith("2.")
 
 
+def legacy_keras_requested() -> bool:
+    """Whether ``tf.keras`` is tf_keras, read the way TensorFlow itself reads the variable."""
+    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+
+
 def needs_fix() -> bool:
     """True when Keras 3 drives ``tf.keras`` and its version is in ``AFFECTED``."""
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
+    if legacy_keras_requested():
         return False  # tf_keras (Keras 2) has its own multi-worker code, which works
     import keras
 
@@ -62,7 +69,7 @@ def apply() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get("TFDIST_KERAS_FIX", "1") == "0" or not needs_fix():
+    if not resolve("keras_fix") or not needs_fix():
         return False
     from keras.src.backend.tensorflow import trainer
 

@@ -146,11 +146,14 @@ def horovod_worker_env(
     ``TFDIST_LAUNCHER=local``, ``TFDIST_BACKEND=horovod``, ``TFDIST_LOCAL_RANK``,
     ``TFDIST_LOCAL_WORLD_SIZE`` and ``PYTHONUNBUFFERED=1``."""
     from tfdist.horovod.rendezvous import Slot, gloo_env
+    from tfdist.settings import resolve
 
     env = dict(base_env)
     env.pop("TF_CONFIG", None)
     slot = Slot("localhost", rank, rank, 0, size, size, 1)
-    env.update(gloo_env(slot, LOCALHOST, rendezvous_port, "lo", base_env))
+    env.update(gloo_env(slot, LOCALHOST, rendezvous_port,
+                        resolve("horovod_gloo_iface", environ=base_env) or "lo",
+                        resolve("horovod_gloo_timeout", environ=base_env)))
     env.update(
         TFDIST_LAUNCHER="local",
         TFDIST_BACKEND="horovod",

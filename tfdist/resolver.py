@@ -1,10 +1,11 @@
 """A Slurm cluster resolver for tf.distribute that fixes the stock one's defects.
 
-``tf.distribute.cluster_resolver.SlurmClusterResolver`` (TF 2.21) is fragile on real clusters
-(see ``shared/facts/tensorflow.md``). This resolver reads tfdist's pure Slurm detection instead:
+``tf.distribute.cluster_resolver.SlurmClusterResolver`` (TF 2.21) is fragile on real clusters;
+``tests/test_resolver.py`` shows each defect on the stock resolver. This resolver reads tfdist's
+pure Slurm detection instead:
 
 1. no ``nvidia-smi`` call: GPUs come from Slurm's ``CUDA_VISIBLE_DEVICES`` (or are counted by
-   tfdist.init through TensorFlow when Slurm sets none);
+   TensorFlow when Slurm sets none, see :mod:`tfdist.devices`);
 2. CPU-only steps and 3. per-task GPU binding (``--gpus-per-task``) are ordinary cases;
 4. hosts keep Slurm's node order (n9 before n10), never string-sorted;
 5. physical GPU ids (``CUDA_VISIBLE_DEVICES=2,3``) are kept, each local task gets its own;
@@ -14,7 +15,8 @@
 9. block, cyclic and plane distributions are laid out as Slurm does, and
    ``TFDIST_HOST_TEMPLATE`` (e.g. ``{host}-ib0``) picks the interface name to dial.
 
-The resolver never mutates ``os.environ``; tfdist.init applies the GPU selection once.
+The resolver never mutates ``os.environ``: :mod:`tfdist.devices` chooses the GPUs and applies the
+choice once, before TensorFlow starts.
 """
 
 from __future__ import annotations
@@ -25,48 +27,12 @@ from collections.abc import Mapping
 from tensorflow.python.distribute.cluster_resolver.cluster_resolver import ClusterResolver
 from tensorflow.python.training.server_lib import ClusterSpec
 
+from tfdist import devices
 from tfdist.env import slurm
 from tfdist.env.base import ClusterEnvironment
-from tfdist.errors import ConfigError, LaunchError
+from tfdist.errors import LaunchError
 
-__all__ = ["SlurmClusterResolver", "select_gpus"]
-
-_NO_GPUS = ("", "NoDevFiles", "-1", "none")
-
-
-def select_gpus(visible: str | None, local_rank: int, local_world_size: int,
-                bound_per_task: bool) -> str | None:
-    """Chooses this task's ``CUDA_VISIBLE_DEVICES`` from what Slurm gave it.
-
-    Args:
-        visible: the inherited ``CUDA_VISIBLE_DEVICES``; None when unset.
-        local_rank: the task's index on its node.
-        local_world_size: tasks on the node.
-        bound_per_task: Slurm already bound GPUs to each task (``SLURM_GPUS_PER_TASK`` is set,
-            or only one GPU is visible).
-
-    Returns:
-        The ids to make visible (physical ids kept, e.g. ``"3"`` from ``"2,3"``), ``""`` for a
-        CPU-only task, or None when nothing is known and TensorFlow must count the GPUs.
-
-    Raises:
-        ConfigError: fewer GPUs than tasks on the node, or a count that does not divide.
-    """
-    if visible is None:
-        return None
-    if visible.strip() in _NO_GPUS:
-        return ""
-    ids = [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
-    if bound_per_task or len(ids) == 1 or local_world_size == 1:
-        return ",".join(ids)
-    if len(ids) % local_world_size:
-        raise ConfigError(
-            f"{len(ids)} GPUs (CUDA_VISIBLE_DEVICES={visible}) cannot be shared evenly by "
-            f"{local_world_size} tasks on this node: run one task per GPU "
-            f"(`srun --ntasks-per-node={len(ids)}`) or bind them with `--gpus-per-task=1`")
-    per_task = len(ids) // local_world_size
-    return ",".join(ids[local_rank * per_task:(local_rank + 1) * per_task])
-
+__all__ = ["SlurmClusterResolver"]
 
 class SlurmClusterResolver(ClusterResolver):
     """Cluster resolver for one srun task per GPU (or per CPU worker), in Slurm's order.
@@ -93,9 +59,9 @@ class SlurmClusterResolver(ClusterResolver):
                               "train.py` inside the job, one task per GPU")
         self._env = environment
         if num_gpus is None:
-            chosen = select_gpus(environment.visible_devices, environment.local_rank,
-                                 environment.local_world_size, "SLURM_GPUS_PER_TASK" in environ)
-            num_gpus = len([g for g in (chosen or "").split(",") if g])
+            num_gpus = devices.count(devices.select_gpus(
+                environment.visible_devices, environment.local_rank,
+                environment.local_world_size, environment.gpus_per_task is not None)) or 0
         self._num_gpus = num_gpus
         self.task_type = "worker"
         self.task_id = environment.rank

@@ -19,10 +19,8 @@ a custom loop. Imported only after :func:`tfdist.init`, like :mod:`tfdist.callba
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,9 +29,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError, ReplicaMismatchError, TfdistError
+from tfdist.settings import resolve
 
 if TYPE_CHECKING:
-    from tfdist.strategy import Distributed
+    from tfdist.backends.base import Distributed
 
 __all__ = [
     "ReplicaSyncCheck",
@@ -47,6 +46,7 @@ __all__ = [
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
 DEFAULT_TIMEOUT_S = 600.0  # covers a chief still writing a large checkpoint at the epoch end
+_HEADER_WIDTH = 4  # rank, local replica, variable count, digest
 _SHOWN = 6  # ranks and variables named in an error message before "... and N more"
 
 
@@ -108,15 +108,16 @@ def check(dist: Distributed, variables: Sequence[Any], step: int | None = None, 
         dist: the handle from :func:`tfdist.init`.
         variables: the variables to compare, e.g. from :func:`model_variables`.
         step: the training step, for the error message.
-        timeout_s: how long to wait for the other ranks (MultiWorkerMirroredStrategy only).
+        timeout_s: how long to wait for the other ranks, where the backend can bound it
+            (MultiWorkerMirroredStrategy; Horovod stops a stalled job by its own timeout).
 
     Raises:
         ReplicaMismatchError: some ranks hold different values; the message names them, the
             variables that differ, the usual causes and the fix.
         TfdistError: a rank did not reach the check within ``timeout_s``.
     """
-    if dist.backend == "single":
-        return  # one process, one replica: nothing to compare
+    if dist.num_replicas == 1:
+        return  # one replica: nothing to compare
     variables = [v for v in variables if not _is_sync_on_read(v)]
     local = _local_digests(dist, variables)
     combined = [_digest(row) for row in local]
@@ -225,7 +226,7 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
     def on_train_begin(self, logs: Any = None) -> None:
         self._step, self.checked_steps, self.seconds = 0, [], []
         # Trace the gather now rather than in the first batch's hook, which tf_keras times.
-        _trace_gather(self.dist, self.timeout_s)
+        self.dist.prepare_gather_rows(_HEADER_WIDTH, self.timeout_s)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self._step += 1
@@ -256,36 +257,19 @@ def sync_check_callback(dist: Distributed, enabled: bool | None = None,
     Args:
         dist: the handle from :func:`tfdist.init`.
         enabled: run the check; env ``TFDIST_SYNC_CHECK`` (``1``/``0``), default on. With
-            one process (backend ``single``) there is nothing to compare and no callback.
+            one replica there is nothing to compare and no callback.
         every_n_steps: also check every N steps; env ``TFDIST_SYNC_CHECK_EVERY``, default
             None (after the first step and at the end only).
         environ: the environment to read (default ``os.environ``).
-    """
-    environ = os.environ if environ is None else environ
-    if enabled is None:
-        enabled = _env_flag(environ, "TFDIST_SYNC_CHECK", default=True)
-    if every_n_steps is None and environ.get("TFDIST_SYNC_CHECK_EVERY", "").strip():
-        from tfdist.env.base import get_int
 
-        every_n_steps = get_int(environ, "TFDIST_SYNC_CHECK_EVERY")
-    if every_n_steps is not None and every_n_steps < 1:
-        raise ConfigError(f"sync check every {every_n_steps} steps: use a positive number "
-                          "(argument `sync_check_every=` or TFDIST_SYNC_CHECK_EVERY), or turn "
-                          "the check off with sync_check=False / TFDIST_SYNC_CHECK=0")
-    if not enabled or dist.backend == "single":
+    Raises:
+        ConfigError: an invalid setting.
+    """
+    enabled = resolve("sync_check", enabled, environ)
+    every_n_steps = resolve("sync_check_every", every_n_steps, environ)
+    if not enabled or dist.num_replicas == 1:
         return None
     return ReplicaSyncCheck(dist, every_n_steps)
-
-
-def _env_flag(environ: Mapping[str, str], name: str, *, default: bool) -> bool:
-    value = environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"environment variable {name}={value!r}: use 1 (on) or 0 (off)")
 
 
 def _digest(array: np.ndarray) -> int:
@@ -324,13 +308,9 @@ def _is_unsynced_batch_norm(layer: Any) -> bool:
             and not getattr(layer, "synchronized", False))
 
 
-def _local_replicas(dist: Distributed) -> int:
-    return len(dist.strategy.extended.worker_devices) if dist.backend == "mwms" else 1
-
-
 def _local_digests(dist: Distributed, variables: Sequence[Any]) -> np.ndarray:
     """Rows of per-variable digests, one row per replica on this rank (its own copies)."""
-    count = _local_replicas(dist)
+    count = dist.local_replicas
     copies = [_local_copies(dist, v, count) for v in variables]
     return np.array([fingerprint(c[i] for c in copies) for i in range(count)],
                     dtype=np.uint64).reshape(count, len(variables))
@@ -344,56 +324,14 @@ def _local_copies(dist: Distributed, variable: Any, count: int) -> list[Any]:
 def _gather(dist: Distributed, rows: np.ndarray, timeout_s: float) -> np.ndarray:
     """All replicas' rows (``uint64``), the same table on every rank."""
     packed = rows.view(np.int64)  # collectives carry int64, not uint64
-    if dist.backend == "mwms":
-        gathered = _gather_mwms(dist, packed, timeout_s)
-    elif dist.backend == "horovod":
-        import horovod.tensorflow as hvd
-
-        gathered = hvd.allgather(tf.constant(packed), name="tfdist_sync_check").numpy()
-    else:
-        raise ConfigError(f"the replica sync check has no gather for backend {dist.backend!r}: "
-                          "turn it off with sync_check=False / TFDIST_SYNC_CHECK=0")
-    return np.ascontiguousarray(gathered, dtype=np.int64).view(np.uint64)
-
-
-def _gather_mwms(dist: Distributed, rows: np.ndarray, timeout_s: float) -> np.ndarray:
-    gather = _mwms_gather_function(dist.strategy, float(timeout_s))
     try:
-        gathered = gather(tf.constant(rows))
-    except tf.errors.DeadlineExceededError:
+        gathered = dist.gather_rows(packed, timeout_s)
+    except TfdistError as error:
         raise TfdistError(
-            f"replica sync check: not every rank reached it within {timeout_s:g} s. Call "
-            "tfdist.sync.check() on every rank at the same step (not only on the chief); "
-            "a rank that is still busy needs a larger timeout_s") from None
-    return np.asarray(dist.strategy.experimental_local_results(gathered)[0])
-
-
-def _trace_gather(dist: Distributed, timeout_s: float, width: int = 4) -> None:
-    """Traces the gather of ``width``-wide rows ahead of time (~0.2 s; runs no collective)."""
-    if dist.backend == "mwms":
-        spec = tf.TensorSpec((_local_replicas(dist), width), tf.int64)
-        _mwms_gather_function(dist.strategy, float(timeout_s)).get_concrete_function(spec)
-
-
-@functools.lru_cache(maxsize=8)
-def _mwms_gather_function(strategy: Any, timeout_s: float) -> Any:
-    """A tf.function that all-gathers each replica's row of this worker's ``(replicas, k)`` rows.
-
-    Traced once per row width; an eager ``strategy.gather`` retraces on every call (~0.1 s).
-    """
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
-    count = len(strategy.extended.worker_devices)
-
-    def replica_row(rows: Any) -> Any:
-        context = tf.distribute.get_replica_context()
-        mine = rows[context.replica_id_in_sync_group % count][None]
-        return context.all_gather(mine, axis=0, options=options)
-
-    @tf.function
-    def gather(rows: Any) -> Any:
-        return strategy.run(replica_row, args=(rows,))
-
-    return gather
+            f"replica sync check: {error}. Call tfdist.sync.check() on every rank at the same "
+            "step (not only on the chief); a rank that is still busy needs a larger "
+            "timeout_s") from None
+    return np.ascontiguousarray(gathered, dtype=np.int64).view(np.uint64)
 
 
 def _groups(rows: np.ndarray, label: Any) -> list[str]:

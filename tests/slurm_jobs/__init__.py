@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights
+from helpers import final_weights
 from slurmtest import JobResult, SlurmCluster, SlurmJobTimeoutError
 
 from tfdist.jobs import JobConfig, check_output_dirs, render, save

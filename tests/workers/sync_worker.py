@@ -143,8 +143,10 @@ def _replicas(out: Path) -> None:
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    dist = tfdist.Distributed(tfdist.detect(), "mwms", strategy, "ring", 0)
     from tfdist import sync
+    from tfdist.backends.mwms import MultiWorkerDistributed
+
+    dist = MultiWorkerDistributed(tfdist.detect(), strategy, "ring", 0)
     from tfdist.errors import ReplicaMismatchError
 
     with strategy.scope():

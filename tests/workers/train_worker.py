@@ -71,7 +71,7 @@ def train(out_dir: str, loop: str, mode: str, backend: str, rank: int) -> dict:
         losses = _custom_loop(dist, model, optimizer, dataset.batch(global_batch), global_batch)
     weights = {f"w{i}": v.numpy() for i, v in enumerate(model.trainable_variables)}
     np.savez(os.path.join(out_dir, f"weights-{rank}.npz"), **weights)
-    return {"rank": rank, "size": dist.size, "backend": dist.backend,
+    return {"rank": rank, "size": dist.world_size, "backend": dist.backend,
             "collective": dist.collective, "launcher": dist.environment.launcher,
             "keras3": keras_compat.is_keras3(keras), "losses": losses}
 

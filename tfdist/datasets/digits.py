@@ -34,10 +34,10 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import gcs_utils
 
-from tfdist.data import with_policy
 from tfdist.datasets import resolve_data_dir
 from tfdist.datasets.in_memory import split_indices, to_uint8
 from tfdist.errors import TfdistError
+from tfdist.sharding import with_policy
 
 if TYPE_CHECKING:
     import tensorflow as tf

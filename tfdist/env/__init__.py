@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 
 from tfdist.env import mpi, slurm, tf_config, torchrun
-from tfdist.env.base import ClusterEnvironment
+from tfdist.env.base import ClusterEnvironment, common
 
 __all__ = ["ClusterEnvironment", "detect"]
 
@@ -47,6 +47,5 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnvironment:
         found = detector(environ)
         if found is not None:
             return found
-    return ClusterEnvironment(launcher="single",
-                              visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+    return ClusterEnvironment(launcher="single", **common(environ),
                               reason="no launcher variables: one process")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tfdist.errors import ConfigError
 
-__all__ = ["ClusterEnvironment", "get_int"]
+__all__ = ["ClusterEnvironment", "common", "get_int", "local_ranks"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,21 @@ class ClusterEnvironment:
             when the launcher does not say.
         worker_addresses: ``host:port`` of every rank, in rank order, for TensorFlow's gRPC
             collectives; empty when the launcher does not provide one per rank.
-        coordinator: ``host:port`` of rank 0's rendezvous (torchrun, Horovod), if known.
+        coordinator: ``host:port`` where the launch's ranks meet: rank 0's worker address
+            (srun, ``TF_CONFIG``), torchrun's store, horovodrun's Gloo rendezvous; None when the
+            launcher gives none (mpirun).
+        master_addr: ``MASTER_ADDR`` as exported by a job script or mpirun ``-x``, or None: where
+            a torch process group meets when the launcher gives no place of its own.
+        master_port: ``MASTER_PORT``, likewise.
         job_id: the scheduler's job id, if any.
+        step_id: the Slurm step id, if any.
+        gpus_per_task: GPUs Slurm bound to each task (``srun --gpus-per-task``), or None when
+            the task sees the node's GPUs.
+        mpi_plugin: ``"pmix"`` or ``"pmi2"`` when srun's MPI plugin started the step (``srun
+            --mpi=pmix``), so MPI can initialise from Slurm; else None.
+        launched_for: for ``tfdist launch`` (launcher ``"local"``), the backend its workers were
+            set up for: ``"mwms"`` (a ``TF_CONFIG`` each) or ``"horovod"`` (Horovod's Gloo
+            variables); None for other launchers.
         visible_devices: this process's ``CUDA_VISIBLE_DEVICES`` as inherited, or None.
         reason: which variables decided the detection, for logs and ``tfdist env``.
     """
@@ -43,7 +57,13 @@ class ClusterEnvironment:
     hosts: tuple[str, ...] = ()
     worker_addresses: tuple[str, ...] = ()
     coordinator: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
     job_id: str | None = None
+    step_id: str | None = None
+    gpus_per_task: int | None = None
+    mpi_plugin: str | None = None
+    launched_for: str | None = None
     visible_devices: str | None = None
     reason: str = ""
 
@@ -54,6 +74,49 @@ class ClusterEnvironment:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+
+def local_ranks(owners: Sequence[Hashable]) -> list[int]:
+    """Each rank's index among the ranks with the same owner (its node): the local rank.
+
+    ``owners`` holds the node (name or index) of every rank, in rank order; ranks on one node
+    are numbered in rank order, whatever the distribution across nodes.
+    """
+    seen: dict[Hashable, int] = {}
+    result = []
+    for owner in owners:
+        result.append(seen.get(owner, 0))
+        seen[owner] = result[-1] + 1
+    return result
+
+
+def common(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The fields every launcher's detection reads the same way: the job around the process,
+    the GPUs it inherited and a ``MASTER_ADDR``/``MASTER_PORT`` a job script exported.
+
+    Raises:
+        ConfigError: a malformed ``MASTER_PORT`` or ``SLURM_GPUS_PER_TASK``.
+    """
+    port = environ.get("MASTER_PORT", "").strip()
+    return {
+        "job_id": environ.get("SLURM_JOB_ID"),
+        "step_id": environ.get("SLURM_STEP_ID"),
+        "gpus_per_task": _gpus_per_task(environ.get("SLURM_GPUS_PER_TASK")),
+        "master_addr": environ.get("MASTER_ADDR") or None,
+        "master_port": get_int(environ, "MASTER_PORT") if port else None,
+        "visible_devices": environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def _gpus_per_task(value: str | None) -> int | None:
+    # `--gpus-per-task=[type:]count`, several types separated by commas.
+    if value is None or not value.strip():
+        return None
+    try:
+        return sum(int(part.rsplit(":", 1)[-1]) for part in value.split(","))
+    except ValueError:
+        raise ConfigError(f"SLURM_GPUS_PER_TASK={value!r} is not [type:]count as "
+                          "`srun --gpus-per-task` writes it") from None
 
 
 def get_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tfdist.env.base import ClusterEnvironment, get_int
+from tfdist.env.base import ClusterEnvironment, common, get_int
 
 __all__ = ["detect"]
 
@@ -38,14 +38,15 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
                 coordinator = (f"{environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
                                f"{environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}")
             reason = f"{launcher} ({rank_var}={rank}, {size_var}={size})"
+            launched_for = None
             if launcher == "horovodrun" and environ.get("TFDIST_LAUNCHER") == "local":
                 launcher, reason = "local", f"tfdist launch --backend horovod ({rank_var}={rank})"
+                launched_for = "horovod"
             return ClusterEnvironment(
                 launcher=launcher, rank=rank, world_size=size,
                 local_rank=get_int(environ, local_var), local_world_size=local_size,
                 node_rank=node_rank, num_nodes=get_int(
                     environ, "HOROVOD_CROSS_SIZE", -(-size // local_size)),
-                coordinator=coordinator, job_id=environ.get("SLURM_JOB_ID"),
-                visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+                coordinator=coordinator, launched_for=launched_for, **common(environ),
                 reason=reason)
     return None

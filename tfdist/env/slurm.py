@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tfdist.env.base import ClusterEnvironment, get_int
+from tfdist.env.base import ClusterEnvironment, common, get_int, local_ranks
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.hostlist import expand_hostlist, expand_tasks_per_node
+from tfdist.settings import resolve
 
 __all__ = ["detect", "task_nodes", "port_base", "PORT_RANGE", "PORT_BLOCK"]
 
@@ -49,22 +50,27 @@ def _step(environ: Mapping[str, str]) -> ClusterEnvironment:
                           f"{world_size} tasks in all")
     nodes = task_nodes(counts, _distribution(environ))
     node_rank = nodes[rank]
-    local_ranks = [nodes[:r].count(nodes[r]) for r in range(world_size)]
-    _check_layout(environ, nodes, rank, local_ranks[rank])
+    local = local_ranks(nodes)
+    _check_layout(environ, nodes, rank, local[rank])
     base = port_base(environ, max(counts))
-    template = environ.get("TFDIST_HOST_TEMPLATE", "{host}")
-    if "{host}" not in template:
-        raise ConfigError(f"TFDIST_HOST_TEMPLATE={template!r} must contain '{{host}}', "
-                          "e.g. '{host}-ib0' to reach each node through its InfiniBand name")
-    addresses = tuple(f"{template.format(host=hosts[n])}:{base + local_ranks[r]}"
+    template = resolve("host_template", environ=environ)
+    addresses = tuple(f"{template.format(host=hosts[n])}:{base + local[r]}"
                       for r, n in enumerate(nodes))
     return ClusterEnvironment(
-        launcher="slurm", rank=rank, world_size=world_size, local_rank=local_ranks[rank],
+        launcher="slurm", rank=rank, world_size=world_size, local_rank=local[rank],
         local_world_size=counts[node_rank], node_rank=node_rank, num_nodes=len(hosts),
         hosts=tuple(hosts), worker_addresses=addresses, coordinator=addresses[0],
-        job_id=environ["SLURM_JOB_ID"], visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        mpi_plugin=_mpi_plugin(environ), **common(environ),
         reason=f"srun step {environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']} "
                f"(SLURM_PROCID={rank}, SLURM_STEP_NUM_TASKS={world_size})")
+
+
+def _mpi_plugin(environ: Mapping[str, str]) -> str | None:
+    # srun --mpi=pmix exports PMIX_RANK, --mpi=pmi2 PMI_RANK (as MPICH's hydra does; hydra's
+    # own launch is detected before Slurm's by its MPI_LOCALRANKID).
+    if "PMIX_RANK" in environ:
+        return "pmix"
+    return "pmi2" if "PMI_RANK" in environ else None
 
 
 def task_nodes(tasks_per_node: list[int], distribution: str) -> list[int]:
@@ -136,9 +142,9 @@ def port_base(environ: Mapping[str, str], tasks_on_node: int) -> int:
         ConfigError: the ports would leave the valid range, or more tasks share a node than a
             derived block holds.
     """
-    if "TFDIST_PORT_BASE" in environ:
-        base = get_int(environ, "TFDIST_PORT_BASE")
-        if not 1024 <= base <= 65535 - tasks_on_node:
+    base = resolve("port_base", environ=environ)
+    if base is not None:
+        if base > 65535 - tasks_on_node:
             raise ConfigError(f"TFDIST_PORT_BASE={base} leaves no room for {tasks_on_node} "
                               f"ports: choose a value in 1024..{65535 - tasks_on_node}")
         return base
@@ -162,6 +168,5 @@ def _batch_shell(environ: Mapping[str, str]) -> ClusterEnvironment:
             "Start the script with srun, one task per GPU, e.g. "
             "`srun python train.py ...` inside the job script (or `srun --ntasks-per-node=GPUS`)."
         )
-    return ClusterEnvironment(launcher="single", job_id=job,
-                              visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+    return ClusterEnvironment(launcher="single", **common(environ),
                               reason=f"batch shell of one-task Slurm job {job}")

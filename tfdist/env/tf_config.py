@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from tfdist.env.base import ClusterEnvironment, get_int
+from tfdist.env.base import ClusterEnvironment, common, get_int, local_ranks
 from tfdist.errors import ConfigError, LaunchError
 
 __all__ = ["detect"]
@@ -32,7 +32,7 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
     host_of = [address.rsplit(":", 1)[0] for address in addresses]
     hosts = tuple(dict.fromkeys(host_of))
     my_host = host_of[rank]
-    local_rank = get_int(environ, "TFDIST_LOCAL_RANK", host_of[:rank].count(my_host))
+    local_rank = get_int(environ, "TFDIST_LOCAL_RANK", local_ranks(host_of)[rank])
     launched_by_tfdist = environ.get("TFDIST_LAUNCHER") == "local"
     if not launched_by_tfdist:
         _check_not_inherited(environ, rank, len(addresses))
@@ -41,8 +41,8 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
         world_size=len(addresses), local_rank=local_rank,
         local_world_size=get_int(environ, "TFDIST_LOCAL_WORLD_SIZE", host_of.count(my_host)),
         node_rank=hosts.index(my_host), num_nodes=len(hosts), hosts=hosts,
-        worker_addresses=addresses, coordinator=addresses[0], job_id=environ.get("SLURM_JOB_ID"),
-        visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        worker_addresses=addresses, coordinator=addresses[0],
+        launched_for="mwms" if launched_by_tfdist else None, **common(environ),
         reason=("tfdist launch" if launched_by_tfdist else "TF_CONFIG")
         + f" ({task_type} {index} of {len(addresses)} tasks)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tfdist.env.base import ClusterEnvironment, get_int
+from tfdist.env.base import ClusterEnvironment, common, get_int
 
 __all__ = ["detect"]
 
@@ -24,6 +24,5 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
         local_rank=get_int(environ, "LOCAL_RANK", 0), local_world_size=local_world_size,
         node_rank=get_int(environ, "GROUP_RANK", rank // local_world_size),
         num_nodes=get_int(environ, "GROUP_WORLD_SIZE", -(-world_size // local_world_size)),
-        coordinator=coordinator, job_id=environ.get("SLURM_JOB_ID"),
-        visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        coordinator=coordinator, **common(environ),
         reason=f"torchrun run {environ['TORCHELASTIC_RUN_ID']} (RANK={rank})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist.data import POLICIES
+from tfdist import sharding
 from tfdist.errors import ConfigError
 
 __all__ = ["shard"]
@@ -32,19 +32,12 @@ def shard(dataset: Any, rank: int, size: int, policy: str = "data", *,
     Raises:
         ConfigError: an unknown policy, fewer files than ranks, or a batch that does not divide.
     """
-    if policy not in POLICIES:
-        raise ConfigError(f"shard policy {policy!r} is not one of {POLICIES}")
+    sharding.check(policy, num_files, size)
     if size == 1:
         return dataset
     if policy == "data":
         return dataset.map(lambda *batch: _slice(batch, rank, size))
     if policy == "file":
-        if num_files is None:
-            raise ConfigError("shard(policy='file') needs num_files= so that tfdist can check "
-                              "every rank gets a file; or use policy='data'")
-        if num_files < size:
-            raise ConfigError(f"{num_files} file(s) cannot be shared by {size} ranks: every "
-                              "rank needs at least one; use policy='data' or more files")
         dataset = _file_shard(dataset, rank, size)
     return dataset.rebatch(_per_rank_batch(dataset, size))
 

@@ -12,10 +12,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist.env.base import local_ranks
 from tfdist.errors import LaunchError
 
 __all__ = ["Slot", "RendezvousServer", "gloo_env", "slots", "wait_for_server"]
@@ -46,7 +47,7 @@ def slots(host_of_rank: Sequence[str]) -> list[Slot]:
     of first appearance, as horovodrun does.
     """
     hosts = list(dict.fromkeys(host_of_rank))
-    local = [host_of_rank[:r].count(h) for r, h in enumerate(host_of_rank)]
+    local = local_ranks(host_of_rank)
     result = []
     for rank, host in enumerate(host_of_rank):
         peers = [h for h in hosts if any(
@@ -57,7 +58,7 @@ def slots(host_of_rank: Sequence[str]) -> list[Slot]:
 
 
 def gloo_env(slot: Slot, address: str, port: int, iface: str | None,
-             environ: Mapping[str, str]) -> dict[str, str]:
+             timeout_s: int = DEFAULT_GLOO_TIMEOUT_S) -> dict[str, str]:
     """The ``HOROVOD_*`` variables horovodrun's Gloo mode sets for ``slot``.
 
     Args:
@@ -66,8 +67,7 @@ def gloo_env(slot: Slot, address: str, port: int, iface: str | None,
         port: its port.
         iface: network interface for Gloo's connections (``HOROVOD_GLOO_IFACE``); ``None``
             lets Gloo use the address its host name resolves to.
-        environ: the current environment: a ``HOROVOD_GLOO_IFACE`` or
-            ``HOROVOD_GLOO_TIMEOUT_SECONDS`` set there wins.
+        timeout_s: Gloo's rendezvous and collective timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``).
     """
     env = {
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": address,
@@ -81,10 +81,8 @@ def gloo_env(slot: Slot, address: str, port: int, iface: str | None,
         "HOROVOD_LOCAL_SIZE": str(slot.local_size),
         "HOROVOD_CROSS_RANK": str(slot.cross_rank),
         "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-        "HOROVOD_GLOO_TIMEOUT_SECONDS": environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS",
-                                                    str(DEFAULT_GLOO_TIMEOUT_S)),
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(timeout_s),
     }
-    iface = environ.get("HOROVOD_GLOO_IFACE", iface)
     if iface:
         env["HOROVOD_GLOO_IFACE"] = iface
     return env

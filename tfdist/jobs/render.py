@@ -11,6 +11,7 @@ from __future__ import annotations
 from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
 from tfdist.jobs.config import JobConfig
 from tfdist.jobs.shell import word, words
+from tfdist.settings import resolve
 
 __all__ = ["render", "rendezvous_port_expression"]
 
@@ -251,7 +252,7 @@ def _srun_segments(c: JobConfig, *, per_node: bool = False) -> list[str]:
 
 def _horovod_mpi(c: JobConfig) -> bool:
     """Horovod under srun uses MPI through PMIx, unless the job forces tfdist's Gloo rendezvous."""
-    return c.backend == "horovod" and c.env.get("TFDIST_HOROVOD_CONTROLLER") != "gloo"
+    return c.backend == "horovod" and resolve("horovod_controller", environ=c.env) != "gloo"
 
 
 def _apptainer(c: JobConfig) -> str | None:

@@ -1,7 +1,9 @@
 """The process group, created from the detected launch, and the handle training scripts use.
 
-Settings, highest precedence first: the Python argument, then the ``TFDIST_TORCH_*``
-environment variable, then what the machine implies, then the default.
+The backend is DDP; its collective is the process group's (``nccl`` or ``gloo``). Settings,
+highest precedence first: the Python argument, then the ``TFDIST_TORCH_*`` environment
+variable, then what the machine implies, then the default (:mod:`tfdist.settings`). GPUs and
+threads follow the same policy as TensorFlow's backends (:mod:`tfdist.devices`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -22,9 +24,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
-from tfdist.data import split_batch
+from tfdist import devices
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import ConfigError, LaunchError
+from tfdist.replicas import HandleCache, ReplicaMath
+from tfdist.settings import resolve
 from tfdist.torch.rendezvous import Rendezvous, plan
 from tfdist.torch.sampler import EpochSampler
 
@@ -32,14 +36,12 @@ __all__ = ["TorchDistributed", "current", "distributed", "init", "shutdown"]
 
 logger = logging.getLogger("tfdist")
 
-BACKENDS = ("auto", "nccl", "gloo")
-DEFAULT_TIMEOUT_S = 600.0
-_current: TorchDistributed | None = None
-_current_settings: tuple[str, float] | None = None
+_cache: HandleCache[TorchDistributed] = HandleCache(
+    "tfdist.torch", "; call tfdist.torch.shutdown() first")
 _atexit_registered = False
 
 
-class TorchDistributed:
+class TorchDistributed(ReplicaMath):
     """What a PyTorch training script needs to know about its place in the job.
 
     Create it with :func:`init` or :func:`distributed`, never directly. It reads like the
@@ -48,25 +50,28 @@ class TorchDistributed:
     Attributes:
         environment: how the processes were launched (:class:`tfdist.env.ClusterEnvironment`).
         rendezvous: where the process group met (:class:`tfdist.torch.rendezvous.Rendezvous`).
-        backend: the process group's backend, ``"nccl"`` or ``"gloo"``.
+        backend: ``"ddp"`` (DistributedDataParallel).
+        collective: the process group's, ``"nccl"`` or ``"gloo"``.
         device: ``cuda:<local GPU>`` when CUDA is available, else ``cpu``.
     """
 
-    def __init__(self, environment: ClusterEnvironment, rendezvous: Rendezvous, backend: str,
+    backend = "ddp"
+
+    def __init__(self, environment: ClusterEnvironment, rendezvous: Rendezvous, collective: str,
                  device: torch.device) -> None:
         self.environment = environment
         self.rendezvous = rendezvous
-        self.backend = backend
+        self.collective = collective
         self.device = device
 
     @property
-    def rank(self) -> int:
+    def rank(self) -> int:  # type: ignore[override]
         """This process's index, 0-based; rank 0 is the chief."""
         return self.rendezvous.rank
 
     @property
-    def size(self) -> int:
-        """Number of processes training together (the world size)."""
+    def world_size(self) -> int:  # type: ignore[override]
+        """Number of processes training together."""
         return self.rendezvous.world_size
 
     @property
@@ -75,14 +80,9 @@ class TorchDistributed:
         return self.environment.local_rank
 
     @property
-    def is_chief(self) -> bool:
-        """Whether this process saves and prints."""
-        return self.rank == 0
-
-    @property
-    def num_replicas(self) -> int:
+    def num_replicas(self) -> int:  # type: ignore[override]
         """Replicas in sync: one per process under DDP."""
-        return self.size
+        return self.world_size
 
     def wrap(self, model: torch.nn.Module, **ddp_options: Any) -> DistributedDataParallel:
         """Moves ``model`` to :attr:`device` and wraps it in ``DistributedDataParallel``.
@@ -101,7 +101,7 @@ class TorchDistributed:
         Use the same ``seed`` on every rank, so that the shares partition the data. See
         :class:`tfdist.torch.EpochSampler`.
         """
-        return EpochSampler(dataset, num_replicas=self.size, rank=self.rank, shuffle=shuffle,
+        return EpochSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
                             seed=seed, drop_last=drop_last)
 
     def loader(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True,
@@ -122,37 +122,18 @@ class TorchDistributed:
         return DataLoader(dataset, batch_size=self.per_replica_batch_size(batch_size),
                           sampler=self.sampler(dataset, shuffle=shuffle, seed=seed), **options)
 
-    def scale_lr(self, learning_rate: float) -> float:
-        """Linear scaling: ``learning_rate`` times the number of replicas (Goyal et al., 2017).
-
-        Pair it with :meth:`warmup` to ramp up from the unscaled rate.
-        """
-        return learning_rate * self.num_replicas
-
     def warmup(self, optimizer: torch.optim.Optimizer, steps: int) -> LambdaLR:
         """A scheduler ramping the learning rate from ``lr / size`` to ``lr`` over ``steps``.
 
         Call its ``step()`` after each ``optimizer.step()``; after ``steps`` steps the rate
         stays at the optimizer's ``lr`` (as ``callbacks(warmup_epochs=...)`` does in Keras).
         """
-        start = 1.0 / self.size
+        start = 1.0 / self.world_size
 
         def factor(step: int) -> float:
             return start + (1.0 - start) * min(1.0, step / steps) if steps > 0 else 1.0
 
         return LambdaLR(optimizer, factor)
-
-    def per_replica_batch_size(self, global_batch_size: int) -> int:
-        """Splits a global batch over the replicas.
-
-        Raises:
-            ConfigError: the global batch does not divide evenly.
-        """
-        return split_batch(global_batch_size, self.num_replicas)
-
-    def global_batch_size(self, per_replica_batch_size: int) -> int:
-        """The global batch that gives each replica ``per_replica_batch_size`` examples."""
-        return per_replica_batch_size * self.num_replicas
 
     def average(self, value: float | torch.Tensor, weight: float = 1.0) -> float:
         """The mean of a scalar metric over all ranks (a collective: every rank must call it).
@@ -172,7 +153,7 @@ class TorchDistributed:
 
     def barrier(self) -> None:
         """Waits until every rank gets here (bounded by the process group's timeout)."""
-        if self.backend == "nccl":
+        if self.collective == "nccl":
             torch_dist.barrier(device_ids=[self.device.index])
         else:
             torch_dist.barrier()
@@ -218,9 +199,9 @@ class TorchDistributed:
             logger.log(level, message, *args)
 
     def __repr__(self) -> str:
-        return (f"TorchDistributed(backend={self.backend!r}, rank={self.rank}, size={self.size}, "
-                f"local_rank={self.local_rank}, device={str(self.device)!r}, "
-                f"launcher={self.environment.launcher!r})")
+        return (f"TorchDistributed(backend={self.backend!r}, collective={self.collective!r}, "
+                f"rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"device={str(self.device)!r}, launcher={self.environment.launcher!r})")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -228,7 +209,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def init(backend: str | None = None, *, timeout: float | timedelta | None = None
+def init(collective: str | None = None, *, timeout: float | timedelta | None = None
          ) -> TorchDistributed:
     """Detects the launch, pins this process's GPU and creates the process group.
 
@@ -236,9 +217,10 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     a one-rank group over an in-memory store, so the same script runs everywhere.
 
     Args:
-        backend: ``"auto"``, ``"nccl"`` or ``"gloo"``; env ``TFDIST_TORCH_BACKEND``. Auto picks
-            NCCL when CUDA is available, gloo on CPU. NCCL without CUDA falls back to gloo,
-            with a warning (as TensorFlow's NCCL request falls back to the ring).
+        collective: ``"auto"``, ``"nccl"`` or ``"gloo"``; env ``TFDIST_TORCH_COLLECTIVE`` (or
+            its old name ``TFDIST_TORCH_BACKEND``). Auto picks NCCL when CUDA is available,
+            gloo on CPU. NCCL without CUDA falls back to gloo, with a warning (as TensorFlow's
+            NCCL request falls back to the ring).
         timeout: seconds (or a ``timedelta``) that the rendezvous and every collective may wait
             for the other ranks before raising; env ``TFDIST_TORCH_TIMEOUT``; default 600.
 
@@ -249,34 +231,30 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
         LaunchError: the launch cannot train as started, or the ranks did not meet in time.
         ConfigError: an invalid setting, or a process group created outside tfdist.
     """
-    global _current, _current_settings
-    settings = _settings(backend, timeout, os.environ)
-    if _current is not None:
-        if settings != _current_settings:
-            raise ConfigError(f"tfdist.torch is already initialised with {_current_settings} "
-                              f"(backend, timeout s); call shutdown() before {settings}")
-        return _current
+    settings = _settings(collective, timeout)
+    cached = _cache.get(settings)
+    if cached is not None:
+        return cached
     if torch_dist.is_initialized():
         raise ConfigError("torch.distributed was initialised outside tfdist: remove your "
                           "init_process_group call and let tfdist.torch.init() create the group")
     environment = detect()
-    rendezvous = plan(environment, os.environ)
+    rendezvous = plan(environment)
     device = _device(environment)
-    chosen = _backend(settings[0], device)
+    chosen = _collective(settings[0], device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL creates its communicator on "the" device
     _create_group(rendezvous, chosen, settings[1])
-    handle = TorchDistributed(environment, rendezvous, chosen, device)
-    _current, _current_settings = handle, settings
+    handle = _cache.put(TorchDistributed(environment, rendezvous, chosen, device), settings)
     _register_atexit()
-    handle.log("tfdist: torch process group, %d process(es), backend %s, device %s; "
-               "rendezvous: %s; launched by %s", handle.size, chosen, device, rendezvous.reason,
-               environment.reason)
+    handle.log("tfdist: torch process group, %d process(es), DDP over %s, device %s; "
+               "rendezvous: %s; launched by %s", handle.world_size, chosen, device,
+               rendezvous.reason, environment.reason)
     return handle
 
 
 @contextlib.contextmanager
-def distributed(backend: str | None = None, *, timeout: float | timedelta | None = None
+def distributed(collective: str | None = None, *, timeout: float | timedelta | None = None
                 ) -> Iterator[TorchDistributed]:
     """``init()``, and tear the process group down on leaving, also on an exception.
 
@@ -286,7 +264,7 @@ def distributed(backend: str | None = None, *, timeout: float | timedelta | None
     collectives then fail (gloo: at once, as the connections close; NCCL: within the timeout),
     so no rank waits forever. Takes the same arguments as :func:`init`.
     """
-    handle = init(backend, timeout=timeout)
+    handle = init(collective, timeout=timeout)
     completed = False
     try:
         yield handle
@@ -297,7 +275,7 @@ def distributed(backend: str | None = None, *, timeout: float | timedelta | None
 
 def current() -> TorchDistributed | None:
     """The handle created by :func:`init` in this process, if any."""
-    return _current
+    return _cache.handle
 
 
 def shutdown(*, barrier: bool = True) -> None:
@@ -308,13 +286,12 @@ def shutdown(*, barrier: bool = True) -> None:
             group is destroyed at once, and an error while destroying it is only logged, so it
             cannot hide the original one.
     """
-    global _current, _current_settings
-    handle, _current, _current_settings = _current, None, None
+    handle = _cache.clear()
     if handle is None or not torch_dist.is_initialized():
         return
     if barrier:
         try:
-            if handle.size > 1:
+            if handle.world_size > 1:
                 handle.barrier()
             _drain_gloo_workers()
         finally:
@@ -327,42 +304,32 @@ def shutdown(*, barrier: bool = True) -> None:
         logger.warning("tfdist: destroying the process group failed: %s", error)
 
 
-def _settings(backend: str | None, timeout: float | timedelta | None,
-              environ: Mapping[str, str]) -> tuple[str, float]:
-    chosen = (backend or environ.get("TFDIST_TORCH_BACKEND") or "auto").lower()
-    if chosen not in BACKENDS:
-        raise ConfigError(f"backend {chosen!r} is not one of {BACKENDS} "
-                          "(argument `backend=` or TFDIST_TORCH_BACKEND)")
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif timeout is not None:
-        seconds = float(timeout)
-    else:
-        raw = environ.get("TFDIST_TORCH_TIMEOUT", "").strip()
-        try:
-            seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
-        except ValueError:
-            raise ConfigError(f"TFDIST_TORCH_TIMEOUT={raw!r} is not a number of seconds") from None
-    if not seconds > 0:
-        raise ConfigError(f"timeout {seconds:g} s: use a positive number of seconds "
-                          "(argument `timeout=` or TFDIST_TORCH_TIMEOUT)")
-    return chosen, seconds
+def _settings(collective: str | None, timeout: float | timedelta | None) -> tuple[str, float]:
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    return resolve("torch_collective", collective), resolve("torch_timeout", seconds)
 
 
 def _device(environment: ClusterEnvironment) -> torch.device:
-    if not torch.cuda.is_available():
+    # The same policy as TensorFlow's backends: narrow CUDA_VISIBLE_DEVICES to this task's GPUs
+    # (physical ids kept) before CUDA starts; with nothing set, take the local rank's share.
+    started = torch.cuda.is_initialized()  # then CUDA keeps the devices it saw at start
+    chosen = devices.narrow_visible_gpus(environment)
+    threads = devices.affinity_thread_count(None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if chosen == "" or not torch.cuda.is_available():
         return torch.device("cpu")
-    count = torch.cuda.device_count()
-    # One visible GPU: Slurm bound it to this task (--gpus-per-task=1) or the node has one.
-    index = environment.local_rank if count > 1 else 0
-    if index >= count:
-        raise ConfigError(f"local rank {index} but only {count} GPUs are visible: start one "
-                          f"process per GPU (torchrun --nproc-per-node={count}, srun "
-                          f"--ntasks-per-node={count}) or bind one per task (--gpus-per-task=1)")
-    return torch.device("cuda", index)
+    if chosen is not None:
+        inherited = (environment.visible_devices or "").split(",")
+        first = chosen.split(",")[0]
+        # Narrowed: the first of this task's GPUs is now device 0, unless CUDA had started.
+        return torch.device("cuda", inherited.index(first) if started else 0)
+    mine = devices.share(torch.cuda.device_count(), environment.local_rank,
+                         environment.local_world_size)
+    return torch.device("cuda", mine.start)
 
 
-def _backend(requested: str, device: torch.device) -> str:
+def _collective(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "nccl" if device.type == "cuda" and torch_dist.is_nccl_available() else "gloo"
     if requested == "nccl" and device.type != "cuda":
@@ -371,14 +338,14 @@ def _backend(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _create_group(rendezvous: Rendezvous, backend: str, timeout_s: float) -> None:
+def _create_group(rendezvous: Rendezvous, collective: str, timeout_s: float) -> None:
     timeout = timedelta(seconds=timeout_s)
     if rendezvous.init_method is None:
-        torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0,
+        torch_dist.init_process_group(collective, store=torch_dist.HashStore(), rank=0,
                                       world_size=1, timeout=timeout)
         return
     try:
-        torch_dist.init_process_group(backend, init_method=rendezvous.init_method,
+        torch_dist.init_process_group(collective, init_method=rendezvous.init_method,
                                       rank=rendezvous.rank, world_size=rendezvous.world_size,
                                       timeout=timeout)
     except RuntimeError as error:  # torch's DistError and store timeouts are RuntimeErrors

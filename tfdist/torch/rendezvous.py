@@ -1,14 +1,15 @@
 """Where a torch process group meets, derived from the detected launch.
 
 Pure like :mod:`tfdist.env`, and this module imports no torch: a
-:class:`~tfdist.env.ClusterEnvironment` and the environment variables in, a frozen
-:class:`Rendezvous` out, so every launcher is a table-driven test.
+:class:`~tfdist.env.ClusterEnvironment` in, a frozen :class:`Rendezvous` out, so every launcher
+is a table-driven test.
 
 - torchrun: its agent already runs a store and exports ``MASTER_ADDR``/``MASTER_PORT``: ``env://``.
 - An srun step: the first node of the step's nodelist, in Slurm's order (``TFDIST_HOST_TEMPLATE``
   applied), at the port tfdist derives from the job and step id for every backend
   (:func:`tfdist.env.slurm.port_base`). ``MASTER_ADDR``/``MASTER_PORT``, when a job script
-  exports them, take precedence, as they do for PyTorch Lightning.
+  exports them (detection keeps them as ``master_addr``/``master_port``), take precedence, as
+  they do for PyTorch Lightning.
 - ``tfdist launch`` or a user's ``TF_CONFIG``: rank 0's worker address. No TensorFlow server runs
   in a torch process, so that port is free for the store.
 - mpirun/horovodrun: they give ranks but no address; ``MASTER_ADDR``/``MASTER_PORT`` are required.
@@ -18,10 +19,9 @@ Pure like :mod:`tfdist.env`, and this module imports no torch: a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tfdist.env.base import ClusterEnvironment, get_int
+from tfdist.env.base import ClusterEnvironment
 from tfdist.errors import LaunchError
 
 __all__ = ["Rendezvous", "plan"]
@@ -45,12 +45,11 @@ class Rendezvous:
     reason: str
 
 
-def plan(environment: ClusterEnvironment, environ: Mapping[str, str]) -> Rendezvous:
+def plan(environment: ClusterEnvironment) -> Rendezvous:
     """Chooses the rendezvous for ``environment`` (see the module docstring for the rules).
 
     Args:
         environment: the detected launch (:func:`tfdist.env.detect`).
-        environ: the environment variables, for ``MASTER_ADDR``/``MASTER_PORT``.
 
     Returns:
         The :class:`Rendezvous`.
@@ -73,26 +72,27 @@ def plan(environment: ClusterEnvironment, environ: Mapping[str, str]) -> Rendezv
     # srun: rank 0's derived address. MPI launchers give none (Horovod's coordinator is its own
     # HTTP rendezvous, not a place for torch's store): MASTER_ADDR/MASTER_PORT must.
     derived = environment.worker_addresses[0] if launcher == "slurm" else None
-    address = _master_override(environ, derived, environment.reason)
-    return Rendezvous(f"tcp://{address}", rank, size, _describe(environ, address, launcher))
+    address = _master_override(environment, derived)
+    return Rendezvous(f"tcp://{address}", rank, size, _describe(environment, address))
 
 
-def _master_override(environ: Mapping[str, str], derived: str | None, launch: str) -> str:
+def _master_override(environment: ClusterEnvironment, derived: str | None) -> str:
     host, _, port = (derived or "").rpartition(":")
-    host = environ.get("MASTER_ADDR") or host
-    if environ.get("MASTER_PORT"):
-        port = str(get_int(environ, "MASTER_PORT"))
+    host = environment.master_addr or host
+    if environment.master_port is not None:
+        port = str(environment.master_port)
     if not host or not port:
         raise LaunchError(
-            f"{launch}: this launch starts the ranks but gives PyTorch no address to meet at. "
-            "Start the script with torchrun or srun (one task per GPU), or export MASTER_ADDR "
-            "(rank 0's host) and MASTER_PORT (a free port) to every rank, e.g. "
+            f"{environment.reason}: this launch starts the ranks but gives PyTorch no address to "
+            "meet at. Start the script with torchrun or srun (one task per GPU), or export "
+            "MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port) to every rank, e.g. "
             "`mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ...`")
     return f"{host}:{port}"
 
 
-def _describe(environ: Mapping[str, str], address: str, launcher: str) -> str:
-    given = [name for name in ("MASTER_ADDR", "MASTER_PORT") if environ.get(name)]
-    if launcher == "slurm" and not given:
+def _describe(environment: ClusterEnvironment, address: str) -> str:
+    given = [name for name, value in (("MASTER_ADDR", environment.master_addr),
+                                      ("MASTER_PORT", environment.master_port)) if value]
+    if environment.launcher == "slurm" and not given:
         return f"first node of the step's nodelist at the job's derived port: {address}"
     return f"{address} from {' and '.join(given)}"

@@ -1,11 +1,15 @@
-"""Creating the Horovod backend: rendezvous, ``hvd.init()``, GPU pinning, the handle.
+"""The Horovod backend: rendezvous, ``hvd.init()``, GPU pinning and the handle.
+
+Horovod's own pieces, which need Horovod and TensorFlow loaded, live in :mod:`tfdist.horovod`
+(collective ops, ``fit`` helpers, input splitting, the Gloo rendezvous, install checks).
 
 Which controller ``hvd.init()`` uses follows the launch:
 
 - horovodrun (``--gloo`` or MPI), mpirun, ``tfdist launch --backend horovod``: the launcher
   already set everything; ``hvd.init()`` as it is.
 - an srun step: with ``TFDIST_HOROVOD_CONTROLLER=mpi``, or ``auto`` (the default) when Slurm's
-  PMIx/PMI2 plugin started the step (``srun --mpi=pmix`` sets ``PMIX_RANK``) and Horovod has MPI,
+  PMIx/PMI2 plugin started the step (detected as ``ClusterEnvironment.mpi_plugin``) and Horovod
+  has MPI,
   MPI initialises from Slurm; otherwise Gloo, with rank 0 serving the rendezvous on the step's
   derived port (:mod:`tfdist.horovod.rendezvous`).
 """
@@ -14,17 +18,20 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tfdist import devices
+from tfdist.backends.base import Distributed, Settings, configure_threads
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError, LaunchError
-from tfdist.strategy import Distributed
+from tfdist.settings import resolve
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["HorovodDistributed", "choose_controller", "create"]
 
 logger = logging.getLogger("tfdist")
-CONTROLLERS = ("auto", "gloo", "mpi")
 _LAUNCHED = ("horovodrun", "mpirun", "local", "single")  # hvd.init() needs nothing more
 _server: Any = None  # rank 0's rendezvous server in an srun step, kept for the process's life
 
@@ -37,20 +44,21 @@ class HorovodDistributed(Distributed):
     ``collective`` names Horovod's controller: ``"gloo"`` or ``"mpi"``.
     """
 
+    backend = "horovod"
+
     def __init__(self, environment: ClusterEnvironment, hvd: Any, controller: str,
                  num_gpus: int) -> None:
         import tensorflow as tf
 
-        super().__init__(environment, "horovod", tf.distribute.get_strategy(), controller,
-                         num_gpus)
+        super().__init__(environment, tf.distribute.get_strategy(), controller, num_gpus)
         self.hvd = hvd
 
     @property
-    def rank(self) -> int:
+    def rank(self) -> int:  # type: ignore[override]
         return int(self.hvd.rank())
 
     @property
-    def size(self) -> int:
+    def world_size(self) -> int:  # type: ignore[override]
         return int(self.hvd.size())
 
     @property
@@ -58,7 +66,7 @@ class HorovodDistributed(Distributed):
         return int(self.hvd.local_rank())
 
     @property
-    def num_replicas(self) -> int:
+    def num_replicas(self) -> int:  # type: ignore[override]
         return int(self.hvd.size())
 
     def shard(self, dataset: Any, policy: str = "data", *, num_files: int | None = None) -> Any:
@@ -72,7 +80,7 @@ class HorovodDistributed(Distributed):
         """
         from tfdist.horovod.data import shard
 
-        return shard(dataset, self.rank, self.size, policy, num_files=num_files)
+        return shard(dataset, self.rank, self.world_size, policy, num_files=num_files)
 
     def backend_callbacks(self) -> list[Any]:
         from tfdist.horovod import fit
@@ -97,20 +105,30 @@ class HorovodDistributed(Distributed):
 
         broadcast_initial_state(model, optimizer)
 
+    def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
+        # Horovod bounds a missing rank with HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, not per call.
+        import numpy as np
+        import tensorflow as tf
 
-def choose_controller(environment: ClusterEnvironment, environ: Mapping[str, str],
-                      mpi_built: bool, gloo_built: bool) -> str:
+        gathered = self.hvd.allgather(tf.constant(rows), name="tfdist_gather_rows")
+        return np.asarray(gathered.numpy())
+
+
+def choose_controller(environment: ClusterEnvironment, requested: str, mpi_built: bool,
+                      gloo_built: bool) -> str:
     """Which controller an srun step uses (pure; see the module docstring).
 
+    Args:
+        environment: the detected srun step.
+        requested: ``"auto"``, ``"gloo"`` or ``"mpi"`` (setting ``horovod_controller``).
+        mpi_built: Horovod was built with MPI.
+        gloo_built: Horovod was built with Gloo.
+
     Raises:
-        ConfigError: ``TFDIST_HOROVOD_CONTROLLER`` is invalid or names one Horovod lacks.
+        ConfigError: the requested controller is one this Horovod was built without.
     """
-    requested = environ.get("TFDIST_HOROVOD_CONTROLLER", "auto").strip().lower() or "auto"
-    if requested not in CONTROLLERS:
-        raise ConfigError(f"TFDIST_HOROVOD_CONTROLLER={requested!r} is not one of {CONTROLLERS}")
     if requested == "auto":
-        pmi = "PMIX_RANK" in environ or "PMI_RANK" in environ
-        requested = "mpi" if pmi and mpi_built else "gloo"
+        requested = "mpi" if environment.mpi_plugin and mpi_built else "gloo"
     built = {"mpi": mpi_built, "gloo": gloo_built}[requested]
     if not built:
         other = "HOROVOD_WITH_GLOO=1" if requested == "gloo" else "HOROVOD_WITH_MPI=1"
@@ -120,7 +138,7 @@ def choose_controller(environment: ClusterEnvironment, environ: Mapping[str, str
     return requested
 
 
-def create(environment: ClusterEnvironment, threads: int | None) -> HorovodDistributed:
+def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistributed:
     """Initialises Horovod for this launch and returns the handle.
 
     Raises:
@@ -131,7 +149,7 @@ def create(environment: ClusterEnvironment, threads: int | None) -> HorovodDistr
 
     _check_launcher(environment)
     _prepare_environment()
-    narrowed = _narrow_gpus(environment)
+    narrowed = devices.narrow_visible_gpus(environment) is not None
     hvd = import_horovod()
     if environment.launcher == "slurm":
         _join_srun_step(environment, hvd)
@@ -147,9 +165,7 @@ def create(environment: ClusterEnvironment, threads: int | None) -> HorovodDistr
             "build under srun use `srun --mpi=pmix`, or set TFDIST_HOROVOD_CONTROLLER=gloo")
     import tensorflow as tf
 
-    from tfdist.strategy import _configure_threads
-
-    _configure_threads(threads)
+    configure_threads(settings["threads"])
     num_gpus = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()))
     from tfdist.horovod import fit
 
@@ -165,7 +181,7 @@ def create(environment: ClusterEnvironment, threads: int | None) -> HorovodDistr
 
 
 def _check_launcher(environment: ClusterEnvironment) -> None:
-    if environment.launcher == "local" and "HOROVOD_RANK" not in os.environ:
+    if environment.launcher == "local" and environment.launched_for != "horovod":
         raise LaunchError(
             "these workers were started by `tfdist launch` for MultiWorkerMirroredStrategy "
             "(TF_CONFIG, no Horovod rendezvous): start them with `tfdist launch --backend "
@@ -185,8 +201,8 @@ def _prepare_environment() -> None:
 
 
 def _join_srun_step(environment: ClusterEnvironment, hvd: Any) -> None:
-    controller = choose_controller(environment, os.environ, bool(hvd.mpi_built()),
-                                   bool(hvd.gloo_built()))
+    controller = choose_controller(environment, resolve("horovod_controller"),
+                                   bool(hvd.mpi_built()), bool(hvd.gloo_built()))
     if controller == "mpi":
         os.environ["HOROVOD_CONTROLLER"] = "mpi"
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
@@ -202,17 +218,15 @@ def _join_gloo(environment: ClusterEnvironment) -> None:
     address, port = environment.coordinator.rsplit(":", 1) if environment.coordinator else (
         host_of[0], "0")
     plan = rendezvous.slots(host_of)
-    token = f"{environment.job_id}:{os.environ.get('SLURM_STEP_ID', '')}:{len(plan)}"
+    token = f"{environment.job_id}:{environment.step_id or ''}:{len(plan)}"
     iface = "lo" if len(set(host_of)) == 1 and _is_loopback(address) else None
-    os.environ.update(rendezvous.gloo_env(plan[environment.rank], address, int(port), iface,
-                                          os.environ))
+    os.environ.update(rendezvous.gloo_env(plan[environment.rank], address, int(port),
+                                          resolve("horovod_gloo_iface") or iface,
+                                          resolve("horovod_gloo_timeout")))
     if environment.rank == 0:
         _server = rendezvous.RendezvousServer(int(port), plan, token)
     else:
-        from tfdist.env.base import get_int
-
-        timeout = get_int(os.environ, "TFDIST_HOROVOD_START_TIMEOUT", 120)
-        rendezvous.wait_for_server(address, int(port), token, timeout)
+        rendezvous.wait_for_server(address, int(port), token, resolve("horovod_start_timeout"))
 
 
 def _is_loopback(address: str) -> bool:
@@ -222,17 +236,6 @@ def _is_loopback(address: str) -> bool:
         return socket.gethostbyname(address).startswith("127.")
     except OSError:
         return False
-
-
-def _narrow_gpus(environment: ClusterEnvironment) -> bool:
-    # Before TensorFlow first looks at CUDA; keeps physical ids (see tfdist.resolver).
-    from tfdist.resolver import select_gpus
-
-    chosen = select_gpus(environment.visible_devices, environment.local_rank,
-                         environment.local_world_size, "SLURM_GPUS_PER_TASK" in os.environ)
-    if chosen is not None and chosen != environment.visible_devices:
-        os.environ["CUDA_VISIBLE_DEVICES"] = chosen
-    return chosen is not None
 
 
 def _pin_gpu(tf: Any, index: int) -> int:

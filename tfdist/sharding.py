@@ -1,8 +1,10 @@
-"""Splitting input across workers with an explicit policy.
+"""Splitting input across workers with an explicit policy, and the one check of that split.
 
 TensorFlow's default (AUTO) shards file-backed datasets by FILE and silently falls back or hands
 a worker nothing when there are fewer files than workers: the collectives then hang. tfdist
-makes the policy explicit and checks the file count when files are split.
+makes the policy explicit and checks the file count when files are split (:func:`check`, used by
+every backend: MWMS sets tf.distribute's policy here, Horovod splits in
+:mod:`tfdist.horovod.data`). Offline datasets are another room: :mod:`tfdist.datasets`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from tfdist.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tfdist.strategy import Distributed
+    from tfdist.backends.base import Distributed
 
-__all__ = ["POLICIES", "shard", "shard_files", "split_batch", "with_policy"]
+__all__ = ["POLICIES", "check", "shard", "shard_files", "with_policy"]
 
 POLICIES = ("data", "file", "off")
 
@@ -40,14 +42,24 @@ def shard(dataset: Any, dist: Distributed, policy: str = "data", *,
     Raises:
         ConfigError: an unknown policy, or fewer files than workers.
     """
+    check(policy, num_files, dist.world_size)
+    return with_policy(dataset, policy)
+
+
+def check(policy: str, num_files: int | None, world_size: int) -> None:
+    """Refuses a split that would leave a worker without data.
+
+    Raises:
+        ConfigError: an unknown policy, ``"file"`` without ``num_files``, or fewer files than
+            workers.
+    """
     if policy not in POLICIES:
         raise ConfigError(f"shard policy {policy!r} is not one of {POLICIES}")
     if policy == "file":
         if num_files is None:
             raise ConfigError("shard(policy='file') needs num_files= so that tfdist can check "
                               "every worker gets a file; or use policy='data'")
-        _check_enough_files(num_files, dist.size)
-    return with_policy(dataset, policy)
+        _check_enough_files(num_files, world_size)
 
 
 def with_policy(dataset: Any, policy: str) -> Any:
@@ -60,31 +72,19 @@ def with_policy(dataset: Any, policy: str) -> Any:
     return dataset.with_options(options)
 
 
-def shard_files(files: Sequence[str], rank: int, size: int) -> list[str]:
+def shard_files(files: Sequence[str], rank: int, world_size: int) -> list[str]:
     """This worker's files, ``files[rank::size]``; build the dataset and ``shard(policy="off")``.
 
     Raises:
         ConfigError: fewer files than workers (some worker would get none and hang the job).
     """
-    _check_enough_files(len(files), size)
-    return list(files[rank::size])
+    _check_enough_files(len(files), world_size)
+    return list(files[rank::world_size])
 
 
-def _check_enough_files(num_files: int, size: int) -> None:
-    if num_files < size:
-        raise ConfigError(f"{num_files} input file(s) for {size} workers: at least one worker "
-                          "would get no data and the collectives would hang. Split the data "
-                          f"into >= {size} files, or shard by element with policy='data'")
-
-
-def split_batch(global_batch_size: int, replicas: int) -> int:
-    """Each replica's share of a global batch (TensorFlow and PyTorch handles alike).
-
-    Raises:
-        ConfigError: the global batch does not divide evenly, naming the nearest that does.
-    """
-    if global_batch_size % replicas:
-        nearest = max(replicas, global_batch_size // replicas * replicas)
-        raise ConfigError(f"global batch size {global_batch_size} does not divide over "
-                          f"{replicas} replicas: use a multiple of {replicas}, e.g. {nearest}")
-    return global_batch_size // replicas
+def _check_enough_files(num_files: int, world_size: int) -> None:
+    if num_files < world_size:
+        raise ConfigError(f"{num_files} input file(s) for {world_size} workers: at least one "
+                          "worker would get no data and the collectives would hang. Split the "
+                          f"data into >= {world_size} files, or shard by element with "
+                          "policy='data'")

@@ -1,0 +1,66 @@
+"""Helpers the test modules share: paths, `tfdist launch` runs, worker outputs.
+
+Imported by name (`from helpers import launch`); conftest.py only loads pytest plugins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def launch(args: list[str], *, n: int = 2, env: dict[str, str] | None = None,
+           timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Runs `python -m tfdist launch -n N ARGS...` and returns its merged output."""
+    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    full_env.pop("TF_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", str(n), *args],
+                          cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def load_weights(out_dir: Path, rank: int) -> list[np.ndarray]:
+    with np.load(out_dir / f"weights-{rank}.npz") as f:
+        return [f[name] for name in sorted(f.files, key=lambda n: int(n[1:]))]
+
+
+def load_result(out_dir: Path, rank: int) -> dict:
+    return json.loads((out_dir / f"result-{rank}.json").read_text())
+
+
+_FINAL_WEIGHTS = re.compile(r"^(?:\[\d+\] )?tfdist: rank (\d+) of (\d+): final weights (\S+)\s*$",
+                            re.M)
+
+
+def final_weights(outputs: Mapping[int, str] | Iterable[str]) -> dict[int, tuple[int, str]]:
+    """The ``tfdist: rank R of N: final weights HEX`` lines the examples print on every rank
+    (also behind ``tfdist launch``'s ``[rank] `` prefix).
+
+    Args:
+        outputs: texts to search (per-task outputs by rank, or any texts).
+
+    Returns:
+        ``{R: (N, HEX)}``: equal HEX means bit-identical weights.
+
+    Raises:
+        ValueError: a rank reported twice.
+    """
+    texts = outputs.values() if isinstance(outputs, Mapping) else outputs
+    found: dict[int, tuple[int, str]] = {}
+    for text in texts:
+        for match in _FINAL_WEIGHTS.finditer(text):
+            rank = int(match.group(1))
+            if rank in found:
+                raise ValueError(f"rank {rank} reported its final weights twice")
+            found[rank] = (int(match.group(2)), match.group(3))
+    return found

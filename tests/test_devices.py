@@ -1,0 +1,75 @@
+"""The one device policy: which GPUs a process drives and how many threads it uses.
+
+Pure tables; ``select_gpus`` itself is also exercised against Slurm's variables in
+tests/test_resolver.py. No GPU is needed: the policy is arithmetic on ids and counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tfdist import devices
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import ConfigError
+
+
+@pytest.mark.parametrize(("count", "local_rank", "local_world_size", "expected"), [
+    (0, 0, 1, range(0)),           # CPU only
+    (0, 1, 2, range(0)),           # CPU only, several tasks
+    (4, 0, 1, range(4)),           # one process drives every GPU
+    (4, 1, 4, range(1, 2)),        # one GPU per task
+    (4, 1, 2, range(2, 4)),        # two GPUs per task
+    (1, 0, 1, range(1)),
+])
+def test_share_of_counted_gpus(count, local_rank, local_world_size, expected):
+    assert devices.share(count, local_rank, local_world_size) == expected
+
+
+def test_share_refuses_gpus_that_do_not_divide():
+    with pytest.raises(ConfigError, match="3 GPUs cannot be shared evenly by 2 processes"):
+        devices.share(3, 0, 2)
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "local_world_size", "bound", "expected"), [
+    (None, 0, 2, False, None),        # nothing set: the framework counts
+    ("", 0, 2, False, ""),            # CPU-only step
+    ("NoDevFiles", 1, 2, False, ""),
+    ("2,3", 1, 2, False, "3"),        # physical ids kept
+    ("0,1,2,3", 1, 2, False, "2,3"),  # two per task
+    ("1", 1, 2, True, "1"),           # --gpus-per-task: already this task's
+    ("0,1", 0, 1, False, "0,1"),      # one task drives both
+])
+def test_select_gpus(visible, local_rank, local_world_size, bound, expected):
+    assert devices.select_gpus(visible, local_rank, local_world_size, bound) == expected
+
+
+@pytest.mark.parametrize(("chosen", "expected"), [(None, None), ("", 0), ("3", 1), ("2,3", 2)])
+def test_count(chosen, expected):
+    assert devices.count(chosen) == expected
+
+
+@pytest.mark.parametrize(("threads", "pinned", "cores", "expected"), [
+    (None, 1, 2, 1),      # tfdist launch: one core per worker
+    (None, 4, 64, 4),     # srun --cpus-per-task=4 --cpu-bind=cores
+    (None, 64, 64, None),  # not pinned: the framework's default
+    (None, 0, 64, None),  # unknown affinity
+    (8, 1, 2, 8),         # the user's choice wins
+])
+def test_thread_count(threads, pinned, cores, expected):
+    assert devices.thread_count(threads, pinned, cores) == expected
+
+
+@pytest.mark.parametrize(("environment", "before", "after", "returned"), [
+    (ClusterEnvironment("slurm", local_rank=1, local_world_size=2, visible_devices="2,3"),
+     {"CUDA_VISIBLE_DEVICES": "2,3"}, {"CUDA_VISIBLE_DEVICES": "3"}, "3"),
+    (ClusterEnvironment("slurm", local_rank=1, local_world_size=2, visible_devices="3",
+                        gpus_per_task=1),
+     {"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "3"}, "3"),
+    (ClusterEnvironment("single"), {}, {}, None),  # unset stays unset
+    (ClusterEnvironment("local", visible_devices="-1"), {"CUDA_VISIBLE_DEVICES": "-1"},
+     {"CUDA_VISIBLE_DEVICES": ""}, ""),
+])
+def test_narrow_visible_gpus_writes_the_choice(environment, before, after, returned):
+    environ = dict(before)
+    assert devices.narrow_visible_gpus(environment, environ) == returned
+    assert environ == after

@@ -1,0 +1,54 @@
+"""The TensorFlow backends, one module each, and the small factory that picks one.
+
+To add a backend: write ``tfdist/backends/<name>.py`` with a :class:`~tfdist.backends.base.
+Distributed` subclass and ``create(environment, settings)``, add its name to :data:`MODULES` and
+to the ``backend`` setting's choices (:mod:`tfdist.settings`), and say in :func:`choose` when
+``auto`` picks it. Nothing else names a backend.
+
+Importing this package loads no framework; :func:`create` imports the chosen module only.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tfdist.backends.base import Distributed, Settings
+from tfdist.env import ClusterEnvironment
+
+__all__ = ["MODULES", "choose", "create"]
+
+MODULES = {
+    "mwms": "tfdist.backends.mwms",
+    "horovod": "tfdist.backends.horovod",
+    "single": "tfdist.backends.single",
+}
+# Launchers that start MPI/Horovod processes: auto picks Horovod there (MWMS would need an
+# address per process, which they do not give).
+HOROVOD_LAUNCHERS = ("horovodrun", "mpirun")
+
+
+def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
+    """The backend for ``requested`` under this launch, and why (pure).
+
+    Args:
+        requested: ``"auto"`` or a backend name.
+        environment: the detected launch.
+
+    Returns:
+        ``(backend, reason)``.
+    """
+    if requested != "auto":
+        return requested, "requested (argument, flag or TFDIST_BACKEND)"
+    if environment.launcher in HOROVOD_LAUNCHERS and environment.is_distributed:
+        return "horovod", (f"auto: {environment.launcher} started the processes "
+                           f"({environment.reason})")
+    if environment.is_distributed:
+        return "mwms", f"auto: {environment.world_size} processes ({environment.reason})"
+    return "single", f"auto: one process ({environment.reason})"
+
+
+def create(backend: str, environment: ClusterEnvironment, settings: Settings) -> Distributed:
+    """Creates the handle of ``backend`` (a key of :data:`MODULES`) for this launch."""
+    module = importlib.import_module(MODULES[backend])
+    handle: Distributed = module.create(environment, settings)
+    return handle

@@ -1,0 +1,202 @@
+"""The handle every TensorFlow backend provides: what a script and tfdist's own rooms call.
+
+A backend is one module (:mod:`tfdist.backends.mwms`, ``horovod``, ``single``) with a subclass of
+:class:`Distributed` and a ``create(environment, settings)`` function. Code that needs a
+collective (the replica sync check, the callbacks) calls the handle's operations here and never
+asks which backend it is.
+
+Also here: what every TensorFlow backend does at start-up the same way (threads, the "too late"
+check). TensorFlow is imported inside the functions that need it only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tfdist.devices import affinity_thread_count
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import InitOrderError
+from tfdist.replicas import ReplicaMath
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["Distributed", "Settings", "check_not_initialised", "configure_threads",
+           "too_late"]
+
+# The resolved settings of init(): backend, collective, threads (see tfdist.settings).
+Settings = dict[str, Any]
+
+
+class Distributed(ReplicaMath):
+    """What a training script needs to know about its place in the job.
+
+    Create it with :func:`tfdist.init` or :func:`tfdist.strategy_scope`, never directly.
+
+    Attributes:
+        environment: how the processes were launched (:class:`tfdist.env.ClusterEnvironment`).
+        backend: ``"mwms"`` (MultiWorkerMirroredStrategy), ``"horovod"`` or ``"single"``.
+        strategy: the ``tf.distribute.Strategy`` (TensorFlow's default one with Horovod and for
+            one process).
+        collective: ``"nccl"`` or ``"ring"`` (MWMS), ``"gloo"`` or ``"mpi"`` (Horovod's
+            controller), ``"none"`` (one process).
+        num_gpus: GPUs this process drives (0 on CPU).
+    """
+
+    backend = "?"
+
+    def __init__(self, environment: ClusterEnvironment, strategy: Any, collective: str,
+                 num_gpus: int) -> None:
+        self.environment = environment
+        self.strategy = strategy
+        self.collective = collective
+        self.num_gpus = num_gpus
+
+    # --- place in the job --------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        """This process's index, 0-based; rank 0 is the chief."""
+        return self.environment.rank
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        """Number of processes training together."""
+        return self.environment.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Index among the processes on this node (selects the GPU)."""
+        return self.environment.local_rank
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        """Replicas in sync across all processes (GPUs, or one per CPU worker)."""
+        return int(self.strategy.num_replicas_in_sync)
+
+    @property
+    def local_replicas(self) -> int:
+        """Replicas this process drives (one per GPU it uses, one on CPU)."""
+        return 1
+
+    # --- what scripts call -------------------------------------------------------------------
+
+    def scope(self) -> Any:
+        """The strategy's scope: build and compile models inside it."""
+        return self.strategy.scope()
+
+    def shard(self, dataset: Any, policy: str = "data", *, num_files: int | None = None) -> Any:
+        """Sets how ``dataset`` (batched with the GLOBAL batch size) is split across workers.
+
+        ``"data"`` (default: every worker keeps its part of every element; always correct),
+        ``"file"`` (each worker reads its own files; pass ``num_files``), or ``"off"`` (the
+        dataset already is this worker's share, e.g. from :meth:`shard_files`). See
+        :mod:`tfdist.sharding`.
+
+        Raises:
+            ConfigError: an unknown policy, or fewer files than workers.
+        """
+        from tfdist import sharding
+
+        return sharding.shard(dataset, self, policy, num_files=num_files)
+
+    def shard_files(self, files: list[str]) -> list[str]:
+        """This worker's share of ``files``; see :func:`tfdist.sharding.shard_files`."""
+        from tfdist import sharding
+
+        return sharding.shard_files(files, self.rank, self.world_size)
+
+    def callbacks(self, *extra: Any, **options: Any) -> list[Any]:
+        """Keras callbacks for distributed training; see :func:`tfdist.callbacks.build`."""
+        from tfdist import callbacks
+
+        return callbacks.build(self, *extra, **options)
+
+    def gradient_tape(self, persistent: bool = False) -> Any:
+        """A ``tf.GradientTape`` for custom loops whose gradients are summed across replicas.
+
+        Scale the loss by the GLOBAL batch (``tf.nn.compute_average_loss``). The default is a
+        plain tape: inside ``strategy.run``, ``optimizer.apply_gradients`` sums.
+        """
+        import tensorflow as tf
+
+        return tf.GradientTape(persistent=persistent)
+
+    def reduce(self, op: str, value: Any) -> Any:
+        """Reduces a per-replica ``value`` across all replicas: ``op`` is "sum" or "mean"."""
+        return self.strategy.reduce(op.upper(), value, axis=None)
+
+    def broadcast_initial_state(self, model: Any, optimizer: Any = None) -> None:
+        """Copies rank 0's model and optimizer state to every rank (custom loops).
+
+        Call it once after creating the model and optimizer, before the first step. A strategy
+        that creates its variables in sync (MWMS) has nothing to do here.
+        """
+        del model, optimizer
+
+    # --- what tfdist's own rooms call --------------------------------------------------------
+
+    def backend_callbacks(self) -> list[Any]:
+        """Callbacks the backend needs first in ``fit`` (Horovod: broadcast, metric averaging)."""
+        return []
+
+    def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
+        """All replicas' rows, in rank order, the same table on every rank (a collective).
+
+        Args:
+            rows: ``int64``, shape ``(local_replicas, k)``: one row per replica of this process.
+            timeout_s: how long to wait for the other ranks, where the backend can bound it.
+
+        Returns:
+            ``int64``, shape ``(num_replicas, k)``.
+
+        Raises:
+            TfdistError: a rank did not arrive within ``timeout_s``.
+        """
+        return rows  # one process: its rows are the table
+
+    def prepare_gather_rows(self, width: int, timeout_s: float) -> None:
+        """Does the one-off work of :meth:`gather_rows` for ``width``-wide rows now (tracing),
+        outside any timed step; runs no collective."""
+        del width, timeout_s
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"collective={self.collective!r}, num_gpus={self.num_gpus}, "
+                f"launcher={self.environment.launcher!r})")
+
+
+def configure_threads(threads: int | None) -> None:
+    """Applies :func:`tfdist.devices.affinity_thread_count` to TensorFlow's thread pools."""
+    count = affinity_thread_count(threads)
+    if count is None:
+        return
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(count)
+    tf.config.threading.set_inter_op_parallelism_threads(count)
+
+
+def check_not_initialised(environment: ClusterEnvironment) -> None:
+    """Raises :func:`too_late` if TensorFlow's runtime already started.
+
+    Raises:
+        InitOrderError: something ran a TensorFlow op before tfdist.
+    """
+    from tensorflow.python.eager import context
+
+    if context.context()._initialized:
+        raise too_late(environment)
+
+
+def too_late(environment: ClusterEnvironment) -> InitOrderError:
+    """The error for a multi-worker set-up attempted after TensorFlow's runtime started."""
+    return InitOrderError(
+        f"TensorFlow's runtime was already initialised when tfdist set up {environment.world_size}"
+        "-worker training. Something ran a TensorFlow op first: creating a tensor or a "
+        "tf.data.Dataset, building or loading a Keras model, or tf.config.list_logical_devices(). "
+        "Multi-worker collectives can only be configured before that. Fix: make "
+        "`with tfdist.strategy_scope() as dist:` (or `tfdist.init()`) the first TensorFlow "
+        "work in main() and build datasets and models after it. Safe before it: imports, "
+        "tf.random.set_seed, keras.utils.set_random_seed, tf.config.list_physical_devices.")

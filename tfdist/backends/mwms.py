@@ -1,0 +1,146 @@
+"""MultiWorkerMirroredStrategy: one process per GPU (or CPU worker), TensorFlow's collectives.
+
+Start-up order matters: the GPUs are narrowed (``CUDA_VISIBLE_DEVICES``) before TensorFlow first
+looks at CUDA, and the strategy is created before TensorFlow's runtime starts, since collectives
+can be configured only then (:func:`tfdist.backends.base.too_late` says how to reorder a script).
+Each worker's address comes from the launch: tfdist's Slurm resolver for an srun step,
+``TF_CONFIG`` for ``tfdist launch`` and hand-written clusters.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+from tfdist import devices
+from tfdist.backends.base import (
+    Distributed,
+    Settings,
+    check_not_initialised,
+    configure_threads,
+    too_late,
+)
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import LaunchError, TfdistError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["MultiWorkerDistributed", "create"]
+
+logger = logging.getLogger("tfdist")
+
+
+class MultiWorkerDistributed(Distributed):
+    """The handle for MultiWorkerMirroredStrategy; ``collective`` is ``"ring"`` or ``"nccl"``."""
+
+    backend = "mwms"
+
+    @property
+    def local_replicas(self) -> int:
+        return len(self.strategy.extended.worker_devices)
+
+    def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
+        import numpy as np
+        import tensorflow as tf
+
+        gather = _gather_function(self.strategy, float(timeout_s))
+        try:
+            gathered = gather(tf.constant(rows))
+        except tf.errors.DeadlineExceededError:
+            raise TfdistError(f"not every rank reached it within {timeout_s:g} s") from None
+        return np.asarray(self.strategy.experimental_local_results(gathered)[0])
+
+    def prepare_gather_rows(self, width: int, timeout_s: float) -> None:
+        import tensorflow as tf
+
+        spec = tf.TensorSpec((self.local_replicas, width), tf.int64)
+        _gather_function(self.strategy, float(timeout_s)).get_concrete_function(spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _gather_function(strategy: Any, timeout_s: float) -> Any:
+    """A tf.function that all-gathers each replica's row of this worker's ``(replicas, k)`` rows.
+
+    Traced once per row width; an eager ``strategy.gather`` retraces on every call (~0.1 s).
+    """
+    import tensorflow as tf
+
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
+    count = len(strategy.extended.worker_devices)
+
+    def replica_row(rows: Any) -> Any:
+        context = tf.distribute.get_replica_context()
+        mine = rows[context.replica_id_in_sync_group % count][None]
+        return context.all_gather(mine, axis=0, options=options)
+
+    @tf.function
+    def gather(rows: Any) -> Any:
+        return strategy.run(replica_row, args=(rows,))
+
+    return gather
+
+
+def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDistributed:
+    """Pins this worker's GPUs, configures threads and creates the strategy.
+
+    Raises:
+        InitOrderError: TensorFlow's runtime already started.
+        LaunchError: the launcher gives no address per worker.
+        ConfigError: the GPUs cannot be shared by the workers on the node.
+    """
+    chosen = devices.narrow_visible_gpus(environment)
+    import tensorflow as tf
+
+    check_not_initialised(environment)
+    configure_threads(settings["threads"])
+    num_gpus = devices.count(chosen)
+    if num_gpus is None:
+        num_gpus = _take_share_of_counted_gpus(tf, environment)
+    collective = settings["collective"]
+    if collective == "auto":
+        collective = "nccl" if num_gpus else "ring"
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=getattr(tf.distribute.experimental.CommunicationImplementation,
+                               collective.upper()))
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=_resolver(environment, num_gpus), communication_options=options)
+    except RuntimeError as error:
+        if "configured at program startup" in str(error):
+            raise too_late(environment) from None
+        raise
+    from tfdist import keras_compat
+
+    keras_compat.apply()
+    handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
+    if handle.is_chief:
+        logger.info("tfdist: MultiWorkerMirroredStrategy, %d workers, %s collectives, %d GPU(s) "
+                    "per worker; launched by %s", handle.world_size, collective.upper(),
+                    num_gpus, environment.reason)
+    return handle
+
+
+def _resolver(environment: ClusterEnvironment, num_gpus: int) -> Any:
+    if environment.launcher == "slurm":
+        from tfdist.resolver import SlurmClusterResolver
+
+        return SlurmClusterResolver(environment, num_gpus=num_gpus)
+    if environment.launcher in ("tf_config", "local") and environment.worker_addresses:
+        import tensorflow as tf
+
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    raise LaunchError(
+        f"{environment.reason}: this launcher gives MultiWorkerMirroredStrategy no address per "
+        "process. Start the workers with srun (one task per GPU) or `tfdist launch -n N`, or "
+        "set TF_CONFIG in each process")
+
+
+def _take_share_of_counted_gpus(tf: Any, environment: ClusterEnvironment) -> int:
+    # CUDA_VISIBLE_DEVICES unset: TensorFlow counts the GPUs, each local worker takes its share.
+    gpus = tf.config.list_physical_devices("GPU")
+    mine = devices.share(len(gpus), environment.local_rank, environment.local_world_size)
+    if len(mine) != len(gpus):
+        tf.config.set_visible_devices([gpus[i] for i in mine], "GPU")
+    return len(mine)

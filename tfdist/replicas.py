@@ -1,0 +1,121 @@
+"""What every handle, TensorFlow's and torch's, computes the same way, and the one-per-process
+cache that holds it.
+
+Vocabulary (the same in every module of tfdist):
+
+- **rank**: this process's index among all processes, 0-based; **world_size**: how many
+  processes train together; **local_rank**: the index among the processes on this node;
+  **chief**: rank 0, which writes checkpoints, logs and progress.
+- **replica**: one copy of the model that trains on its share of each global batch; a process
+  drives one replica per GPU it uses (one on CPU). **num_replicas** counts them across the job.
+- **backend**: the engine that keeps the replicas in sync: ``mwms``
+  (MultiWorkerMirroredStrategy), ``horovod``, ``single`` (one process), ``ddp`` (torch).
+- **collective**: how a backend moves tensors between processes: ``ring`` or ``nccl`` for MWMS,
+  Horovod's controller ``gloo`` or ``mpi``, ``gloo`` or ``nccl`` for a torch process group,
+  ``none`` for one process.
+- **launcher**: what started the processes (:class:`tfdist.env.ClusterEnvironment`).
+
+Pure: no framework is imported here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+from tfdist.errors import ConfigError
+
+__all__ = ["HandleCache", "ReplicaMath", "split_batch"]
+
+
+def split_batch(global_batch_size: int, replicas: int) -> int:
+    """Each replica's share of a global batch.
+
+    Raises:
+        ConfigError: the global batch does not divide evenly, naming the nearest that does.
+    """
+    if global_batch_size % replicas:
+        nearest = max(replicas, global_batch_size // replicas * replicas)
+        raise ConfigError(f"global batch size {global_batch_size} does not divide over "
+                          f"{replicas} replicas: use a multiple of {replicas}, e.g. {nearest}")
+    return global_batch_size // replicas
+
+
+class ReplicaMath:
+    """The arithmetic of a handle with ``rank``, ``world_size`` and ``num_replicas``.
+
+    Subclasses provide those three; everything here follows from them.
+    """
+
+    rank: int
+    world_size: int
+    num_replicas: int
+
+    @property
+    def size(self) -> int:
+        """Same as :attr:`world_size` (Horovod's name, kept for scripts written for it)."""
+        return self.world_size
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes checkpoints, logs and progress (rank 0)."""
+        return self.rank == 0
+
+    def scale_lr(self, learning_rate: float) -> float:
+        """Linear scaling: ``learning_rate`` times the number of replicas (Goyal et al., 2017).
+
+        Pair it with a warmup that ramps up from the unscaled rate.
+        """
+        return learning_rate * self.num_replicas
+
+    def per_replica_batch_size(self, global_batch_size: int) -> int:
+        """Splits a global batch over the replicas.
+
+        Raises:
+            ConfigError: the global batch does not divide evenly.
+        """
+        return split_batch(global_batch_size, self.num_replicas)
+
+    def global_batch_size(self, per_replica_batch_size: int) -> int:
+        """The global batch that gives each replica ``per_replica_batch_size`` examples."""
+        return per_replica_batch_size * self.num_replicas
+
+
+_Handle = TypeVar("_Handle")
+
+
+class HandleCache(Generic[_Handle]):
+    """The one handle of a process and the settings it was created with.
+
+    A strategy or process group can be created once per process: asking again with the same
+    settings returns the same handle; other settings are an error that shows both.
+
+    Args:
+        what: the name in messages, e.g. ``"tfdist"`` or ``"tfdist.torch"``.
+        how_to_switch: appended to the error, e.g. ``"; call shutdown() first"``.
+    """
+
+    def __init__(self, what: str, how_to_switch: str = "") -> None:
+        self.what, self.how_to_switch = what, how_to_switch
+        self.handle: _Handle | None = None
+        self.settings: Any = None
+
+    def get(self, settings: Any) -> _Handle | None:
+        """The cached handle if it was created with ``settings``; None if there is none.
+
+        Raises:
+            ConfigError: a handle exists with other settings.
+        """
+        if self.handle is not None and settings != self.settings:
+            raise ConfigError(f"{self.what} is already initialised with {self.settings} in this "
+                              f"process; it cannot switch to {settings}{self.how_to_switch}")
+        return self.handle
+
+    def put(self, handle: _Handle, settings: Any) -> _Handle:
+        """Caches ``handle``, created with ``settings``, and returns it."""
+        self.handle, self.settings = handle, settings
+        return handle
+
+    def clear(self) -> _Handle | None:
+        """Forgets the handle and returns it."""
+        handle, self.handle, self.settings = self.handle, None, None
+        return handle

@@ -1,0 +1,257 @@
+"""Every setting a user can give tfdist, in one table: argument, variable, parser, default.
+
+Precedence, highest first: the Python argument (examples pass a flag as the argument only when
+the user gave it), then the environment variable, then the default (``None`` where the cluster
+implies the value). :func:`resolve` applies that order and validates the result, so every
+setting is parsed one way: ``TFDIST_SYNC_CHECK=false`` and ``TFDIST_KERAS_FIX=false`` both turn
+their feature off, and a typo names the setting, the variable and the allowed values.
+
+Launch protocol variables that ``tfdist launch`` writes for its workers (``TFDIST_LAUNCHER``,
+``TFDIST_LOCAL_RANK``...) are not settings: :mod:`tfdist.env` reads them with the launchers'.
+
+Pure: no TensorFlow, no torch. The README's settings tables are checked against :data:`SETTINGS`
+(``tests/test_settings.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tfdist.errors import ConfigError
+
+__all__ = ["SETTINGS", "Setting", "current", "flag", "markdown_table", "resolve", "setting",
+           "shown"]
+
+logger = logging.getLogger("tfdist")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def flag(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off``, any case.
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError("use 1 (on) or 0 (off)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+    if value < 1:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+    if not 1024 <= value <= 65535:
+        raise ValueError("must be a port in 1024..65535")
+    return value
+
+
+def _host_template(text: str) -> str:
+    if "{host}" not in text:
+        raise ValueError("must contain '{host}', e.g. '{host}-ib0' to reach each node through "
+                         "its InfiniBand name")
+    return text
+
+
+def _text(text: str) -> str:
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One user setting.
+
+    Attributes:
+        name: the key tfdist uses for it.
+        variable: the environment variable.
+        parse: text -> value; raises ``ValueError`` with what is wrong.
+        default: the value when neither argument nor variable is given; ``None`` means "derived
+            from the cluster" (or off).
+        choices: the allowed values of a choice (compared in lower case).
+        argument: where a script passes it (``"init(backend=)"``), or ``""`` for variable only.
+        doc: one line for the README's table.
+        aliases: older variable names still read, with a warning naming the new one.
+    """
+
+    name: str
+    variable: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+    argument: str = ""
+    aliases: tuple[str, ...] = ()
+
+    def convert(self, raw: Any, source: str) -> Any:
+        """Parses and validates ``raw`` (text from ``source``, or a Python value)."""
+        if self.choices:
+            value = str(raw).strip().lower()
+            if value not in self.choices:
+                raise ConfigError(f"{self.name} {value!r} is not one of {self.choices} "
+                                  f"({self._where()})")
+            return value
+        if isinstance(raw, str):
+            try:
+                return self.parse(raw)
+            except ValueError as error:
+                raise ConfigError(f"{source}={raw!r} {error} ({self._where()})") from None
+        try:
+            return self.parse(str(raw)) if raw is not None else None
+        except ValueError as error:
+            raise ConfigError(f"{self.name}={raw!r} {error} ({self._where()})") from None
+
+    def _where(self) -> str:
+        return (f"argument `{self.argument}` or {self.variable}" if self.argument
+                else f"environment variable {self.variable}")
+
+
+def _choice(name: str, variable: str, choices: tuple[str, ...], doc: str,
+            argument: str = "", aliases: tuple[str, ...] = ()) -> Setting:
+    return Setting(name, variable, str.lower, choices[0], doc, choices, argument, aliases)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    _choice("backend", "TFDIST_BACKEND", ("auto", "mwms", "horovod", "single"),
+            "the data-parallel engine; `auto`: Horovod under horovodrun/mpirun, else MWMS when "
+            "several processes were launched, else one process", "init(backend=)"),
+    _choice("collective", "TFDIST_COLLECTIVE", ("auto", "ring", "nccl"),
+            "MWMS all-reduce; `auto`: NCCL with GPUs, ring on CPU", "init(collective=)"),
+    Setting("threads", "TFDIST_NUM_THREADS", _positive_int, None,
+            "TensorFlow (and torch) threads; default: the cores this process is pinned to",
+            argument="init(threads=)"),
+    Setting("port_base", "TFDIST_PORT_BASE", _port, None,
+            "first port on each node; default: derived from the Slurm job and step id "
+            "(20000-32767)"),
+    Setting("host_template", "TFDIST_HOST_TEMPLATE", _host_template, "{host}",
+            "address to dial for each node, e.g. `{host}-ib0` for the InfiniBand interface"),
+    Setting("keras_fix", "TFDIST_KERAS_FIX", flag, True,
+            "the Keras 3 multi-worker `fit` fix; `0` turns it off (to reproduce the upstream "
+            "bug)"),
+    Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
+            "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
+    Setting("sync_check_every", "TFDIST_SYNC_CHECK_EVERY", _positive_int, None,
+            "also compare the ranks' weights every N steps",
+            argument="callbacks(sync_check_every=)"),
+    _choice("horovod_controller", "TFDIST_HOROVOD_CONTROLLER", ("auto", "gloo", "mpi"),
+            "Horovod under srun; `auto`: MPI when srun's PMIx/PMI started the step"),
+    Setting("horovod_start_timeout", "TFDIST_HOROVOD_START_TIMEOUT", _positive_seconds, 120.0,
+            "seconds the ranks wait for rank 0's Gloo rendezvous under srun"),
+    Setting("horovod_gloo_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", _positive_int, 120,
+            "Horovod's own: seconds Gloo's rendezvous and collectives wait (tfdist's default "
+            "120, Horovod's 30)"),
+    Setting("horovod_gloo_iface", "HOROVOD_GLOO_IFACE", _text, None,
+            "Horovod's own: network interface for Gloo; default: `lo` on one node, else the "
+            "address the host name resolves to"),
+    _choice("torch_collective", "TFDIST_TORCH_COLLECTIVE", ("auto", "nccl", "gloo"),
+            "torch process group; `auto`: NCCL with CUDA, gloo on CPU; `nccl` without CUDA "
+            "falls back to gloo with a warning", "tfdist.torch.init(collective=)",
+            aliases=("TFDIST_TORCH_BACKEND",)),
+    Setting("torch_timeout", "TFDIST_TORCH_TIMEOUT", _positive_seconds, 600.0,
+            "seconds the torch rendezvous and each collective wait for the other ranks",
+            argument="tfdist.torch.init(timeout=)"),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def setting(name: str) -> Setting:
+    """The setting called ``name``."""
+    return _BY_NAME[name]
+
+
+def resolve(name: str, argument: Any = None, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of setting ``name``: ``argument``, else its variable, else its default.
+
+    Args:
+        name: a name from :data:`SETTINGS`.
+        argument: the value a script passed, or None.
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: the value is invalid; the message names the setting, where it came from
+            and what is allowed.
+    """
+    entry = _BY_NAME[name]
+    if argument is not None:
+        return entry.convert(argument, entry.argument or entry.variable)
+    environ = os.environ if environ is None else environ
+    for variable in (entry.variable, *entry.aliases):
+        raw = environ.get(variable, "")
+        if raw.strip():
+            if variable != entry.variable:
+                logger.warning("tfdist: %s is deprecated: set %s instead", variable,
+                               entry.variable)
+            return entry.convert(raw, variable)
+    return entry.default
+
+
+def markdown_table() -> str:
+    """The README's settings table, one row per setting (``tfdist settings --markdown``)."""
+    rows = ["| argument | environment | default | meaning |", "|---|---|---|---|"]
+    for entry in SETTINGS:
+        argument = f"`{entry.argument}`" if entry.argument else ""
+        default = "" if entry.default is None else f"`{_shown(entry.default)}`"
+        choices = ", ".join(f"`{c}`" for c in entry.choices)
+        meaning = f"{choices}: {entry.doc}" if choices else entry.doc
+        if entry.aliases:
+            meaning += f" (old name: {', '.join(f'`{a}`' for a in entry.aliases)})"
+        rows.append(f"| {argument} | `{entry.variable}` | {default} | {meaning} |")
+    return "\n".join(rows)
+
+
+def current(environ: Mapping[str, str] | None = None) -> list[tuple[Setting, Any, str]]:
+    """Every setting's value in ``environ`` (default ``os.environ``) and where it came from.
+
+    Raises:
+        ConfigError: a variable holds an invalid value.
+    """
+    environ = os.environ if environ is None else environ
+    result = []
+    for entry in SETTINGS:
+        given = [v for v in (entry.variable, *entry.aliases) if environ.get(v, "").strip()]
+        result.append((entry, resolve(entry.name, environ=environ),
+                       given[0] if given else "default"))
+    return result
+
+
+def shown(value: Any) -> str:
+    """``value`` as the README and ``tfdist settings`` write it."""
+    if value is None:
+        return "-"
+    return _shown(value)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
