@@ -126,7 +126,8 @@ def check_chief(job: RenderedJob, digest: str) -> str:
     chiefs = [task for task, text in outputs.items() if 0 in final_weights([text])]
     assert len(chiefs) == 1, job.describe()
     chief = outputs[chiefs[0]]
-    assert f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend gloo, device cpu" in chief, \
+    assert (f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend ddp, collective gloo, "
+            "device cpu") in chief, \
         job.describe()
     accuracy = _ACCURACY.findall(job.all_output())
     assert len(accuracy) == 1 and accuracy[0] in _ACCURACY.findall(chief), \

@@ -9,9 +9,11 @@ Which controller ``hvd.init()`` uses follows the launch:
   already set everything; ``hvd.init()`` as it is.
 - an srun step: with ``TFDIST_HOROVOD_CONTROLLER=mpi``, or ``auto`` (the default) when Slurm's
   PMIx/PMI2 plugin started the step (detected as ``ClusterEnvironment.mpi_plugin``) and Horovod
-  has MPI,
-  MPI initialises from Slurm; otherwise Gloo, with rank 0 serving the rendezvous on the step's
-  derived port (:mod:`tfdist.horovod.rendezvous`).
+  has MPI, MPI initialises from Slurm; otherwise Gloo, with rank 0 serving the rendezvous on the
+  step's derived port (:mod:`tfdist.horovod.rendezvous`).
+
+GPUs: one per process, as Horovod expects: the first of the task's GPUs when
+:mod:`tfdist.devices` narrowed them, else the local rank's among those TensorFlow counts.
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     handle = HorovodDistributed(environment, hvd, controller, num_gpus)
     if handle.is_chief:
         logger.info("tfdist: Horovod %s, %d processes, %s controller, %d GPU(s) per process, %s;"
-                    " launched by %s", _version(), handle.size, controller, num_gpus,
+                    " launched by %s", _version(), handle.world_size, controller, num_gpus,
                     "Keras 3 (tfdist's averaging)" if fit.is_keras3()
                     else "tf_keras (Horovod's DistributedOptimizer)", environment.reason)
     return handle

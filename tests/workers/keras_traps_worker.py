@@ -1,0 +1,192 @@
+"""One worker of the Keras traps test: what public scripts do that used to break on 2 workers.
+
+    python keras_traps_worker.py OUT_DIR {mwms,horovod}
+
+Runs every case below in this one process, in order, on every rank (so one launch covers
+them all), and writes ``result-RANK.json``: per case either its observations or
+``{"error": ...}``. Each case builds a fresh model; all share the strategy.
+
+- ``model_dir``: ``fit`` outside the scope with ``dist.callbacks(model_dir=...)`` for 2 epochs
+  (the chief's checkpoint, TensorBoard logs, per-rank backups), then ``dist.save`` of the final
+  model on every rank.
+- ``inside_scope``: the same with ``fit`` called inside ``dist.scope()``, as the Keras guide does.
+- ``user_writers``: the user's own ModelCheckpoint and CSVLogger passed to every rank
+  (``dist.callbacks(checkpoint, logger)``): they must land once, from the chief, loadable.
+- ``lazy_model``: a Sequential model without ``keras.Input`` (Horovod's MNIST example), and a
+  subclassed one: built lazily, yet every rank must start from rank 0's weights.
+- ``numpy``: ``fit(x, y, batch_size=...)`` on arrays: each rank must train on its share; a layer
+  records the rows each rank's replica sees.
+- ``jit_compile`` (Horovod): ``compile(jit_compile=True)`` must be refused with tfdist's message.
+
+Weights are compared across ranks by digest (``tfdist.sync.digest``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import tfdist
+
+ROWS = 256  # training rows; a multiple of every global batch below
+GLOBAL_BATCH = 32
+
+
+def main(out_dir: str, backend: str) -> None:
+    dist = tfdist.init(backend=backend)
+    import tensorflow as tf
+
+    from tfdist import keras_compat
+
+    keras = tf.keras
+    result: dict[str, Any] = {"rank": dist.rank, "keras3": keras_compat.is_keras3(keras)}
+    cases: dict[str, Callable[[], dict[str, Any]]] = {
+        "model_dir": lambda: _model_dir(dist, keras, tf, out_dir, inside_scope=False),
+        "inside_scope": lambda: _model_dir(dist, keras, tf, out_dir, inside_scope=True),
+        "user_writers": lambda: _user_writers(dist, keras, tf, out_dir),
+        "lazy_model": lambda: _lazy_model(dist, keras, tf),
+        "numpy": lambda: _numpy(dist, keras),
+        "jit_compile": lambda: _jit_compile(dist, keras),
+    }
+    failed = False
+    for name, case in cases.items():
+        try:
+            result[name] = case()
+        except Exception as error:  # recorded per case, so one failure shows all the others
+            traceback.print_exc()
+            result[name] = {"error": f"{type(error).__name__}: {error}"}
+            failed = True
+            if dist.world_size > 1:
+                break  # the ranks may be out of step now: stop rather than hang
+    with open(os.path.join(out_dir, f"result-{dist.rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.exit(3 if failed else 0)
+
+
+def _data(tf: Any) -> Any:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    return tf.data.Dataset.from_tensor_slices((x, y)), x, y
+
+
+def _model(keras: Any, *, lazy: bool = False) -> Any:
+    layers = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
+    return keras.Sequential(layers if lazy else [keras.Input((8,)), *layers])
+
+
+def _compile(model: Any, keras: Any, **options: Any) -> None:
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], **options)
+
+
+def _digest(model: Any) -> str:
+    from tfdist.sync import digest, model_variables
+
+    return digest(model_variables(model))
+
+
+def _model_dir(dist: Any, keras: Any, tf: Any, out_dir: str, *, inside_scope: bool
+               ) -> dict[str, Any]:
+    keras.utils.set_random_seed(1 + dist.rank)  # rank 0's weights must win
+    model_dir = os.path.join(out_dir, "inside" if inside_scope else "outside")
+    with dist.scope():
+        model = _model(keras)
+        _compile(model, keras)
+        dataset = dist.shard(_data(tf)[0].batch(GLOBAL_BATCH))
+        if inside_scope:
+            model.fit(dataset, epochs=2, verbose=0,
+                      callbacks=dist.callbacks(model_dir=model_dir))
+    if not inside_scope:
+        model.fit(dataset, epochs=2, verbose=0, callbacks=dist.callbacks(model_dir=model_dir))
+    final = os.path.join(model_dir, "final.keras")
+    wrote = dist.save(model, final)
+    return {"digest": _digest(model), "wrote_final": wrote}
+
+
+def _user_writers(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
+    keras.utils.set_random_seed(1)
+    user_dir = os.path.join(out_dir, "user")
+    with dist.scope():
+        model = _model(keras)
+        _compile(model, keras)
+    checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(user_dir, "user.keras"))
+    logger = keras.callbacks.CSVLogger(os.path.join(user_dir, "log.csv"))
+    model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+              callbacks=dist.callbacks(checkpoint, logger))
+    return {"digest": _digest(model)}
+
+
+def _lazy_model(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    digests = {}
+    for kind in ("sequential", "subclassed"):
+        keras.utils.set_random_seed(1 + dist.rank)  # different on every rank until broadcast
+        with dist.scope():
+            model = _model(keras, lazy=True) if kind == "sequential" else _Subclassed(keras)
+            _compile(model, keras)
+        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=1, verbose=0,
+                  callbacks=dist.callbacks())
+        digests[kind] = _digest(model)
+    return digests
+
+
+def _Subclassed(keras: Any) -> Any:  # noqa: N802 (a class factory: keras is known at run time)
+    class Subclassed(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hidden = keras.layers.Dense(16, activation="relu")
+            self.out = keras.layers.Dense(2)
+
+        def call(self, inputs: Any) -> Any:
+            return self.out(self.hidden(inputs))
+
+    return Subclassed()
+
+
+def _numpy(dist: Any, keras: Any) -> dict[str, Any]:
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(1)
+    _, x, y = _data(tf)
+    seen: list[float] = []  # feature 0 of every training row this rank's replica saw
+
+    def record(batch: Any) -> Any:
+        seen.extend(float(v) for v in batch.numpy()[:, 0])
+        return np.float32(0)
+
+    class RowRecorder(keras.layers.Layer):
+        def call(self, inputs: Any, training: Any = None) -> Any:
+            if not training:
+                return inputs
+            return inputs + tf.py_function(record, [inputs], tf.float32)
+
+    with dist.scope():
+        model = keras.Sequential([keras.Input((8,)), RowRecorder(), keras.layers.Dense(2)])
+        _compile(model, keras, jit_compile=False)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False,
+                        callbacks=dist.callbacks())
+    return {"digest": _digest(model), "seen": seen, "epochs": len(history.history["loss"])}
+
+
+def _jit_compile(dist: Any, keras: Any) -> dict[str, Any]:
+    if dist.backend != "horovod":
+        return {"skipped": "MultiWorkerMirroredStrategy's XLA path is another issue's"}
+    from tfdist.errors import ConfigError
+
+    model = _model(keras)
+    try:
+        _compile(model, keras, jit_compile=True)
+    except ConfigError as error:
+        return {"refused": str(error)}
+    return {"refused": None}
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
