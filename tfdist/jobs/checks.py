@@ -9,19 +9,20 @@ import re
 from typing import TYPE_CHECKING
 
 from tfdist.errors import ConfigError
-from tfdist.jobs.config import (
+from tfdist.jobs.choices import (
     BACKEND_LAUNCHERS,
     BACKENDS,
     KINDS,
     LAUNCHERS,
     RUNTIME_LAUNCHERS,
     RUNTIMES,
-    JobConfig,
 )
 from tfdist.jobs.shell import check_body_value, check_sbatch_value
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+
+    from tfdist.jobs.config import JobConfig
 
 __all__ = ["validate", "TIME_FORMATS"]
 
@@ -86,7 +87,7 @@ def _check_counts(c: JobConfig) -> None:
 
 
 def _check_kind_keys(c: JobConfig) -> None:
-    defaults = JobConfig.__dataclass_fields__
+    defaults = type(c).__dataclass_fields__
     foreign = _BUILD_ONLY if c.kind == "train" else _TRAIN_ONLY
     for key in foreign:
         if getattr(c, key) != defaults[key].default:

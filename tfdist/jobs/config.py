@@ -20,6 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from tfdist.errors import ConfigError
+from tfdist.jobs.checks import validate
+from tfdist.jobs.choices import (
+    BACKEND_LAUNCHERS,
+    BACKENDS,
+    KINDS,
+    LAUNCHERS,
+    RUNTIME_LAUNCHERS,
+    RUNTIMES,
+)
 
 __all__ = [
     "BACKENDS",
@@ -34,28 +43,6 @@ __all__ = [
     "merge",
 ]
 
-KINDS = ("train", "build-venv")
-BACKENDS = ("mwms", "horovod", "torch")
-LAUNCHERS = ("srun", "mpirun", "horovodrun", "torchrun")
-RUNTIMES = ("venv", "apptainer", "enroot")
-
-# The launchers that can start each backend; the first is its default.
-BACKEND_LAUNCHERS: dict[str, tuple[str, ...]] = {
-    # TensorFlow's workers take their address table from the srun step (tfdist.env.slurm);
-    # mpirun and horovodrun give no per-rank addresses.
-    "mwms": ("srun",),
-    "horovod": ("srun", "mpirun", "horovodrun"),
-    # tfdist.torch reads torchrun's store, or derives a rendezvous from the srun step.
-    "torch": ("torchrun", "srun"),
-}
-# The launchers that can run inside each runtime.
-RUNTIME_LAUNCHERS: dict[str, tuple[str, ...]] = {
-    "venv": LAUNCHERS,
-    # horovodrun starts remote ranks over ssh, outside any container srun or mpirun started.
-    "apptainer": ("srun", "mpirun", "torchrun"),
-    # pyxis adds --container-image and --container-mounts to srun only.
-    "enroot": ("srun", "torchrun"),
-}
 
 
 @dataclass(frozen=True)
@@ -111,8 +98,6 @@ class JobConfig:
         for spec in dataclasses.fields(self):
             value = _coerce(spec.name, getattr(self, spec.name), "JobConfig")
             object.__setattr__(self, spec.name, value)
-        from tfdist.jobs.checks import validate
-
         validate(self)
 
     @property

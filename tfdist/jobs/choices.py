@@ -1,0 +1,31 @@
+"""The values a job's ``kind``, ``backend``, ``launcher`` and ``runtime`` may take, and which
+combine: shared by the config (:mod:`tfdist.jobs.config`) and its checks
+(:mod:`tfdist.jobs.checks`), so that neither imports the other for them."""
+
+from __future__ import annotations
+
+__all__ = ["BACKENDS", "BACKEND_LAUNCHERS", "KINDS", "LAUNCHERS", "RUNTIMES",
+           "RUNTIME_LAUNCHERS"]
+
+KINDS = ("train", "build-venv")
+BACKENDS = ("mwms", "horovod", "torch")
+LAUNCHERS = ("srun", "mpirun", "horovodrun", "torchrun")
+RUNTIMES = ("venv", "apptainer", "enroot")
+
+# The launchers that can start each backend; the first is its default.
+BACKEND_LAUNCHERS: dict[str, tuple[str, ...]] = {
+    # TensorFlow's workers take their address table from the srun step (tfdist.env.slurm);
+    # mpirun and horovodrun give no per-rank addresses.
+    "mwms": ("srun",),
+    "horovod": ("srun", "mpirun", "horovodrun"),
+    # tfdist.torch reads torchrun's store, or derives a rendezvous from the srun step.
+    "torch": ("torchrun", "srun"),
+}
+# The launchers that can run inside each runtime.
+RUNTIME_LAUNCHERS: dict[str, tuple[str, ...]] = {
+    "venv": LAUNCHERS,
+    # horovodrun starts remote ranks over ssh, outside any container srun or mpirun started.
+    "apptainer": ("srun", "mpirun", "torchrun"),
+    # pyxis adds --container-image and --container-mounts to srun only.
+    "enroot": ("srun", "torchrun"),
+}
