@@ -106,11 +106,11 @@ def train() -> None:
     # One write with its newline, so ranks that share an output file don't interleave lines.
     print(f"tfdist: rank {dist.rank} of {dist.world_size}: final weights "
           f"{digest(model_variables(model))}\n", end="", flush=True)
-    if dist.is_chief:  # tfdist: only the chief reports and writes the final model
+    if FLAGS.model_dir:  # tfdist: every rank calls save (it may run collectives); the chief writes
+        dist.save(model, os.path.join(FLAGS.model_dir, "final.keras"))
+    if dist.is_chief:  # tfdist: only the chief reports
         print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}  "
               f"(predict: {agree:.4f} on {len(labels)} images)", flush=True)
-        if FLAGS.model_dir:
-            model.save(os.path.join(FLAGS.model_dir, "final.keras"))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,18 @@ def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
         "checkpoint.keras", "final.keras", "logs"]
 
 
+def test_tf_keras_with_a_model_dir_saves_from_the_chief_without_breaking_the_others(tmp_path):
+    # The chief's checkpoint once ran a metric all-reduce the others never joined, and the
+    # job died at the start of epoch 2; every rank now runs the save, only the chief's lands.
+    run = launch([EXAMPLE, "--epochs=2", "--batch_size=64", f"--model_dir={tmp_path}/m",
+                  f"--data_dir={tmp_path}/data"], env={"TF_USE_LEGACY_KERAS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    weights = final_weights([run.stdout])
+    assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "checkpoint.keras", "final.keras", "logs"]
+
+
 def test_one_plain_process_runs_the_same_script(tmp_path):
     run = subprocess.run([sys.executable, EXAMPLE, "--epochs=3", f"--data_dir={tmp_path}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)

@@ -1,15 +1,27 @@
 """Keras callbacks for distributed training: one writer, per-worker backups, LR warmup.
 
+One writer without collective mismatches. Under MultiWorkerMirroredStrategy a save can run
+collectives: tf_keras reads its metrics (sync-on-read variables) through an all-reduce, and
+Keras 3 may create an optimizer variable during the first save, which under the strategy's scope
+is broadcast from the chief. A save on the chief alone then leaves the others one collective
+behind, and the job dies later with "Shape mismatch in the collective instance". So file writers
+(checkpoints, TensorBoard, CSV logs) run on every rank (:class:`ChiefWrites`): the chief writes
+the real path, the others write into a private scratch directory that is removed again. Under
+Horovod and for one process a save runs no collective, and the writers run on the chief only.
+
 Imported only after :func:`tfdist.init`, when ``tf.keras`` resolves to Keras 3 or, with
 ``TF_USE_LEGACY_KERAS=1``, to tf_keras; the classes below subclass whichever it is.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
@@ -19,8 +31,8 @@ from tfdist import keras_compat, sync
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["ChiefOnly", "AtomicCheckpoint", "LearningRateWarmup", "WorkerBackupAndRestore",
-           "build"]
+__all__ = ["AtomicCheckpoint", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
+           "WorkerBackupAndRestore", "build", "route_writer", "save", "scratch_dir"]
 
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
@@ -28,10 +40,11 @@ _KERAS3 = keras_compat.is_keras3(keras)
 
 
 class ChiefOnly(keras.callbacks.Callback):
-    """Runs ``callback`` on the chief only (TensorBoard, CSV logs, checkpoints...).
+    """Runs ``callback`` on the chief only; on the other ranks its hooks do nothing.
 
-    Safe under MultiWorkerMirroredStrategy: saving and logging read local values and run no
-    collective, so the other workers do not wait for the chief.
+    For callbacks that run no collective (notifications, your own logs). File writers that
+    may save a model belong in :class:`ChiefWrites`, which :func:`build` picks for the ones
+    it knows.
     """
 
     def __init__(self, callback: Any, is_chief: bool) -> None:
@@ -57,6 +70,96 @@ class ChiefOnly(keras.callbacks.Callback):
         return object.__getattribute__(self, name)
 
 
+# The attribute that holds each known writer's output path. tf_keras's TensorBoard and
+# ModelCheckpoint derive their real paths from these in set_model or at save time.
+_PATHS = {"AtomicCheckpoint": "path", "ModelCheckpoint": "filepath", "CSVLogger": "filename",
+          "TensorBoard": "log_dir"}
+
+
+def _path_attribute(callback: Any) -> str | None:
+    for cls in type(callback).__mro__:
+        if cls.__name__ in _PATHS:
+            return _PATHS[cls.__name__]
+    return None
+
+
+def scratch_dir(rank: int) -> str:
+    """A new private directory for a non-chief rank's throw-away writes (node-local temp).
+
+    Removed at the latest when the process exits, also when training stopped with an error.
+    """
+    folder = tempfile.mkdtemp(prefix=f"tfdist-rank{rank}-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+class ChiefWrites(keras.callbacks.Callback):
+    """Runs a file-writing callback on every rank; only the chief's files are kept.
+
+    On the chief ``callback`` runs unchanged. On the other ranks its output path points into a
+    private scratch directory (:func:`scratch_dir`), emptied after each epoch and removed at the
+    end of training, so every rank runs the same saves (and their collectives) while only the
+    chief's land. Knows tfdist's :class:`AtomicCheckpoint` and Keras's ``ModelCheckpoint``,
+    ``CSVLogger`` and ``TensorBoard`` (and their subclasses).
+
+    Args:
+        callback: the writer.
+        rank: this process's rank.
+
+    Raises:
+        ValueError: ``callback`` is not a writer this class knows.
+    """
+
+    def __init__(self, callback: Any, rank: int) -> None:
+        super().__init__()
+        attribute = _path_attribute(callback)
+        if attribute is None:
+            raise ValueError(f"ChiefWrites does not know where {type(callback).__name__} "
+                             f"writes; it knows {sorted(_PATHS)}")
+        self.callback, self.rank = callback, rank
+        self.scratch: str | None = None
+        if rank != 0:
+            self.scratch = scratch_dir(rank)
+            target = getattr(callback, attribute)
+            setattr(callback, attribute, os.path.join(self.scratch, os.path.basename(
+                str(target).rstrip("/")) or "out"))
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params: Any) -> None:
+        super().set_params(params)
+        self.callback.set_params(params)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("on_") and name not in ("on_epoch_end", "on_train_end"):
+            return getattr(object.__getattribute__(self, "callback"), name)
+        return object.__getattribute__(self, name)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.callback.on_epoch_end(epoch, logs)
+        if self.scratch and isinstance(self.callback, (AtomicCheckpoint,
+                                                      keras.callbacks.ModelCheckpoint)):
+            _empty(self.scratch)  # checkpoints may be large; logs stay open until the end
+
+    def on_train_end(self, logs: Any = None) -> None:
+        try:
+            self.callback.on_train_end(logs)
+        finally:
+            if self.scratch:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _empty(folder: str) -> None:
+    for entry in os.scandir(folder):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
 class AtomicCheckpoint(keras.callbacks.Callback):
     """Saves the whole model (``.keras``) at each epoch end, atomically.
 
@@ -71,11 +174,37 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.path = path
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        partial = os.path.join(os.path.dirname(self.path),
-                               f".partial-{os.path.basename(self.path)}")
-        self.model.save(partial)
-        os.replace(partial, self.path)
+        _save_atomically(self.model, self.path)
+
+
+def _save_atomically(model: Any, path: str) -> None:
+    # Beside the target, so that the rename is atomic on the same file system.
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    partial = os.path.join(os.path.dirname(path), f".partial-{os.path.basename(path)}")
+    model.save(partial)
+    os.replace(partial, path)
+
+
+def save(dist: Distributed, model: Any, path: str) -> bool:
+    """Saves ``model`` to ``path`` (``.keras``) once, from the chief, atomically.
+
+    Call it on every rank: where a save runs collectives (MultiWorkerMirroredStrategy) the
+    other ranks save into a scratch directory that is removed at once, so that every rank runs
+    the same collectives; elsewhere they return at once.
+
+    Returns:
+        Whether this process wrote ``path``.
+    """
+    if dist.is_chief:
+        _save_atomically(model, path)
+        return True
+    if dist.save_on_every_rank:
+        scratch = scratch_dir(dist.rank)
+        try:
+            model.save(os.path.join(scratch, os.path.basename(path)))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return False
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
@@ -134,7 +263,9 @@ if _KERAS3:
         _weights_path: str  # set by Keras's BackupAndRestore
         _training_metadata_path: str
 
-        def __init__(self, backup_dir: str, rank: int, **kwargs: Any) -> None:
+        def __init__(self, backup_dir: str, rank: int, *, strategy_spans_workers: bool = True,
+                     **kwargs: Any) -> None:
+            del strategy_spans_workers  # Keras 3's callback never keeps workers apart
             self.root = backup_dir
             super().__init__(os.path.join(backup_dir, f"rank-{rank}"), double_checkpoint=True,
                              **kwargs)
@@ -159,10 +290,67 @@ if _KERAS3:
 
 else:
 
-    def WorkerBackupAndRestore(  # type: ignore[no-redef]  # noqa: N802
-            backup_dir: str, rank: int, **kwargs: Any) -> Any:
-        """tf_keras's BackupAndRestore already writes one directory per worker."""
-        return keras.callbacks.BackupAndRestore(backup_dir, **kwargs)
+    class WorkerBackupAndRestore(keras.callbacks.BackupAndRestore):  # type: ignore[no-redef]
+        """tf_keras's BackupAndRestore, kept apart per worker.
+
+        Under MultiWorkerMirroredStrategy tf_keras already keeps the workers apart; without such
+        a strategy (Horovod) every rank would take itself for the chief and race on one
+        directory, so each gets ``backup_dir/rank-N``.
+        """
+
+        def __init__(self, backup_dir: str, rank: int, *, strategy_spans_workers: bool = True,
+                     **kwargs: Any) -> None:
+            self.root = backup_dir
+            super().__init__(backup_dir if strategy_spans_workers
+                             else os.path.join(backup_dir, f"rank-{rank}"), **kwargs)
+
+        def on_train_end(self, logs: Any = None) -> None:
+            super().on_train_end(logs)  # removes the checkpoints, not the folders above them
+            for folder in (self.backup_dir, self.root):
+                with contextlib.suppress(OSError):  # not empty: another rank's, or kept
+                    os.rmdir(folder)
+
+
+def _strategy_spans_workers(dist: Distributed) -> bool:
+    in_multi_worker_mode = getattr(dist.strategy.extended, "_in_multi_worker_mode", None)
+    return bool(in_multi_worker_mode and in_multi_worker_mode())
+
+
+def route_writer(dist: Distributed, callback: Any, *, announce: bool = False) -> Any:
+    """``callback`` as it must run on this rank so that every file is written once.
+
+    A file writer (:data:`_PATHS`) runs under :class:`ChiefWrites` where a save runs
+    collectives (``dist.save_on_every_rank``), else on the chief only; a Keras 3
+    ``BackupAndRestore`` gets a directory per rank; anything else is returned as it is.
+
+    Args:
+        dist: the handle.
+        callback: a Keras callback.
+        announce: log on the chief that a callback of the user's was rerouted.
+    """
+    if dist.world_size == 1 or isinstance(callback, ChiefOnly | ChiefWrites):
+        return callback
+    if _KERAS3 and isinstance(callback, keras.callbacks.BackupAndRestore) and not isinstance(
+            callback, WorkerBackupAndRestore):
+        return _backup_per_rank(callback, dist.rank)
+    if _path_attribute(callback) is None:
+        return callback
+    if announce and dist.is_chief:
+        logger.info("tfdist: %s writes from the chief only; the other ranks %s",
+                    type(callback).__name__, "write to a scratch directory that is removed"
+                    if dist.save_on_every_rank else "skip it")
+    if dist.save_on_every_rank:
+        return ChiefWrites(callback, dist.rank)
+    return ChiefOnly(callback, dist.is_chief)
+
+
+def _backup_per_rank(callback: Any, rank: int) -> Any:
+    # Keras 3's BackupAndRestore would have every rank write (and race on) one directory.
+    folder = os.path.join(callback.backup_dir, f"rank-{rank}")
+    callback.backup_dir = folder
+    callback._weights_path = os.path.join(folder, "latest.weights.h5")
+    callback._training_metadata_path = os.path.join(folder, "training_metadata.json")
+    return callback
 
 
 def _tensorboard_installed(dist: Distributed) -> bool:
@@ -184,13 +372,18 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
 
     Args:
         dist: the handle from :func:`tfdist.init`.
-        *extra: your callbacks, run on every worker.
+        *extra: your callbacks, run on every worker. File writers among them that would all
+            write one path are routed by :func:`route_writer`: Keras's ``ModelCheckpoint``,
+            ``CSVLogger`` and ``TensorBoard`` write once, from the chief; a Keras 3
+            ``BackupAndRestore`` writes one directory per rank.
         model_dir: where outputs go; without it only warmup, progress and ``extra`` are set up.
         checkpoint: save ``model_dir/checkpoint.keras`` after each epoch (chief only, atomic).
         tensorboard: write TensorBoard logs to ``model_dir/logs`` (chief only).
         backup: BackupAndRestore in ``model_dir/backup`` (per rank) to resume after preemption.
         warmup_epochs: ramp the learning rate up from ``lr / size`` over this many epochs.
-        chief_only: more callbacks to run on the chief only.
+        chief_only: more callbacks to run on the chief only. The file writers tfdist knows
+            (``ModelCheckpoint``, ``CSVLogger``, ``TensorBoard``) run as :func:`route_writer`
+            says; others must not run collectives (no ``model.save``, no metric reads).
         sync_check: compare the weights of all ranks after the first step and at the end of
             training, and stop with ReplicaMismatchError naming the ranks that differ
             (:class:`tfdist.sync.ReplicaSyncCheck`); env ``TFDIST_SYNC_CHECK`` (1/0), default on.
@@ -204,18 +397,21 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
     # must run before anything reads the epoch's logs).
     callbacks: list[Any] = list(dist.backend_callbacks())
     if model_dir and backup:
-        callbacks.append(WorkerBackupAndRestore(os.path.join(model_dir, "backup"), dist.rank))
+        callbacks.append(WorkerBackupAndRestore(
+            os.path.join(model_dir, "backup"), dist.rank,
+            strategy_spans_workers=_strategy_spans_workers(dist)))
     if warmup_epochs:
         callbacks.append(LearningRateWarmup(warmup_epochs, dist.num_replicas))
-    callbacks += extra
+    callbacks += [route_writer(dist, callback, announce=True) for callback in extra]
     check = sync.sync_check_callback(dist, sync_check, sync_check_every)
     callbacks += [check] if check is not None else []  # after `extra`: it sees their changes
-    writers = list(chief_only)
+    writers = [writer if _path_attribute(writer) else ChiefOnly(writer, dist.is_chief)
+               for writer in chief_only]
     if model_dir and checkpoint:
         writers.append(AtomicCheckpoint(os.path.join(model_dir, "checkpoint.keras")))
     if model_dir and tensorboard and _tensorboard_installed(dist):
         writers.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
-    callbacks += [ChiefOnly(writer, dist.is_chief) for writer in writers]
+    callbacks += [route_writer(dist, writer) for writer in writers]
     if not dist.is_chief:
         callbacks.append(_SilentProgbar())
     return callbacks

@@ -17,6 +17,9 @@ them all), and writes ``result-RANK.json``: per case either its observations or
 - ``numpy``: ``fit(x, y, batch_size=...)`` on arrays: each rank must train on its share; a layer
   records the rows each rank's replica sees.
 - ``jit_compile`` (Horovod): ``compile(jit_compile=True)`` must be refused with tfdist's message.
+- ``control_chief_only_save`` (MWMS): the old way, the checkpoint on the chief only
+  (``ChiefOnly(AtomicCheckpoint)``) with ``fit`` inside the scope, must still break: it shows
+  that the cases above exercise the defect.
 
 Weights are compared across ranks by digest (``tfdist.sync.digest``).
 """
@@ -53,6 +56,8 @@ def main(out_dir: str, backend: str) -> None:
         "lazy_model": lambda: _lazy_model(dist, keras, tf),
         "numpy": lambda: _numpy(dist, keras),
         "jit_compile": lambda: _jit_compile(dist, keras),
+        # Last: when it shows the old defect, the ranks' collectives are aborted.
+        "control_chief_only_save": lambda: _control(dist, keras, tf, out_dir),
     }
     failed = False
     for name, case in cases.items():
@@ -114,6 +119,7 @@ def _model_dir(dist: Any, keras: Any, tf: Any, out_dir: str, *, inside_scope: bo
 def _user_writers(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
     keras.utils.set_random_seed(1)
     user_dir = os.path.join(out_dir, "user")
+    os.makedirs(user_dir, exist_ok=True)  # CSVLogger opens its file without making folders
     with dist.scope():
         model = _model(keras)
         _compile(model, keras)
@@ -165,7 +171,9 @@ def _numpy(dist: Any, keras: Any) -> dict[str, Any]:
         def call(self, inputs: Any, training: Any = None) -> Any:
             if not training:
                 return inputs
-            return inputs + tf.py_function(record, [inputs], tf.float32)
+            zero = tf.py_function(record, [inputs], tf.float32)
+            zero.set_shape(())
+            return inputs + zero
 
     with dist.scope():
         model = keras.Sequential([keras.Input((8,)), RowRecorder(), keras.layers.Dense(2)])
@@ -186,6 +194,24 @@ def _jit_compile(dist: Any, keras: Any) -> dict[str, Any]:
     except ConfigError as error:
         return {"refused": str(error)}
     return {"refused": None}
+
+
+def _control(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
+    if dist.backend != "mwms":
+        return {"skipped": "a save runs no collective under Horovod"}
+    from tfdist.callbacks import AtomicCheckpoint, ChiefOnly
+
+    with dist.scope():
+        model = _model(keras)
+        _compile(model, keras)
+        writer = ChiefOnly(AtomicCheckpoint(os.path.join(out_dir, "control", "c.keras")),
+                           dist.is_chief)
+        try:
+            model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=3, verbose=0,
+                      callbacks=[writer])
+        except Exception as error:
+            return {"failed": f"{type(error).__name__}: {str(error)[:300]}"}
+    return {"failed": None}
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ class Distributed(ReplicaMath):
     """
 
     backend = "?"
+    # Whether saving a model may run collectives, so that every rank must save (the chief's
+    # file is kept, the others' thrown away): see tfdist.callbacks.
+    save_on_every_rank = False
 
     def __init__(self, environment: ClusterEnvironment, strategy: Any, collective: str,
                  num_gpus: int) -> None:
@@ -111,6 +114,20 @@ class Distributed(ReplicaMath):
         from tfdist import callbacks
 
         return callbacks.build(self, *extra, **options)
+
+    def save(self, model: Any, path: str) -> bool:
+        """Saves ``model`` to ``path`` (``.keras``) once, from the chief, atomically.
+
+        Call it on every rank, e.g. after ``fit``: ``if dist.is_chief: model.save(...)`` can
+        leave the other ranks a collective behind under MultiWorkerMirroredStrategy. See
+        :func:`tfdist.callbacks.save`.
+
+        Returns:
+            Whether this process wrote ``path``.
+        """
+        from tfdist import callbacks
+
+        return callbacks.save(self, model, path)
 
     def gradient_tape(self, persistent: bool = False) -> Any:
         """A ``tf.GradientTape`` for custom loops whose gradients are summed across replicas.

@@ -171,7 +171,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     num_gpus = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()))
     from tfdist.horovod import fit
 
-    fit.install_compile_hook()
+    fit.install_hooks(int(hvd.rank()), int(hvd.size()))
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     handle = HorovodDistributed(environment, hvd, controller, num_gpus)
     if handle.is_chief:

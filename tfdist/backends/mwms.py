@@ -36,6 +36,7 @@ class MultiWorkerDistributed(Distributed):
     """The handle for MultiWorkerMirroredStrategy; ``collective`` is ``"ring"`` or ``"nccl"``."""
 
     backend = "mwms"
+    save_on_every_rank = True  # tf_keras all-reduces its metrics, Keras 3 may add a variable
 
     @property
     def local_replicas(self) -> int:

@@ -5,19 +5,29 @@ and ``MetricAverageCallback``. Keras 3 cannot: Horovod's optimizer wrapper silen
 averaging there, and its callbacks fail (``.ref``, ``keras.backend.constant``). For Keras 3 tfdist
 averages the gradients in ``optimizer.apply`` and broadcasts and averages with its own callbacks,
 all on Horovod's core collective ops (:mod:`tfdist.horovod.ops`).
+
+:func:`install_hooks` also makes ``Model.fit`` behave as under MultiWorkerMirroredStrategy where
+plain Horovod would not: arrays passed to ``fit`` are split by rank (:func:`shard_arrays`), and
+a model Keras 3 would build lazily in the first step is built before the initial broadcast, so
+that every rank starts from rank 0's weights. ``jit_compile=True`` is refused with the fix:
+Horovod's ops cannot be compiled by XLA.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
+from tfdist.errors import ConfigError
 from tfdist.horovod import ops
 
-__all__ = ["DistributedOptimizer", "callbacks", "install_compile_hook", "is_keras3"]
+__all__ = ["DistributedOptimizer", "callbacks", "install_hooks", "is_keras3", "shard_arrays"]
 
 logger = logging.getLogger("tfdist")
 keras: Any = tf.keras  # Keras 3, or tf_keras with TF_USE_LEGACY_KERAS=1
@@ -69,27 +79,119 @@ def DistributedOptimizer(optimizer: Any) -> Any:  # noqa: N802 (Horovod's name)
     return optimizer
 
 
-def install_compile_hook() -> None:
-    """Makes every ``Model.compile`` wrap its optimizer with :func:`DistributedOptimizer`."""
+def install_hooks(rank: int, world_size: int) -> None:
+    """Wraps ``Model.compile`` (gradient averaging, no XLA) and ``Model.fit`` (arrays split by
+    rank); with Keras 3 also the symbolic build (models built before the first step). Once."""
     model_class = keras.Model
     if getattr(model_class.compile, _MARK, False):
         return
-    original = model_class.compile
+    model_class.compile = _compile_hook(model_class.compile)
+    model_class.fit = _fit_hook(model_class.fit, rank, world_size)
+    if is_keras3():
+        from keras.src.backend.tensorflow import trainer
 
+        trainer.TensorFlowTrainer._maybe_symbolic_build = _build_hook(
+            trainer.TensorFlowTrainer._maybe_symbolic_build)
+
+
+def _compile_hook(original: Any) -> Any:
     @functools.wraps(original)
     def compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("jit_compile") is True:
+            raise ConfigError(
+                "compile(jit_compile=True) under the Horovod backend: Horovod's all-reduce "
+                "cannot be compiled by XLA, so the first step would fail inside XLA. Pass "
+                "jit_compile=False (or leave it out), or use backend='mwms'")
         if not is_keras3():  # Horovod's wrapper must be in place before compile uses it
             optimizer = DistributedOptimizer(keras.optimizers.get(optimizer))
         else:
             # Keras 3 turns XLA on for GPUs ("auto"); Horovod's ops cannot be XLA-compiled.
-            kwargs.setdefault("jit_compile", False)
+            kwargs["jit_compile"] = False
         result = original(self, optimizer, *args, **kwargs)
         if is_keras3():
             DistributedOptimizer(self.optimizer)
         return result
 
     setattr(compile, _MARK, True)
-    model_class.compile = compile
+    return compile
+
+
+def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        if world_size > 1 and _is_arrays(bound.arguments.get("x")):
+            bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
+        return original(*bound.args, **bound.kwargs)
+
+    return fit
+
+
+def _build_hook(original: Any) -> Any:
+    # Keras 3 builds a model symbolically before training only under a tf.distribute strategy;
+    # without one (Horovod) it builds in the first step, after the initial broadcast has found
+    # no variables. Build it the same way here, from the first batch (fit resets the iterator).
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
+        if self._distribute_strategy is None and (iterator is not None or data_batch is not None):
+            return self._symbolic_build(iterator=iterator, data_batch=data_batch)
+        return original(self, iterator=iterator, data_batch=data_batch)
+
+    return _maybe_symbolic_build
+
+
+def _is_arrays(x: Any) -> bool:
+    leaves = tf.nest.flatten(x) if isinstance(x, (list, tuple, Mapping)) else [x]
+    return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
+
+
+def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The ``fit`` arguments that make this rank train on its part of in-memory arrays.
+
+    The arrays become one dataset batched with the GLOBAL ``batch_size`` (default 32), shuffled
+    each epoch the same way on every rank when ``shuffle`` is on (a seed shared by all ranks),
+    and each rank keeps its slice of every global batch (:func:`tfdist.horovod.data.shard`), as
+    MultiWorkerMirroredStrategy splits arrays. ``validation_split`` takes the last rows before
+    shuffling, as Keras does, and every rank validates on them.
+
+    Raises:
+        ConfigError: the global batch does not divide over the ranks, or arguments that only
+            apply to arrays are combined with others Keras would refuse.
+    """
+    from tfdist.horovod.data import shard
+
+    x, y = arguments["x"], arguments.get("y")
+    weights = arguments.get("sample_weight")
+    batch = arguments.get("batch_size") or 32
+    if batch % world_size:
+        raise ConfigError(f"fit(batch_size={batch}) is the GLOBAL batch and must divide over "
+                          f"{world_size} ranks: use a multiple of {world_size}")
+    rows = len(tf.nest.flatten(x)[0])
+    split = float(arguments.get("validation_split") or 0.0)
+    changed: dict[str, Any] = {"y": None, "sample_weight": None, "batch_size": None}
+    if split:
+        if arguments.get("validation_data") is not None:
+            raise ConfigError("fit() got both validation_split and validation_data: pass one")
+        cut = int(rows * (1.0 - split))
+        part = functools.partial(tf.nest.map_structure, lambda a: a[cut:])
+        changed["validation_data"] = tuple(
+            part(v) for v in (x, y, weights) if v is not None)
+        changed["validation_split"] = 0.0
+        x, y, weights = (tf.nest.map_structure(lambda a: a[:cut], v) if v is not None else None
+                         for v in (x, y, weights))
+        rows = cut
+    data = tuple(v for v in (x, y, weights) if v is not None)
+    dataset = tf.data.Dataset.from_tensor_slices(data if len(data) > 1 else data[0])
+    if arguments.get("shuffle", True):
+        dataset = dataset.shuffle(rows, seed=_SHUFFLE_SEED, reshuffle_each_iteration=True)
+    changed["x"] = shard(dataset.batch(batch), rank, world_size)
+    changed["shuffle"] = False
+    return changed
+
+
+_SHUFFLE_SEED = 20251123  # the same on every rank, so the ranks split one permutation
 
 
 def callbacks() -> list[Any]:

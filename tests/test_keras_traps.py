@@ -1,0 +1,136 @@
+"""What ported public Keras scripts do, on 2 real workers, both backends, both Keras versions.
+
+One launch per (backend, Keras) runs every case of tests/workers/keras_traps_worker.py in the
+same two processes; the tests below read its results and files. Each case compares the ranks'
+final weights by digest, and a control (the old chief-only checkpoint) must still break, so the
+cases are known to exercise the defect they guard against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import ROOT, WORKERS
+
+WORKER = str(WORKERS / "keras_traps_worker.py")
+HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+ROWS = 256
+COMBOS = {
+    "mwms-keras3": (sys.executable, "mwms", "0"),
+    "mwms-tf_keras": (sys.executable, "mwms", "1"),
+    "horovod-keras3": (str(HVD_PY), "horovod", "0"),
+    "horovod-tf_keras": (str(HVD_PY), "horovod", "1"),
+}
+_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG")
+
+pytestmark = pytest.mark.multiprocess
+
+
+class Run:
+    """One 2-worker launch: its output, each rank's results, its folders."""
+
+    def __init__(self, combo: str, out: Path) -> None:
+        python, backend, legacy = COMBOS[combo]
+        self.combo, self.backend, self.out, self.tmp = combo, backend, out, out / "tmp"
+        self.tmp.mkdir(parents=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+        env.update(TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS=legacy, TMPDIR=str(self.tmp))
+        launch = ["--backend", "horovod"] if backend == "horovod" else []
+        self.job = subprocess.run([python, "-m", "tfdist", "launch", *launch, "-n", "2", WORKER,
+                                   str(out), backend], cwd=ROOT, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=300, check=False)
+        self.results = [json.loads((out / f"result-{rank}.json").read_text())
+                        for rank in (0, 1) if (out / f"result-{rank}.json").exists()]
+
+    def case(self, name: str) -> list[dict[str, Any]]:
+        """Both ranks' results of case ``name``; fails with the output if a rank failed."""
+        assert len(self.results) == 2, self.job.stdout[-4000:]
+        found = [result.get(name, {"error": "not reached"}) for result in self.results]
+        errors = [f"rank {r}: {f['error']}" for r, f in enumerate(found) if "error" in f]
+        assert not errors, "\n".join(errors) + "\n" + self.job.stdout[-4000:]
+        return found
+
+
+@pytest.fixture(scope="module", params=sorted(COMBOS))
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    if COMBOS[request.param][1] == "horovod" and not HVD_PY.exists():
+        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
+    return Run(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _same_on_both_ranks(found: list[dict[str, Any]], key: str = "digest") -> None:
+    assert found[0][key] == found[1][key], found
+
+
+def _valid_zip(path: Path) -> None:
+    assert path.is_file(), path
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None, path
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_model_dir_saves_once_from_the_chief_with_fit_outside_or_inside_the_scope(run, where):
+    found = run.case("model_dir" if where == "outside" else "inside_scope")
+    _same_on_both_ranks(found)
+    assert [f["wrote_final"] for f in found] == [True, False]
+    model_dir = run.out / where
+    assert sorted(p.name for p in model_dir.iterdir()) == ["checkpoint.keras", "final.keras",
+                                                           "logs"]
+    for name in ("checkpoint.keras", "final.keras"):
+        _valid_zip(model_dir / name)
+
+
+def test_the_other_ranks_scratch_directories_are_gone(run):
+    run.case("model_dir")
+    assert not list(run.tmp.glob("tfdist-rank*")), list(run.tmp.iterdir())
+
+
+def test_users_own_writers_land_once_from_the_chief(run):
+    _same_on_both_ranks(run.case("user_writers"))
+    user = run.out / "user"
+    assert sorted(p.name for p in user.iterdir()) == ["log.csv", "user.keras"]
+    _valid_zip(user / "user.keras")
+    rows = (user / "log.csv").read_text().splitlines()
+    assert rows[0].startswith("epoch") and [r.split(",")[0] for r in rows[1:]] == ["0", "1"]
+
+
+def test_lazily_built_and_subclassed_models_start_from_rank_0(run):
+    found = run.case("lazy_model")
+    _same_on_both_ranks(found, "sequential")
+    _same_on_both_ranks(found, "subclassed")
+
+
+def test_numpy_inputs_are_split_by_rank(run):
+    found = run.case("numpy")
+    _same_on_both_ranks(found)
+    seen = [np.array(f["seen"]) for f in found]
+    per_epoch = ROWS // 2  # each rank's share of every epoch
+    assert [len(s) for s in seen] == [2 * per_epoch, 2 * per_epoch]
+    everything = np.sort(np.random.default_rng(0).normal(size=(ROWS, 8)).astype("float32")[:, 0])
+    for epoch in (0, 1):
+        parts = [s[epoch * per_epoch:(epoch + 1) * per_epoch] for s in seen]
+        np.testing.assert_array_equal(np.sort(np.concatenate(parts)), everything)
+
+
+def test_jit_compile_under_horovod_is_refused_with_the_fix(run):
+    found = run.case("jit_compile")
+    if run.backend != "horovod":
+        pytest.skip(found[0]["skipped"])
+    for f in found:
+        assert "jit_compile=False" in f["refused"] and "backend='mwms'" in f["refused"]
+
+
+def test_control_the_old_chief_only_checkpoint_still_breaks(run):
+    found = run.case("control_chief_only_save")
+    if run.backend != "mwms":
+        pytest.skip(found[0]["skipped"])
+    assert any(f["failed"] and "Collective" in f["failed"] for f in found), found
