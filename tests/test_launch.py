@@ -483,3 +483,36 @@ def test_cli_imports_no_heavy_framework() -> None:
     code += "print([m for m in ('tensorflow', 'keras', 'horovod') if m in sys.modules])"
     result = _run([PY, "-c", code], _env())
     assert result.stdout.strip() == "[]", result.stderr
+
+
+PREEMPTED_SCRIPT = """
+import os, pathlib, sys, time
+rank = int(os.environ["TFDIST_LOCAL_RANK"])
+time.sleep(1.0 * rank)  # rank 1 saves its state for a second longer
+pathlib.Path(sys.argv[1], f"saved{rank}").write_text(os.environ["TFDIST_RESTART_COUNT"])
+sys.exit(75)
+"""
+
+
+@multiprocess
+def test_preempted_workers_are_waited_for_not_stopped(tmp_path: Path) -> None:
+    out = io.StringIO()
+    code = launch(build_command(_script(tmp_path, PREEMPTED_SCRIPT), [str(tmp_path)]), 2, out=out)
+    assert code == 75
+    # Rank 1 exited 75 a second after rank 0 and was not stopped before it had saved.
+    assert [(tmp_path / f"saved{rank}").read_text() for rank in (0, 1)] == ["0", "0"]
+
+
+@multiprocess
+def test_max_restarts_runs_the_workers_again_with_the_restart_count(tmp_path: Path) -> None:
+    result = _tfdist("launch", "--max-restarts", "2", "-n", "2",
+                     _script(tmp_path, PREEMPTED_SCRIPT), str(tmp_path))
+    assert result.returncode == 75, result.stderr
+    assert [(tmp_path / f"saved{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
+    assert result.stderr.count("restarting all workers") == 2
+    assert "giving up after 2 restart(s)" in result.stderr
+
+
+def test_max_restarts_must_not_be_negative() -> None:
+    with pytest.raises(ConfigError, match="--max-restarts must be >= 0"):
+        launch(["true"], 1, max_restarts=-1)

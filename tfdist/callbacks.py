@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -26,13 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import keras_compat, sync
+from tfdist import keras_compat, preemption, sync
+from tfdist.settings import resolve
 
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
 __all__ = ["AtomicCheckpoint", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
-           "WorkerBackupAndRestore", "build", "route_writer", "save", "scratch_dir"]
+           "PreemptionCheckpoint", "WorkerBackupAndRestore", "build", "route_writer", "save",
+           "scratch_dir"]
 
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
@@ -207,6 +210,75 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
     return False
 
 
+class PreemptionCheckpoint(keras.callbacks.Callback):
+    """After a preemption signal on any rank, stops every rank at one agreed step, saves the
+    state there and ends the process with :data:`tfdist.preemption.EXIT_PREEMPTED` (75).
+
+    The state goes to ``model_dir/preempted/`` (:func:`tfdist.preemption.commit`): the whole
+    model with its optimizer (``model.keras``, saved by every rank as :func:`save` does, written
+    by the chief) and ``state.json`` (epoch, steps done in it, whether validation was running,
+    world size, the signal). A signal during validation inside ``fit`` stops there too.
+
+    Args:
+        dist: the handle.
+        model_dir: where the state goes.
+        check_seconds: about how often the ranks agree; env ``TFDIST_PREEMPT_CHECK_SECONDS``,
+            default 1.
+    """
+
+    def __init__(self, dist: Distributed, model_dir: str,
+                 check_seconds: float | None = None) -> None:
+        super().__init__()
+        self.dist, self.model_dir = dist, model_dir
+        self.watch = preemption.Watch(dist, resolve("preempt_check_seconds", check_seconds))
+        self.epoch, self.step, self._in_fit = 0, 0, False
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._in_fit = True
+        self.watch.install()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._in_fit = False
+        self.watch.uninstall()
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.epoch, self.step = epoch, 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.step = batch + 1
+        if self.watch.step():
+            self._save_and_exit(validating=False)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        # Every epoch ends with a check, however long the interval between checks has grown.
+        if self.watch.check():
+            self._save_and_exit(validating=False)
+
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._in_fit and self.watch.step():
+            self._save_and_exit(validating=True)
+
+    def _save_and_exit(self, *, validating: bool) -> None:
+        final = os.path.join(self.model_dir, preemption.CHECKPOINT_DIR)
+        partial = os.path.join(self.model_dir, f".{preemption.CHECKPOINT_DIR}.partial")
+        if self.dist.is_chief:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        save(self.dist, self.model, os.path.join(partial, "model.keras"))
+        if self.dist.is_chief:
+            state = {"epoch": self.epoch, "step": self.step, "validating": validating,
+                     "world_size": self.dist.world_size, "num_replicas": self.dist.num_replicas,
+                     "signal": self.watch.signal.name if self.watch.signal else None}
+            with open(os.path.join(partial, preemption.STATE_FILE), "w", encoding="utf-8") as f:
+                json.dump(state, f)
+            preemption.commit(partial, final)
+            logger.warning("tfdist: saved the state after step %d of epoch %d%s in %s; exiting "
+                           "with code %d so that the job is requeued", self.step, self.epoch + 1,
+                           " (during validation)" if validating else "", final,
+                           preemption.EXIT_PREEMPTED)
+        raise SystemExit(preemption.EXIT_PREEMPTED)
+
+
 class LearningRateWarmup(keras.callbacks.Callback):
     """Ramps the learning rate from ``lr / size`` up to the (scaled) ``lr`` the optimizer has.
 
@@ -367,7 +439,7 @@ def _tensorboard_installed(dist: Distributed) -> bool:
 def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoint: bool = True,
           tensorboard: bool = True, backup: bool = True, warmup_epochs: float = 0,
           chief_only: tuple[Any, ...] = (), sync_check: bool | None = None,
-          sync_check_every: int | None = None) -> list[Any]:
+          sync_check_every: int | None = None, preempt: bool = True) -> list[Any]:
     """Callbacks for ``model.fit`` that behave on any number of workers.
 
     Args:
@@ -388,6 +460,9 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
             training, and stop with ReplicaMismatchError naming the ranks that differ
             (:class:`tfdist.sync.ReplicaSyncCheck`); env ``TFDIST_SYNC_CHECK`` (1/0), default on.
         sync_check_every: also check every N steps; env ``TFDIST_SYNC_CHECK_EVERY``.
+        preempt: with ``model_dir``, stop every rank at one agreed step after SIGTERM, SIGUSR1
+            or ``TFDIST_PREEMPT_SIGNAL``, save the state in ``model_dir/preempted`` and exit
+            with code 75 (:class:`PreemptionCheckpoint`).
 
     Returns:
         The list to pass as ``fit(callbacks=...)``. On non-chief workers it includes a silent
@@ -412,6 +487,8 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
     if model_dir and tensorboard and _tensorboard_installed(dist):
         writers.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
     callbacks += [route_writer(dist, writer) for writer in writers]
+    if model_dir and preempt:  # last: a stop at an epoch's end comes after its backup
+        callbacks.append(PreemptionCheckpoint(dist, model_dir))
     if not dist.is_chief:
         callbacks.append(_SilentProgbar())
     return callbacks

@@ -116,6 +116,14 @@ def _add_launch_cpus(group: argparse._ArgumentGroup) -> None:
 
 def _add_launch_output(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
+        "--max-restarts",
+        type=_at_least(0),
+        default=0,
+        metavar="N",
+        help="after a preemption (workers exit 75 having saved their state) or a failure, start "
+        "all workers again, at most N times (default: 0)",
+    )
+    group.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -143,6 +151,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         grace_period=args.grace_period,
         prefix=args.prefix,
         backend=args.backend,
+        max_restarts=args.max_restarts,
     )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
 from tfdist.errors import ConfigError, LaunchError
+from tfdist.preemption import EXIT_PREEMPTED
 
 __all__ = [
     "WorkerSpec",
@@ -44,6 +45,8 @@ __all__ = [
 
 LOCALHOST = "127.0.0.1"
 LAUNCH_BACKENDS = ("mwms", "horovod")
+# Once one worker has exited preempted (75), how long the others may take to do the same.
+PREEMPT_WAIT_S = 120.0
 _POLL_S = 0.05
 _JOIN_S = 2.0
 # "\r" ends a line too, so a Keras progress bar prints one line per update instead of one
@@ -272,6 +275,7 @@ def launch(
     base_env: Mapping[str, str] | None = None,
     out: TextIO | None = None,
     backend: str = "mwms",
+    max_restarts: int = 0,
 ) -> int:
     """Run ``command`` as ``num_workers`` local workers: ``tfdist launch``.
 
@@ -280,9 +284,16 @@ def launch(
     ``backend="horovod"`` the launcher serves Horovod's Gloo rendezvous (on ``port_base`` when
     given) and gives the workers horovodrun's variables instead of ``TF_CONFIG``.
 
+    SIGUSR1 to the launcher goes to every worker (a walltime warning, as srun forwards it), and
+    SIGTERM too, before they are stopped. Workers that exit with
+    :data:`~tfdist.preemption.EXIT_PREEMPTED` (75) saved their state at an agreed step: the
+    launcher waits for all of them and, with ``max_restarts``, starts them all again (as a
+    requeue would), as it does after a failure; each run's workers see ``TFDIST_RESTART_COUNT``.
+
     Returns:
-        0 if every worker succeeds, else the first failing worker's exit code (128 + N if
-        killed by signal N); 130 on Ctrl-C and 143 on SIGTERM to the launcher.
+        0 if every worker succeeds; 75 if they were preempted; else the first failing worker's
+        exit code (128 + N if killed by signal N); 130 on Ctrl-C and 143 on SIGTERM to the
+        launcher (75 if every worker then saved its state and exited preempted).
 
     Raises:
         ConfigError: If an option is impossible; the message says which to change.
@@ -294,6 +305,8 @@ def launch(
         raise ConfigError("--cpus-per-worker pins workers; do not combine it with --no-pin.")
     if backend not in LAUNCH_BACKENDS:
         raise ConfigError(f"--backend {backend!r} is not one of {LAUNCH_BACKENDS}.")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}.")
     cpu_sets = None
     if pin and hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
@@ -303,13 +316,24 @@ def launch(
                 f"{num_workers} workers on {len(cores)} cores {cores}: workers share cores "
                 "(worker i runs on core i mod cores); pass --no-pin to leave it to the OS."
             )
-    env = os.environ if base_env is None else base_env
     options: dict[str, Any] = {"grace_period": grace_period, "prefix": prefix, "out": out}
-    if backend == "horovod":
-        return _launch_horovod(command, num_workers, port_base, env, cpu_sets, options)
-    ports = free_ports(num_workers) if port_base is None else port_range(port_base, num_workers)
-    workers = build_workers(num_workers, command, ports, env, cpu_sets)
-    return run_workers(workers, **options)
+    for restart in range(max_restarts + 1):
+        env = {**(os.environ if base_env is None else base_env),
+               "TFDIST_RESTART_COUNT": str(restart)}
+        if backend == "horovod":
+            code = _launch_horovod(command, num_workers, port_base, env, cpu_sets, options)
+        else:
+            ports = (free_ports(num_workers) if port_base is None
+                     else port_range(port_base, num_workers))
+            code = run_workers(build_workers(num_workers, command, ports, env, cpu_sets),
+                               **options)
+        if code == 0 or code in (130, 128 + signal.SIGTERM) or restart == max_restarts:
+            break
+        _warn(f"restarting all workers ({restart + 1} of --max-restarts {max_restarts}) after "
+              + ("a preemption" if code == EXIT_PREEMPTED else f"exit code {code}"))
+    if code and max_restarts and code not in (130, 128 + signal.SIGTERM):
+        _warn(f"giving up after {max_restarts} restart(s): the last run ended with code {code}")
+    return code
 
 
 def _launch_horovod(
@@ -354,8 +378,14 @@ def run_workers(
     procs: list[_Popen] = []
     threads: list[threading.Thread] = []
     lock = threading.Lock()
+
+    def forward(signum: int, _: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                _signal_group(proc, signal.Signals(signum))
+
     try:
-        with _handle([signal.SIGTERM], _raise_terminated):
+        with _handle([signal.SIGTERM], _raise_terminated), _handle([signal.SIGUSR1], forward):
             procs.extend(_start(spec) for spec in workers)
             # Readers start after every fork: preexec_fn is only safe while no thread runs.
             for proc, spec in zip(procs, workers, strict=True):
@@ -374,12 +404,15 @@ def run_workers(
         _warn("interrupted; stopping the workers")
         return 130
     except _SigtermError:
-        _warn("got SIGTERM; stopping the workers")
+        _warn("got SIGTERM; stopping the workers (SIGTERM first: they save their state if they "
+              "can)")
         return 128 + signal.SIGTERM
     finally:
         # A second Ctrl-C while stopping must not leave workers behind; the stop is bounded.
         with _handle([signal.SIGINT, signal.SIGTERM], signal.SIG_IGN):
             _stop(procs, grace_period)
+        if procs and all(proc.returncode == EXIT_PREEMPTED for proc in procs):
+            return EXIT_PREEMPTED  # noqa: B012 (every worker saved its state: say so)
         for thread in threads:
             thread.join(_JOIN_S)  # Bounded: a detached grandchild may still hold the pipe.
 
@@ -450,11 +483,22 @@ def _emit(lines: list[bytes], head: str, lock: threading.Lock, out: TextIO) -> N
 
 
 def _wait_first_failure(procs: Sequence[_Popen]) -> tuple[int, int] | None:
+    # A preempted worker (75) is not a failure: the others stop at the same step and exit 75
+    # too. Only one that does not within PREEMPT_WAIT_S, or exits otherwise, is.
+    preempted_since: float | None = None
     while True:
         codes = [proc.poll() for proc in procs]
-        failed = [(rank, code) for rank, code in enumerate(codes) if code]
-        if failed or all(code == 0 for code in codes):
-            return failed[0] if failed else None
+        failed = [(rank, code) for rank, code in enumerate(codes)
+                  if code and code != EXIT_PREEMPTED]
+        preempted = [(rank, code) for rank, code in enumerate(codes) if code == EXIT_PREEMPTED]
+        if failed:
+            return failed[0]
+        if all(code is not None for code in codes):
+            return preempted[0] if preempted else None
+        if preempted:
+            preempted_since = preempted_since or time.monotonic()
+            if time.monotonic() - preempted_since > PREEMPT_WAIT_S:
+                return preempted[0]
         time.sleep(_POLL_S)
 
 
@@ -477,6 +521,8 @@ def _signal_group(proc: _Popen, sig: signal.Signals) -> None:
 
 
 def _describe(rank: int, returncode: int) -> str:
+    if returncode == EXIT_PREEMPTED:
+        return f"worker {rank} was preempted and saved its state (exit code {EXIT_PREEMPTED})"
     if returncode < 0:
         return f"worker {rank} was killed by signal {-returncode}"
     return f"worker {rank} exited with code {returncode}"

@@ -7,9 +7,13 @@ What happens, in order:
    ``--signal=USR1@SECONDS``, or the one named by ``TFDIST_PREEMPT_SIGNAL``) on one rank or on
    all. The handler only records it: nothing is saved inside a signal handler, and the current
    step finishes.
-2. Every ``check_every`` steps each rank contributes whether it has seen a signal to one tiny
-   collective (:meth:`tfdist.backends.base.Distributed.any_rank`). All ranks get the same answer
-   at the same step, so they all stop there, even when only one of them was signalled.
+2. At agreed steps, about once a second of training, each rank contributes whether it has seen
+   a signal to one tiny collective (:meth:`tfdist.backends.base.Distributed.sum_over_ranks`).
+   All ranks get the same answer at the same step, so they all stop there, even when only one
+   of them was signalled. The same collective agrees on the next check: each rank proposes
+   a step interval from its measured step time, and all take the mean of the proposals, which
+   is the same number on every rank. A check costs about 4 ms with MWMS on loopback; at one a
+   second that is 0.4% of the time.
 3. At that step the state is saved (:class:`PreemptionCheckpoint` in ``fit``; your own save in a
    custom loop), and the process exits with :data:`EXIT_PREEMPTED`, which a job script turns into
    a requeue when the job cannot requeue itself.
@@ -22,7 +26,10 @@ afterwards: outside those, ``SIGTERM`` ends the process as it always did.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import shutil
 import signal
 import threading
 import time
@@ -36,7 +43,8 @@ from tfdist.settings import resolve
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["EXIT_PREEMPTED", "Watch", "parse_signal", "signals", "watch"]
+__all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Watch", "commit", "parse_signal", "read_state",
+           "signals", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -44,6 +52,9 @@ logger = logging.getLogger("tfdist")
 # srun returns the highest exit code of its tasks, so the job script sees it too.
 EXIT_PREEMPTED = 75
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+MAX_INTERVAL = 1000  # steps between two checks at most, however short the steps
+CHECKPOINT_DIR = "preempted"  # in model_dir: the state saved at the agreed step
+STATE_FILE = "state.json"
 
 
 def parse_signal(text: str) -> signal.Signals:
@@ -80,27 +91,31 @@ class Watch:
     """Records the first preemption signal; tells every rank at the same step.
 
     Args:
-        dist: the handle; its :meth:`~tfdist.backends.base.Distributed.any_rank` is the one
-            collective a check runs.
-        check_every: check every N steps (1: every step). All ranks must use the same N.
+        dist: the handle; its :meth:`~tfdist.backends.base.Distributed.sum_over_ranks` is the
+            one collective a check runs.
+        check_seconds: about how much training time passes between two checks.
         catch: the signals to record (default :func:`signals`).
 
     Attributes:
         signal: the first signal this process received, or None.
         received_at: ``time.monotonic()`` when it arrived.
         stop_requested: set once a check found a signal on some rank: every rank then stops.
+        checks: how many checks ran (each one collective).
     """
 
-    def __init__(self, dist: Distributed, check_every: int = 1,
+    def __init__(self, dist: Distributed, check_seconds: float = 1.0,
                  catch: Sequence[signal.Signals] | None = None) -> None:
-        if check_every < 1:
-            raise ConfigError(f"check_every={check_every}: use a positive number of steps")
-        self.dist, self.check_every = dist, check_every
+        if not check_seconds > 0:
+            raise ConfigError(f"check_seconds={check_seconds}: use a positive number of seconds")
+        self.dist, self.check_seconds = dist, check_seconds
         self.catch = tuple(catch) if catch is not None else signals()
         self.signal: signal.Signals | None = None
         self.received_at: float | None = None
         self.stop_requested = False
-        self._steps = 0
+        self.checks = 0
+        # Steps counted, the step of the next check, and the step and time of the last one.
+        self._steps, self._next_check = 0, 1
+        self._checked_step, self._checked_time = 0, time.monotonic()
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> None:
@@ -110,11 +125,20 @@ class Watch:
         for sig in self.catch:
             self._previous[sig] = signal.signal(sig, self._record)
 
-    def uninstall(self) -> None:
-        """Puts the previous handlers back."""
+    def uninstall(self, redeliver: bool = True) -> None:
+        """Puts the previous handlers back.
+
+        Args:
+            redeliver: a signal that arrived but was never acted on (training ended first)
+                goes to the previous handler now, so it has the effect it would have had
+                without tfdist (SIGTERM still ends the process).
+        """
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        pending = self._previous and redeliver and self.signal and not self.stop_requested
         self._previous = {}
+        if pending and self.signal is not None:
+            signal.raise_signal(self.signal)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         del frame  # no I/O, no locks here: the step in progress must finish undisturbed
@@ -122,17 +146,35 @@ class Watch:
             self.signal, self.received_at = signal.Signals(signum), time.monotonic()
 
     def step(self) -> bool:
-        """Counts one step; every ``check_every`` steps runs the agreement collective.
+        """Counts one step; at the agreed steps runs the agreement collective.
 
-        Call it on every rank after every step (or test batch). Returns whether all ranks must
-        stop now; once True it stays True without further collectives.
+        Call it on every rank after every step (or test batch): all ranks count the same
+        steps, so they check at the same ones. Returns whether all ranks must stop now; once
+        True it stays True without further collectives.
         """
         if self.stop_requested:
             return True
         self._steps += 1
-        if self._steps % self.check_every:
+        if self._steps < self._next_check:
             return False
-        if self.dist.any_rank(self.signal is not None):
+        return self.check()
+
+    def check(self) -> bool:
+        """Runs the agreement now (every rank at the same point, e.g. at an epoch's end).
+
+        Returns whether all ranks must stop.
+        """
+        if self.stop_requested:
+            return True
+        per_step = (time.monotonic() - self._checked_time) / max(1, self._steps
+                                                                  - self._checked_step)
+        proposal = min(MAX_INTERVAL, max(1, round(self.check_seconds / max(per_step, 1e-6))))
+        signalled, proposals = self.dist.sum_over_ranks([self.signal is not None, proposal])
+        self.checks += 1
+        # The mean of the proposals is the same number on every rank: the next check's step.
+        self._next_check = self._steps + max(1, int(proposals / self.dist.world_size))
+        self._checked_step, self._checked_time = self._steps, time.monotonic()
+        if signalled > 0:
             self.stop_requested = True
             if self.dist.is_chief:
                 logger.warning("tfdist: preemption requested (%s on %s): every rank stops "
@@ -142,7 +184,7 @@ class Watch:
 
 
 @contextlib.contextmanager
-def watch(dist: Distributed, check_every: int | None = None) -> Iterator[Watch]:
+def watch(dist: Distributed, check_seconds: float | None = None) -> Iterator[Watch]:
     """Watches for preemption signals in a custom loop; call ``.step()`` after every step::
 
         with tfdist.preemption.watch(dist) as stop:
@@ -153,11 +195,43 @@ def watch(dist: Distributed, check_every: int | None = None) -> Iterator[Watch]:
 
     Args:
         dist: the handle.
-        check_every: check every N steps; env ``TFDIST_PREEMPT_CHECK_EVERY``, default 1.
+        check_seconds: about how often to agree; env ``TFDIST_PREEMPT_CHECK_SECONDS``,
+            default 1.
     """
-    found = Watch(dist, resolve("preempt_check_every", check_every))
+    found = Watch(dist, resolve("preempt_check_seconds", check_seconds))
     found.install()
     try:
         yield found
     finally:
         found.uninstall()
+
+
+def commit(partial: str, final: str) -> None:
+    """Makes the finished directory ``partial`` the checkpoint ``final``, atomically enough that
+    a kill at any moment leaves one complete checkpoint: ``final`` or ``final.old``.
+
+    ``partial``, ``final`` and ``final.old`` are siblings on one file system.
+    """
+    old = f"{final}.old"
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_state(model_dir: str) -> dict[str, Any] | None:
+    """The state of the last complete preemption checkpoint in ``model_dir``, or None.
+
+    Falls back to ``preempted.old`` when a kill came between the two renames of :func:`commit`.
+    The returned dict has ``"path"``, the checkpoint's directory.
+    """
+    for folder in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"):
+        path = os.path.join(model_dir, folder)
+        try:
+            with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+                state: dict[str, Any] = json.load(f)
+        except (OSError, ValueError):
+            continue
+        return {**state, "path": path}
+    return None

@@ -179,6 +179,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("torch_timeout", "TFDIST_TORCH_TIMEOUT", _positive_seconds, 600.0,
             "seconds the torch rendezvous and each collective wait for the other ranks",
             argument="tfdist.torch.init(timeout=)"),
+    Setting("preempt_signal", "TFDIST_PREEMPT_SIGNAL", _text, None,
+            "one more signal that asks for a checkpoint and a stop, besides SIGTERM and SIGUSR1 "
+            "(e.g. `USR2`)"),
+    Setting("preempt_check_seconds", "TFDIST_PREEMPT_CHECK_SECONDS", _positive_seconds, 1.0,
+            "about how often the ranks agree whether one of them was signalled (one tiny "
+            "collective each time); the step interval follows the measured step time",
+            argument="preemption.watch(check_seconds=)"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -11,6 +11,7 @@ check). TensorFlow is imported inside the functions that need it only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfdist.devices import affinity_thread_count
@@ -171,6 +172,14 @@ class Distributed(ReplicaMath):
             TfdistError: a rank did not arrive within ``timeout_s``.
         """
         return rows  # one process: its rows are the table
+
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """The element-wise sum of ``values`` over all ranks, bit-identical on every rank.
+
+        A collective of a few float32 numbers: every rank calls it at the same point with as
+        many values. Agreements (a preemption, a check interval) are built on it.
+        """
+        return [float(v) for v in values]  # one process: its own values are the sum
 
     def prepare_gather_rows(self, width: int, timeout_s: float) -> None:
         """Does the one-off work of :meth:`gather_rows` for ``width``-wide rows now (tracing),

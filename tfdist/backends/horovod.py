@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfdist import devices
@@ -106,6 +107,13 @@ class HorovodDistributed(Distributed):
         from tfdist.horovod.fit import broadcast_initial_state
 
         broadcast_initial_state(model, optimizer)
+
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        import tensorflow as tf
+
+        total = self.hvd.allreduce(tf.constant([float(v) for v in values], tf.float32),
+                                   op=self.hvd.Sum, name=f"tfdist_sum_{len(values)}")
+        return [float(v) for v in total.numpy()]
 
     def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
         # Horovod bounds a missing rank with HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, not per call.

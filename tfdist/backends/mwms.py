@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfdist import devices
@@ -53,11 +54,40 @@ class MultiWorkerDistributed(Distributed):
             raise TfdistError(f"not every rank reached it within {timeout_s:g} s") from None
         return np.asarray(self.strategy.experimental_local_results(gathered)[0])
 
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        import tensorflow as tf
+
+        # Every replica of this worker contributes the values once: divide by replicas per
+        # worker so that the sum counts each rank once.
+        summed = _sum_function(self.strategy)(
+            tf.constant([float(v) / self.local_replicas for v in values], tf.float32))
+        return [float(v) for v in self.strategy.experimental_local_results(summed)[0].numpy()]
+
     def prepare_gather_rows(self, width: int, timeout_s: float) -> None:
         import tensorflow as tf
 
         spec = tf.TensorSpec((self.local_replicas, width), tf.int64)
         _gather_function(self.strategy, float(timeout_s)).get_concrete_function(spec)
+
+
+@functools.lru_cache(maxsize=2)
+def _sum_function(strategy: Any) -> Any:
+    """A tf.function summing a float32 vector over all replicas (traced once per length).
+
+    The value is copied onto the replica's device first (``tf.identity``): a captured host
+    tensor gives the collective no destination ("destinations can not be empty"). About 4 ms
+    a call with 2 workers on this machine's loopback, so agreements are spaced in time.
+    """
+    import tensorflow as tf
+
+    def replica_sum(values: Any) -> Any:
+        return tf.distribute.get_replica_context().all_reduce("SUM", tf.identity(values))
+
+    @tf.function
+    def sum_values(values: Any) -> Any:
+        return strategy.run(replica_sum, args=(values,))
+
+    return sum_values
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,0 +1,219 @@
+"""Preemption: a real signal on one rank (or the launcher) stops every rank at one agreed step,
+the state there is saved atomically, and the job exits 75; ``tfdist launch --max-restarts``
+starts it again. Pure tables first, then real 2-worker runs (MWMS and Horovod).
+
+Not here yet (issue 12, open): resuming mid-epoch from ``model_dir/preempted`` (a restart
+resumes from the last epoch's backup), the requeue and the job-script keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import ROOT, WORKERS
+
+from tfdist import preemption
+from tfdist.backends.single import SingleDistributed
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import ConfigError
+
+WORKER = str(WORKERS / "preempt_worker.py")
+HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+STEPS_PER_EPOCH = 16  # 512 rows, global batch 32
+_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG")
+
+
+# --- pure ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("USR2", signal.SIGUSR2), ("SIGUSR2", signal.SIGUSR2), ("usr1", signal.SIGUSR1),
+    (str(int(signal.SIGTERM)), signal.SIGTERM)])
+def test_parse_signal(text, expected):
+    assert preemption.parse_signal(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("USR9", "is not a signal"), ("KILL", "cannot be caught"), ("9", "cannot be caught")])
+def test_parse_signal_refuses(text, message):
+    with pytest.raises(ConfigError, match=message):
+        preemption.parse_signal(text)
+
+
+def test_the_users_signal_joins_term_and_usr1(monkeypatch):
+    monkeypatch.setenv("TFDIST_PREEMPT_SIGNAL", "USR2")
+    assert preemption.signals() == (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    monkeypatch.setenv("TFDIST_PREEMPT_SIGNAL", "TERM")
+    assert preemption.signals() == (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _one_process() -> SingleDistributed:
+    return SingleDistributed(ClusterEnvironment("single"),
+                             SimpleNamespace(num_replicas_in_sync=1), "none", 0)
+
+
+def test_a_signal_is_recorded_and_stops_at_the_next_check():
+    watch = preemption.Watch(_one_process(), check_seconds=3600, catch=[signal.SIGUSR2])
+    previous = signal.getsignal(signal.SIGUSR2)
+    watch.install()
+    try:
+        assert not watch.step()  # step 1 always checks: nothing yet
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert watch.signal == signal.SIGUSR2
+        assert not any(watch.step() for _ in range(5))  # the next check is an hour away
+        assert watch.check() and watch.step()  # an epoch's end checks; then it stays stopped
+        assert watch.checks == 2
+    finally:
+        watch.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) is previous
+
+
+def test_a_signal_never_acted_on_goes_to_the_previous_handler():
+    seen = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    try:
+        watch = preemption.Watch(_one_process(), catch=[signal.SIGUSR2])
+        watch.install()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert seen == []  # recorded by tfdist only
+        watch.uninstall()  # training ended before a check
+        assert seen == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_commit_keeps_one_complete_checkpoint_at_every_moment(tmp_path):
+    def state(folder: Path, step: int) -> Path:
+        folder.mkdir()
+        (folder / preemption.STATE_FILE).write_text(json.dumps({"step": step}))
+        return folder
+
+    final = tmp_path / preemption.CHECKPOINT_DIR
+    preemption.commit(str(state(tmp_path / "partial1", 1)), str(final))
+    assert preemption.read_state(str(tmp_path))["step"] == 1
+    # A kill between the two renames of the next commit leaves only the old one, still read.
+    os.replace(final, f"{final}.old")
+    assert preemption.read_state(str(tmp_path))["path"] == f"{final}.old"
+    preemption.commit(str(state(tmp_path / "partial2", 2)), str(final))
+    assert preemption.read_state(str(tmp_path))["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [preemption.CHECKPOINT_DIR]
+    assert preemption.read_state(str(tmp_path / "nothing")) is None
+
+
+# --- real processes --------------------------------------------------------------------------
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _launch(python: str, backend: str, args: list[str], *extra: str) -> list[str]:
+    horovod = ["--backend", "horovod"] if backend == "horovod" else []
+    return [python, "-m", "tfdist", "launch", *horovod, *extra, "-n", "2", WORKER, *args]
+
+
+def _results(out: Path, run: int = 0) -> list[dict]:
+    return [json.loads((out / f"result-{rank}-{run}.json").read_text()) for rank in (0, 1)]
+
+
+def _check_stopped_together(out: Path, model: Path, signal_step: int, output: str) -> None:
+    results = _results(out)
+    assert [r["code"] for r in results] == [75, 75], output[-3000:]
+    stops = {(r["epoch"], r["step"]) for r in results}
+    assert len(stops) == 1, results  # one agreed step on every rank
+    epoch, step = stops.pop()
+    assert epoch * STEPS_PER_EPOCH + step >= signal_step, results
+    assert epoch * STEPS_PER_EPOCH + step < 3 * STEPS_PER_EPOCH, results  # stopped early
+    state = preemption.read_state(str(model))
+    assert state and (state["epoch"], state["step"]) == (epoch, step), state
+    assert state["path"] == str(model / preemption.CHECKPOINT_DIR)
+    with zipfile.ZipFile(model / preemption.CHECKPOINT_DIR / "model.keras") as archive:
+        assert archive.testzip() is None
+    assert not list(model.glob(".preempted*")), list(model.iterdir())
+
+
+CASES = {
+    # name: (backend, Keras legacy flag, signal rank, signal step, signal)
+    "mwms-keras3-usr1-on-rank-1": ("mwms", "0", "1", "20", "USR1"),
+    "mwms-tf_keras-term-on-rank-0": ("mwms", "1", "0", "11", "TERM"),
+    "horovod-keras3-term-on-rank-1": ("horovod", "0", "1", "11", "TERM"),
+    "horovod-tf_keras-usr1-on-rank-0": ("horovod", "1", "0", "20", "USR1"),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_state_saved(tmp_path, case):
+    backend, legacy, rank, step, sig = CASES[case]
+    python = str(HVD_PY) if backend == "horovod" else sys.executable
+    if backend == "horovod" and not HVD_PY.exists():
+        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
+    out, model = tmp_path / "out", tmp_path / "model"
+    out.mkdir()
+    # Checks every 20 ms of training, so that the agreement also falls inside an epoch.
+    run = subprocess.run(_launch(python, backend, [str(out), str(model), backend, rank, step,
+                                                   sig]),
+                         cwd=ROOT, env=_env(TF_USE_LEGACY_KERAS=legacy,
+                                            TFDIST_PREEMPT_CHECK_SECONDS="0.02"),
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert run.returncode == 75, run.stdout[-3000:] + run.stderr[-3000:]
+    _check_stopped_together(out, model, int(step), run.stdout)
+    assert [r["signal"] for r in _results(out)][int(rank)] == f"SIG{sig}"
+    assert "was preempted and saved its state" in run.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path):
+    out, model = tmp_path / "out", tmp_path / "model"
+    out.mkdir()
+    proc = subprocess.Popen(_launch(sys.executable, "mwms", [str(out), str(model), "mwms", "-1",
+                                                             "0"]),
+                            cwd=ROOT, env=_env(TFDIST_PREEMPT_CHECK_SECONDS="0.02"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "tfdist-test: rank 0 step 12" in line:
+                proc.send_signal(signal.SIGUSR1)  # as Slurm's --signal=USR1@... would
+        code = proc.wait(timeout=240)
+    finally:
+        proc.kill()
+    output = "".join(lines)
+    assert code == 75, output[-3000:]
+    _check_stopped_together(out, model, 12, output)
+    assert [r["signal"] for r in _results(out)] == ["SIGUSR1", "SIGUSR1"]
+
+
+@pytest.mark.multiprocess
+def test_max_restarts_starts_the_workers_again_and_gives_up_past_the_limit(tmp_path):
+    out, model = tmp_path / "out", tmp_path / "model"
+    out.mkdir()
+    # Preempted in its first run only: one restart, then it finishes.
+    run = subprocess.run(_launch(sys.executable, "mwms", [str(out), str(model), "mwms", "1",
+                                                          "20"], "--max-restarts", "2"),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "restarting all workers (1 of --max-restarts 2) after a preemption" in run.stderr
+    assert [(r["code"], r["epoch"], r["step"]) for r in _results(out, 1)] == [(0, 2, 16)] * 2
+    # Preempted in every run: it stops after the limit, with the preemption's code.
+    again = tmp_path / "again"
+    again.mkdir()
+    run = subprocess.run(_launch(sys.executable, "mwms", [str(again), str(tmp_path / "m2"),
+                                                          "mwms", "0", "-5"], "--max-restarts",
+                                 "1"),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 75, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "giving up after 1 restart(s): the last run ended with code 75" in run.stderr
+    assert [r["code"] for r in _results(again, 1)] == [75, 75]

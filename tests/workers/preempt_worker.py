@@ -1,0 +1,72 @@
+"""2-worker fit with ``dist.callbacks(model_dir=...)`` that gets a real preemption signal.
+
+    python preempt_worker.py OUT_DIR MODEL_DIR BACKEND SIGNAL_RANK SIGNAL_STEP [SIGNAL]
+
+``SIGNAL_RANK`` (-1: none) sends itself ``SIGNAL`` (default USR1) after its ``SIGNAL_STEP``-th
+training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset),
+or of every run when ``SIGNAL_STEP`` is negative (its absolute value). Every rank prints
+``tfdist-test: rank R step S`` after each step, so a test can signal the launcher instead, and
+writes ``result-RANK[-RUN].json``: where it stopped, and the exit code it leaves with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+
+import tfdist
+
+
+def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_step: str,
+         signal_name: str = "USR1") -> None:
+    dist = tfdist.init(backend=backend)
+    import tensorflow as tf
+
+    from tfdist.callbacks import PreemptionCheckpoint
+
+    keras = tf.keras
+    keras.utils.set_random_seed(7)
+    run = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
+    every_run = int(signal_step) < 0
+    target = abs(int(signal_step)) if int(signal_rank) == dist.rank and (
+        run == 0 or every_run) else None
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    with dist.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(32)
+    steps = {"done": 0}
+
+    class Announce(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            steps["done"] += 1
+            print(f"tfdist-test: rank {dist.rank} step {steps['done']}", flush=True)
+            if steps["done"] == target:
+                os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
+
+    callbacks = dist.callbacks(Announce(), model_dir=model_dir, tensorboard=False)
+    watcher = next(c for c in callbacks if isinstance(c, PreemptionCheckpoint))
+    result = {"rank": dist.rank, "run": run, "code": 0}
+    try:
+        model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks)
+    except SystemExit as exit_:
+        result["code"] = exit_.code
+        raise
+    finally:
+        result.update(epoch=watcher.epoch, step=watcher.step, steps=steps["done"],
+                      checks=watcher.watch.checks,
+                      signal=watcher.watch.signal.name if watcher.watch.signal else None)
+        with open(os.path.join(out_dir, f"result-{dist.rank}-{run}.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
