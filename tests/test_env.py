@@ -232,6 +232,10 @@ DETECTED: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "srun --mpi=pmix: the plugin": (
         srun_task(0, 0, 0, "0,1", PMIX_RANK="0"), {"mpi_plugin": "pmix"}),
     "srun --mpi=pmi2": (srun_task(0, 0, 0, "0,1", PMI_RANK="0"), {"mpi_plugin": "pmi2"}),
+    "a requeued array task": (
+        srun_task(0, 0, 0, "0,1", SLURM_RESTART_COUNT="2", SLURM_ARRAY_JOB_ID="4240",
+                  SLURM_ARRAY_TASK_ID="2"),
+        {"restart_count": 2, "array_job_id": "4240", "array_task_id": "2", "job_id": JOB}),
     "a job script's MASTER_ADDR and MASTER_PORT": (
         srun_task(2, 0, 1, "2,3", MASTER_ADDR="head", MASTER_PORT="29400"),
         {"master_addr": "head", "master_port": 29400, "coordinator": f"n1:{P}"}),

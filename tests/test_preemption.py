@@ -107,6 +107,30 @@ def test_commit_keeps_one_complete_checkpoint_at_every_moment(tmp_path):
     assert preemption.read_state(str(tmp_path / "nothing")) is None
 
 
+REQUEUE = {
+    # name: (environment, max_requeues, scontrol, expected command or None, words in the reason)
+    "srun step": (ClusterEnvironment("slurm", job_id="42"), 20, "/usr/bin/scontrol",
+                  ["/usr/bin/scontrol", "requeue", "42"], "requeue 1 of 20"),
+    "array task": (ClusterEnvironment("slurm", job_id="43", array_job_id="40",
+                                      array_task_id="3", restart_count=2), 20, "scontrol",
+                   ["scontrol", "requeue", "40_3"], "requeue 3 of 20"),
+    "past the limit": (ClusterEnvironment("slurm", job_id="42", restart_count=20), 20,
+                       "scontrol", None, "already requeued 20 times"),
+    "no scontrol in the container": (ClusterEnvironment("slurm", job_id="42"), 20, None, None,
+                                     "the job script requeues the job when srun exits with 75"),
+    "not a Slurm job": (ClusterEnvironment("local"), 20, "scontrol", None, "--max-restarts"),
+    "tfdist launch inside an allocation": (ClusterEnvironment("local", job_id="42"), 20,
+                                           "scontrol", None, "--max-restarts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REQUEUE))
+def test_requeue_plan(case):
+    environment, limit, scontrol, command, words = REQUEUE[case]
+    found, reason = preemption.requeue_plan(environment, limit, scontrol)
+    assert found == command and words in reason, (found, reason)
+
+
 # --- real processes --------------------------------------------------------------------------
 
 def _env(**extra: str) -> dict[str, str]:

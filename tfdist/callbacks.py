@@ -273,9 +273,10 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                 json.dump(state, f)
             preemption.commit(partial, final)
             logger.warning("tfdist: saved the state after step %d of epoch %d%s in %s; exiting "
-                           "with code %d so that the job is requeued", self.step, self.epoch + 1,
+                           "with code %d", self.step, self.epoch + 1,
                            " (during validation)" if validating else "", final,
                            preemption.EXIT_PREEMPTED)
+            preemption.requeue(self.dist.environment)
         raise SystemExit(preemption.EXIT_PREEMPTED)
 
 

@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -42,9 +43,10 @@ from tfdist.settings import resolve
 
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
+    from tfdist.env import ClusterEnvironment
 
 __all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Watch", "commit", "parse_signal", "read_state",
-           "signals", "watch"]
+           "requeue", "requeue_plan", "signals", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -235,3 +237,65 @@ def read_state(model_dir: str) -> dict[str, Any] | None:
             continue
         return {**state, "path": path}
     return None
+
+
+def requeue_plan(environment: ClusterEnvironment, max_requeues: int,
+                 scontrol: str | None) -> tuple[list[str] | None, str]:
+    """How this preempted job gets back into the queue (pure): the command, and why.
+
+    Args:
+        environment: the detected launch; only Slurm jobs are requeued.
+        max_requeues: the limit on ``restart_count`` (``TFDIST_MAX_REQUEUES``).
+        scontrol: the path of ``scontrol``, or None when it is not installed here (often inside
+            a container).
+
+    Returns:
+        ``(command, reason)``; ``command`` is None when tfdist does not requeue, and then
+        ``reason`` says what happens instead.
+    """
+    if environment.job_id is None or environment.launcher == "local":
+        return None, ("not a Slurm job (or started by tfdist launch inside one): start it "
+                      "again; tfdist launch --max-restarts does")
+    if environment.restart_count >= max_requeues:
+        return None, (f"the job was already requeued {environment.restart_count} times, the "
+                      f"limit (TFDIST_MAX_REQUEUES={max_requeues}): not again")
+    if scontrol is None:
+        return None, ("scontrol is not installed here (inside a container?): the job script "
+                      f"requeues the job when srun exits with {EXIT_PREEMPTED}")
+    job = (f"{environment.array_job_id}_{environment.array_task_id}"
+           if environment.array_job_id and environment.array_task_id else environment.job_id)
+    return [scontrol, "requeue", job], f"requeue {run_count(environment)} of {max_requeues}"
+
+
+def run_count(environment: ClusterEnvironment) -> int:
+    """The number of the requeue this would be (1 for the first)."""
+    return environment.restart_count + 1
+
+
+def requeue(environment: ClusterEnvironment) -> bool:
+    """Puts this Slurm job back into the queue with ``scontrol requeue`` where it can.
+
+    Call it on one rank, after the state is saved. A failure is logged, not raised: the job
+    script's fallback (exit code :data:`EXIT_PREEMPTED`) still applies.
+
+    Returns:
+        Whether ``scontrol requeue`` succeeded.
+    """
+    command, reason = requeue_plan(environment, resolve("max_requeues"),
+                                   shutil.which("scontrol"))
+    if command is None:
+        logger.warning("tfdist: not requeueing: %s", reason)
+        return False
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        logger.warning("tfdist: `%s` failed (%s): the job script's fallback must requeue",
+                       " ".join(command), error)
+        return False
+    if done.returncode:
+        logger.warning("tfdist: `%s` failed: %s; the job script's fallback must requeue (was "
+                       "the job submitted with --requeue?)", " ".join(command),
+                       done.stderr.strip() or f"exit code {done.returncode}")
+        return False
+    logger.warning("tfdist: %s: `%s`", reason, " ".join(command))
+    return True

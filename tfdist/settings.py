@@ -56,6 +56,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+    if value < 0:
+        raise ValueError("must be 0 or more")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -182,10 +192,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("preempt_signal", "TFDIST_PREEMPT_SIGNAL", _text, None,
             "one more signal that asks for a checkpoint and a stop, besides SIGTERM and SIGUSR1 "
             "(e.g. `USR2`)"),
+    Setting("max_requeues", "TFDIST_MAX_REQUEUES", _non_negative_int, 20,
+            "after a preemption tfdist requeues a Slurm job with `scontrol requeue` while "
+            "`SLURM_RESTART_COUNT` is below this"),
     Setting("preempt_check_seconds", "TFDIST_PREEMPT_CHECK_SECONDS", _positive_seconds, 1.0,
             "about how often the ranks agree whether one of them was signalled (one tiny "
             "collective each time); the step interval follows the measured step time",
-            argument="preemption.watch(check_seconds=)"),
+            argument="dist.preemption(check_seconds=)"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

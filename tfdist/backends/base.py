@@ -130,6 +130,20 @@ class Distributed(ReplicaMath):
 
         return callbacks.save(self, model, path)
 
+    def preemption(self, check_seconds: float | None = None) -> Any:
+        """Watches for preemption signals in a custom loop (:func:`tfdist.preemption.watch`)::
+
+            with dist.preemption() as stop:
+                for batch in dataset:
+                    train_step(batch)
+                    if stop.step():  # the same answer on every rank
+                        save_state()
+                        raise SystemExit(tfdist.preemption.EXIT_PREEMPTED)
+        """
+        from tfdist import preemption
+
+        return preemption.watch(self, check_seconds)
+
     def gradient_tape(self, persistent: bool = False) -> Any:
         """A ``tf.GradientTape`` for custom loops whose gradients are summed across replicas.
 

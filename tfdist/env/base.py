@@ -40,6 +40,10 @@ class ClusterEnvironment:
             the task sees the node's GPUs.
         mpi_plugin: ``"pmix"`` or ``"pmi2"`` when srun's MPI plugin started the step (``srun
             --mpi=pmix``), so MPI can initialise from Slurm; else None.
+        restart_count: how often the scheduler restarted (requeued) this job
+            (``SLURM_RESTART_COUNT``), 0 for its first run.
+        array_job_id: the job array's id (``SLURM_ARRAY_JOB_ID``), if this job is an array task.
+        array_task_id: the array task's index (``SLURM_ARRAY_TASK_ID``).
         launched_for: for ``tfdist launch`` (launcher ``"local"``), the backend its workers were
             set up for: ``"mwms"`` (a ``TF_CONFIG`` each) or ``"horovod"`` (Horovod's Gloo
             variables); None for other launchers.
@@ -63,6 +67,9 @@ class ClusterEnvironment:
     step_id: str | None = None
     gpus_per_task: int | None = None
     mpi_plugin: str | None = None
+    restart_count: int = 0
+    array_job_id: str | None = None
+    array_task_id: str | None = None
     launched_for: str | None = None
     visible_devices: str | None = None
     reason: str = ""
@@ -91,8 +98,9 @@ def local_ranks(owners: Sequence[Hashable]) -> list[int]:
 
 
 def common(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The fields every launcher's detection reads the same way: the job around the process,
-    the GPUs it inherited and a ``MASTER_ADDR``/``MASTER_PORT`` a job script exported.
+    """The fields every launcher's detection reads the same way: the job around the process
+    (its ids and restarts), the GPUs it inherited and a ``MASTER_ADDR``/``MASTER_PORT`` a job
+    script exported.
 
     Raises:
         ConfigError: a malformed ``MASTER_PORT`` or ``SLURM_GPUS_PER_TASK``.
@@ -105,6 +113,9 @@ def common(environ: Mapping[str, str]) -> dict[str, Any]:
         "master_addr": environ.get("MASTER_ADDR") or None,
         "master_port": get_int(environ, "MASTER_PORT") if port else None,
         "visible_devices": environ.get("CUDA_VISIBLE_DEVICES"),
+        "restart_count": get_int(environ, "SLURM_RESTART_COUNT", 0),
+        "array_job_id": environ.get("SLURM_ARRAY_JOB_ID") or None,
+        "array_task_id": environ.get("SLURM_ARRAY_TASK_ID") or None,
     }
 
 
