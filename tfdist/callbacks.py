@@ -40,6 +40,7 @@ __all__ = ["AtomicCheckpoint", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
 _KERAS3 = keras_compat.is_keras3(keras)
+_TRACKED = _KERAS3 and keras_compat.track_epoch_iterators()
 
 
 class ChiefOnly(keras.callbacks.Callback):
@@ -212,12 +213,21 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
 
 class PreemptionCheckpoint(keras.callbacks.Callback):
     """After a preemption signal on any rank, stops every rank at one agreed step, saves the
-    state there and ends the process with :data:`tfdist.preemption.EXIT_PREEMPTED` (75).
+    state there and ends the process with :data:`tfdist.preemption.EXIT_PREEMPTED` (75); the
+    next ``fit`` with the same ``model_dir`` resumes at that step.
 
     The state goes to ``model_dir/preempted/`` (:func:`tfdist.preemption.commit`): the whole
     model with its optimizer (``model.keras``, saved by every rank as :func:`save` does, written
-    by the chief) and ``state.json`` (epoch, steps done in it, whether validation was running,
-    world size, the signal). A signal during validation inside ``fit`` stops there too.
+    by the chief) and ``state.json``: the epoch, the steps done in it, where the input was (how
+    many iterators Keras had drawn from the dataset), world size and signal. A signal during
+    validation inside ``fit`` stops there too; the resumed run then starts with the next epoch.
+
+    Resuming (Keras 3): the model and optimizer are loaded, training starts at the saved epoch,
+    and the input continues at the saved step with the order the stopped run would have seen,
+    also for a dataset that reshuffles every epoch (the same number of iterators is drawn from
+    it first). With tf_keras the run resumes from the last epoch's backup instead, and says so.
+    The folder is removed at the end of the first epoch the resumed run completes, when the
+    epoch's backup is newer.
 
     Args:
         dist: the handle.
@@ -232,33 +242,55 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self.dist, self.model_dir = dist, model_dir
         self.watch = preemption.Watch(dist, resolve("preempt_check_seconds", check_seconds))
         self.epoch, self.step, self._in_fit = 0, 0, False
+        self.resumed_from: dict[str, Any] | None = None  # the state this fit resumed from
+        self._state_found = False
+        self._input: Any = None  # Keras 3's TFEpochIterator of this fit
+        self._epoch_iterator_number = 0  # which of its iterators this epoch reads
+        self._skipped = 0  # batches of this epoch read before the resume
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._in_fit = True
         self.watch.install()
+        self._input = keras_compat.last_epoch_iterator() if _TRACKED else None
+        state = preemption.read_state(self.model_dir)
+        if state is not None:
+            self._state_found = True
+            self._resume(state)
 
     def on_train_end(self, logs: Any = None) -> None:
         self._in_fit = False
         self.watch.uninstall()
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self.epoch, self.step = epoch, 0
+        if self._skipped and epoch != self.epoch and self._input is not None:
+            self._input._num_batches = self._input.data_adapter.num_batches  # a whole epoch
+            self._skipped = 0
+        self.epoch, self.step = epoch, self._skipped
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if self._input is not None and batch == 0:
+            self._epoch_iterator_number = self._input._tfdist_created
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.step = batch + 1
+        self.step = self._skipped + batch + 1
         if self.watch.step():
             self._save_and_exit(validating=False)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self._state_found and self.dist.is_chief:
+            # This epoch's backup, written before this callback, is newer than the state.
+            for folder in (preemption.CHECKPOINT_DIR, f"{preemption.CHECKPOINT_DIR}.old"):
+                shutil.rmtree(os.path.join(self.model_dir, folder), ignore_errors=True)
+        self._state_found = False
         # Every epoch ends with a check, however long the interval between checks has grown.
         if self.watch.check():
-            self._save_and_exit(validating=False)
+            self._save_and_exit(validating=False, epoch_done=True)
 
     def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
         if self._in_fit and self.watch.step():
-            self._save_and_exit(validating=True)
+            self._save_and_exit(validating=True, epoch_done=True)
 
-    def _save_and_exit(self, *, validating: bool) -> None:
+    def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
         final = os.path.join(self.model_dir, preemption.CHECKPOINT_DIR)
         partial = os.path.join(self.model_dir, f".{preemption.CHECKPOINT_DIR}.partial")
         if self.dist.is_chief:
@@ -266,9 +298,13 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             os.makedirs(partial)
         save(self.dist, self.model, os.path.join(partial, "model.keras"))
         if self.dist.is_chief:
-            state = {"epoch": self.epoch, "step": self.step, "validating": validating,
-                     "world_size": self.dist.world_size, "num_replicas": self.dist.num_replicas,
+            state = {"epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
+                     "validating": validating, "world_size": self.dist.world_size,
+                     "num_replicas": self.dist.num_replicas,
                      "signal": self.watch.signal.name if self.watch.signal else None}
+            if self._input is not None:
+                state.update(epoch_iterator=self._epoch_iterator_number,
+                             iterators=self._input._tfdist_created)
             with open(os.path.join(partial, preemption.STATE_FILE), "w", encoding="utf-8") as f:
                 json.dump(state, f)
             preemption.commit(partial, final)
@@ -278,6 +314,44 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                            preemption.EXIT_PREEMPTED)
             preemption.requeue(self.dist.environment)
         raise SystemExit(preemption.EXIT_PREEMPTED)
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        epoch, step = int(state["epoch"]), int(state["step"])
+        where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
+        if self._input is None or "iterators" not in state:
+            if self.dist.is_chief:
+                logger.warning("tfdist: %s holds the state at %s, but resuming there needs "
+                               "Keras 3's fit: resuming from the last epoch's backup instead",
+                               state["path"], where)
+            return
+        self.model.load_weights(os.path.join(state["path"], "model.keras"))
+        data = self._input
+        if state["epoch_done"]:
+            self._draw(data, int(state["iterators"]))  # the next epoch draws the next one
+            epoch, step = epoch + 1, 0
+        else:
+            self._draw(data, int(state["epoch_iterator"]) - 1)
+            prepared = iter(data._get_iterator())
+            for _ in range(step):  # the batches the stopped run had trained on
+                next(prepared)
+            data._tfdist_created -= 1  # counted again when the epoch asks for it
+            data._tfdist_next = prepared
+            if data.data_adapter.num_batches:
+                data._num_batches = data.data_adapter.num_batches - step
+            self._skipped = step
+        self.model._initial_epoch = epoch
+        self.epoch, self.resumed_from = epoch, state
+        if self.dist.is_chief:
+            changed = ("" if state["world_size"] == self.dist.world_size else
+                       f"; it ran on {state['world_size']} workers, now {self.dist.world_size}: "
+                       "the global batch is what the script sets")
+            logger.warning("tfdist: resuming at %s from %s%s", where, state["path"], changed)
+
+    @staticmethod
+    def _draw(data: Any, count: int) -> None:
+        # Iterators made and dropped unread: each advances the dataset's seed generator.
+        while data._tfdist_created < count:
+            iter(data._get_iterator())
 
 
 class LearningRateWarmup(keras.callbacks.Callback):

@@ -6,7 +6,8 @@
 training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset),
 or of every run when ``SIGNAL_STEP`` is negative (its absolute value). Every rank prints
 ``tfdist-test: rank R step S`` after each step, so a test can signal the launcher instead, and
-writes ``result-RANK[-RUN].json``: where it stopped, and the exit code it leaves with.
+writes ``result-RANK-RUN.json``: where it stopped, the steps it trained, the exit code it leaves
+with, and after a finished fit a digest of its weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -57,12 +58,16 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     result = {"rank": dist.rank, "run": run, "code": 0}
     try:
         model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks)
+        from tfdist.sync import digest, model_variables
+
+        result["digest"] = digest(model_variables(model, include_optimizer=True))
     except SystemExit as exit_:
         result["code"] = exit_.code
         raise
     finally:
         result.update(epoch=watcher.epoch, step=watcher.step, steps=steps["done"],
-                      checks=watcher.watch.checks,
+                      checks=watcher.watch.checks, resumed=watcher.resumed_from is not None
+                      or run > 0,
                       signal=watcher.watch.signal.name if watcher.watch.signal else None)
         with open(os.path.join(out_dir, f"result-{dist.rank}-{run}.json"), "w") as f:
             json.dump(result, f)
