@@ -318,11 +318,14 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     def _resume(self, state: dict[str, Any]) -> None:
         epoch, step = int(state["epoch"]), int(state["step"])
         where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
-        if self._input is None or "iterators" not in state:
+        why = ("needs Keras 3's fit" if self._input is None or "iterators" not in state
+               else "needs fit without steps_per_epoch (one pass over the dataset per epoch)"
+               if self._input.steps_per_epoch else None)
+        if why:
             if self.dist.is_chief:
-                logger.warning("tfdist: %s holds the state at %s, but resuming there needs "
-                               "Keras 3's fit: resuming from the last epoch's backup instead",
-                               state["path"], where)
+                logger.warning("tfdist: %s holds the state at %s, but resuming there %s: "
+                               "resuming from the last epoch's backup instead", state["path"],
+                               where, why)
             return
         self.model.load_weights(os.path.join(state["path"], "model.keras"))
         data = self._input
