@@ -72,6 +72,9 @@ MATRIX: dict[str, dict[str, Any]] = {
     "srun-enroot": dict(_COMMON, runtime="enroot", image="/images/tf.sqsh",
                         binds=("/scratch:/scratch",), gpu_type="h100",
                         launcher_args=("--container-workdir=/scratch",)),
+    # Preemptible: a walltime warning to the tasks, requeue, the batch shell's fallback.
+    "srun-preemptible-array": dict(_COMMON, venv="/sw/venvs/tf", signal="USR1@120",
+                                   requeue=True, mem="64G", array="0-3%2"),
     "horovod-srun-gpus-per-task": dict(_COMMON, backend="horovod", gpus_per_task=True,
                                        venv="/sw/venvs/hvd"),
     "mpirun-venv": dict(_COMMON, backend="horovod", launcher="mpirun", venv="/sw/venvs/hvd",
@@ -723,3 +726,53 @@ def test_python_callers_get_the_same_type_checks() -> None:
     assert (config.modules, config.args, config.time) == (("A/1",), ("--epochs", "8"), "30")
     with pytest.raises(ConfigError, match=r"nodes .* must be a whole number, got '2'"):
         JobConfig(script="t.py", nodes="2")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# Preemption: the walltime signal, the requeue and the batch shell's fallback
+
+@pytest.mark.parametrize(("signal", "fragment"), [
+    ("B:USR1@120", "batch shell only"), ("KILL@30", "is not SIGNAL@SECONDS"),
+    ("USR1@soon", "is not SIGNAL@SECONDS")])
+def test_signals_tfdist_cannot_act_on_are_refused(signal: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        JobConfig(script="t.py", signal=signal)
+
+
+def test_signal_and_requeue_have_their_keys_not_sbatch_args() -> None:
+    with pytest.raises(ConfigError, match="sets what key signal sets"):
+        JobConfig(script="t.py", sbatch_args=("--signal=USR1@60",))
+
+
+REQUEUE_STUBS = {
+    # srun: every task "saved its state and exited 75"; scontrol: records its arguments.
+    "srun": "#!/bin/bash\nexit \"${STUB_SRUN_CODE:-75}\"\n",
+    "scontrol": "#!/bin/bash\necho \"$@\" >> \"$STUB_LOG\"\n",
+}
+
+
+@pytest.mark.parametrize(("extra", "code", "requeued"), [
+    ({}, 75, "requeue 4242"),
+    ({"SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}, 75, "requeue 4240_2"),
+    ({"SLURM_RESTART_COUNT": "20"}, 75, None),  # the limit (TFDIST_MAX_REQUEUES, 20)
+    ({"SLURM_RESTART_COUNT": "3", "TFDIST_MAX_REQUEUES": "3"}, 75, None),
+    ({"STUB_SRUN_CODE": "1"}, 1, None),  # a failure is not a preemption
+    ({"STUB_SRUN_CODE": "0"}, 0, None),
+], ids=["job", "array-task", "past-the-limit", "own-limit", "failed", "finished"])
+def test_the_batch_shell_requeues_a_preempted_job(tmp_path: Path, extra: dict[str, str],
+                                                  code: int, requeued: str | None) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in REQUEUE_STUBS.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(JobConfig(gpus_per_node=0, script="t.py", signal="USR1@90",
+                                       requeue=True)))
+    log = tmp_path / "log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "STUB_LOG": str(log),
+           **extra}
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                         timeout=30, check=False)
+    assert run.returncode == code, run.stderr
+    assert (log.read_text().strip() if log.exists() else None) == requeued

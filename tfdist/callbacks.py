@@ -313,6 +313,9 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                            " (during validation)" if validating else "", final,
                            preemption.EXIT_PREEMPTED)
             preemption.requeue(self.dist.environment)
+        # A barrier: no rank exits before the chief has committed and requeued, since a task
+        # that exits non-zero first makes `srun --kill-on-bad-exit` kill the others.
+        self.dist.sum_over_ranks([0.0])
         raise SystemExit(preemption.EXIT_PREEMPTED)
 
     def _resume(self, state: dict[str, Any]) -> None:

@@ -42,8 +42,10 @@ _OWN_KEYS = {
     "--gpus-per-task": "gpus_per_task", "--cpus-per-task": "cpus_per_task",
     "-c": "cpus_per_task", "--partition": "partition", "-p": "partition", "--account": "account",
     "-A": "account", "--time": "time", "-t": "time", "--constraint": "constraint",
-    "-C": "constraint", "--output": "output", "-o": "output",
+    "-C": "constraint", "--output": "output", "-o": "output", "--mem": "mem",
+    "--array": "array", "-a": "array", "--signal": "signal", "--requeue": "requeue",
 }
+_SIGNAL = re.compile(r"(?:R:)?(?:SIG)?([A-Z0-9]+)(?:@(\d+))?")
 
 
 def validate(config: JobConfig) -> None:
@@ -164,10 +166,12 @@ def _check_build(c: JobConfig) -> None:
 
 
 def _check_sbatch_values(c: JobConfig) -> None:
-    for key in ("job_name", "gpu_type", "partition", "account", "time", "constraint", "output"):
+    for key in ("job_name", "gpu_type", "partition", "account", "time", "constraint", "output",
+                "mem", "array", "signal"):
         value = getattr(c, key)
         if value is not None:
             check_sbatch_value(key, value)
+    _check_signal(c.signal)
     if c.gpu_type is not None and c.gpus_per_node < 1:
         raise ConfigError(f"gpu_type {c.gpu_type!r} needs gpus_per_node of at least 1")
     if c.time is not None and not _TIME.fullmatch(c.time):
@@ -182,6 +186,20 @@ def _check_sbatch_values(c: JobConfig) -> None:
         if name in _OWN_KEYS:
             raise ConfigError(f"sbatch_args[{index}] {option!r} sets what key "
                               f"{_OWN_KEYS[name]} sets; use {_OWN_KEYS[name]} instead")
+
+
+def _check_signal(signal: str | None) -> None:
+    if signal is None:
+        return
+    if signal.upper().startswith("B:"):
+        raise ConfigError(f"signal {signal!r} goes to the batch shell only (B:), and the Python "
+                          "processes under srun would never see it; drop the B: so that Slurm "
+                          "signals the tasks, e.g. signal: USR1@120")
+    match = _SIGNAL.fullmatch(signal.upper())
+    if not match or match.group(1) not in ("USR1", "USR2", "TERM", "10", "12", "15"):
+        raise ConfigError(f"signal {signal!r} is not SIGNAL@SECONDS with a signal tfdist saves "
+                          "the state on: USR1 or TERM (USR2 with TFDIST_PREEMPT_SIGNAL=USR2), "
+                          "e.g. USR1@120 (sbatch --signal)")
 
 
 def _check_software(c: JobConfig) -> None:

@@ -66,6 +66,14 @@ def _add_scheduling(group: _Group) -> None:
     group.add_argument("--account", metavar="A")
     group.add_argument("--time", metavar="LIMIT", help="time limit, e.g. 90 or 01:30:00")
     group.add_argument("--constraint", metavar="FEATURES", help="node features, e.g. a100&ib")
+    group.add_argument("--mem", metavar="SIZE", help="memory per node, e.g. 64G")
+    group.add_argument("--array", metavar="INDEXES", help="a job array, e.g. 0-9 or 1,3%%2")
+    group.add_argument("--signal", metavar="SIG@SECONDS",
+                       help="signal the tasks this long before the time limit, e.g. USR1@120: "
+                       "tfdist saves the state at one step and exits 75")
+    group.add_argument("--requeue", action=argparse.BooleanOptionalAction,
+                       help="let the job be requeued, and requeue it when the tasks exit 75 "
+                       "(preempted) (default: no)")
     group.add_argument("--sbatch-arg", action="append", metavar="OPTION",
                        help="one more #SBATCH option, e.g. --sbatch-arg=--qos=high (repeat)")
     group.add_argument("--output", metavar="PATTERN",

@@ -70,6 +70,11 @@ class JobConfig:
     account: str | None = None
     time: str | None = None
     constraint: str | None = None
+    mem: str | None = None
+    array: str | None = None
+    # Preemption and walltime: a signal to the tasks before the limit, and the requeue
+    signal: str | None = None
+    requeue: bool = False
     sbatch_args: tuple[str, ...] = ()
     output: str = "%x-%j.out"
     task_output: str | None = None
@@ -149,7 +154,7 @@ class JobConfig:
 KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig))
 _LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packages")
 _INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task")
-_BOOL_KEYS = ("gpus_per_task", "system_site_packages")
+_BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue")
 _OPTIONAL_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig) if "None" in str(f.type))
 
 

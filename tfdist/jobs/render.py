@@ -111,8 +111,17 @@ def _directives(c: JobConfig) -> str:
     if gpus:
         lines.append(gpus)
     optional = (("cpus-per-task", c.cpus_per_task), ("partition", c.partition),
-                ("account", c.account), ("time", c.time), ("constraint", c.constraint))
+                ("account", c.account), ("time", c.time), ("constraint", c.constraint),
+                ("mem", c.mem), ("array", c.array))
     lines += [f"#SBATCH --{name}={value}" for name, value in optional if value is not None]
+    if c.signal is not None:
+        seconds = c.signal.partition("@")[2] or "60"
+        lines += [f"# {seconds} s before the time limit Slurm signals the tasks (not only this "
+                  "shell): tfdist", "# saves the state at one step on every rank and exits 75.",
+                  f"#SBATCH --signal={c.signal}"]
+    if c.requeue:
+        lines += ["# A preempted job may go back into the queue and resume where it stopped.",
+                  "#SBATCH --requeue"]
     if c.task_output is not None:
         lines.append("# The batch shell writes to --output; each task to its own file "
                      "(srun --output below).")
@@ -217,12 +226,38 @@ def _network(c: JobConfig) -> str:
 def _launch(c: JobConfig) -> str:
     launcher = c.effective_launcher
     if launcher == "torchrun":
-        return _torchrun(c)
-    if launcher == "mpirun":
-        return _mpirun(c)
-    if launcher == "horovodrun":
-        return _horovodrun(c)
-    return _srun(c)
+        text = _torchrun(c)
+    elif launcher == "mpirun":
+        text = _mpirun(c)
+    elif launcher == "horovodrun":
+        text = _horovodrun(c)
+    else:
+        text = _srun(c)
+    return _with_requeue(text) if c.requeue else text
+
+
+# After a preemption every task exits 75 (tfdist.preemption.EXIT_PREEMPTED) once the state is
+# saved, and rank 0 requeues the job with scontrol; inside a container it may have none, so the
+# batch shell, which has, does it too (a second request for a job already requeued fails
+# harmlessly).
+_REQUEUE = [
+    'if [ "$code" -eq 75 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "${TFDIST_MAX_REQUEUES:-20}" ]; '
+    "then",
+    '    job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"',
+    '    echo "tfdist: preempted; requeueing job ${job:-$SLURM_JOB_ID}" >&2',
+    '    scontrol requeue "${job:-$SLURM_JOB_ID}" || true',
+    "fi",
+    'exit "$code"',
+]
+
+
+def _with_requeue(launch: str) -> str:
+    lines = launch.split("\n")
+    comments = [line for line in lines if line.startswith("#")]
+    command = [line for line in lines if not line.startswith("#")]
+    return "\n".join([*comments, "# Preempted (exit code 75): requeue from this shell too, in "
+                       "case the tasks had no scontrol.", "code=0",
+                       *command[:-1], command[-1] + " || code=$?", *_REQUEUE])
 
 
 def _program(c: JobConfig) -> str:
