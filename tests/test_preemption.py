@@ -285,3 +285,29 @@ def test_a_job_preempted_in_every_run_gives_up_past_the_restart_limit(tmp_path):
     assert run.returncode == 75, run.stdout[-3000:] + run.stderr[-3000:]
     assert "giving up after 1 restart(s): the last run ended with code 75" in run.stderr
     assert [r["code"] for r in _results(tmp_path / "out", 1)] == [75, 75]
+
+
+@pytest.mark.multiprocess
+def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path):
+    pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
+    worker = str(WORKERS / "torch_preempt_worker.py")
+
+    def launch(out: Path, checkpoint: Path, rank: str, step: str, *extra: str
+               ) -> subprocess.CompletedProcess[str]:
+        out.mkdir()
+        return subprocess.run([sys.executable, "-m", "tfdist", "launch", *extra, "-n", "2",
+                               worker, str(out), str(checkpoint), rank, step], cwd=ROOT,
+                              env=_env(), capture_output=True, text=True, timeout=240,
+                              check=False)
+
+    straight = launch(tmp_path / "straight", tmp_path / "a.pt", "-1", "0")
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    run = launch(tmp_path / "out", tmp_path / "b.pt", "1", "20", "--max-restarts", "1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
+    expected = _results(tmp_path / "straight")
+    assert [r["code"] for r in stopped] == [75, 75]
+    assert len({(r["epoch"], r["step"]) for r in stopped}) == 1  # one agreed step
+    for before, after, alone in zip(stopped, resumed, expected, strict=True):
+        assert before["steps"] + after["steps"] == alone["steps"] == 3 * STEPS_PER_EPOCH
+        assert after["resumed"] and after["digest"] == alone["digest"]

@@ -312,11 +312,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                            "with code %d", self.step, self.epoch + 1,
                            " (during validation)" if validating else "", final,
                            preemption.EXIT_PREEMPTED)
-            preemption.requeue(self.dist.environment)
-        # A barrier: no rank exits before the chief has committed and requeued, since a task
-        # that exits non-zero first makes `srun --kill-on-bad-exit` kill the others.
-        self.dist.sum_over_ranks([0.0])
-        raise SystemExit(preemption.EXIT_PREEMPTED)
+        preemption.exit_preempted(self.dist)
 
     def _resume(self, state: dict[str, Any]) -> None:
         epoch, step = int(state["epoch"]), int(state["step"])

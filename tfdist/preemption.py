@@ -36,17 +36,16 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from tfdist.errors import ConfigError
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
-    from tfdist.backends.base import Distributed
     from tfdist.env import ClusterEnvironment
 
-__all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Watch", "commit", "parse_signal", "read_state",
-           "requeue", "requeue_plan", "signals", "watch"]
+__all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "commit", "exit_preempted",
+           "parse_signal", "read_state", "requeue", "requeue_plan", "signals", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -57,6 +56,21 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 MAX_INTERVAL = 1000  # steps between two checks at most, however short the steps
 CHECKPOINT_DIR = "preempted"  # in model_dir: the state saved at the agreed step
 STATE_FILE = "state.json"
+
+
+class Agreeing(Protocol):
+    """What a watch needs of a handle: TensorFlow's (:class:`tfdist.Distributed`) and torch's
+    (:class:`tfdist.torch.TorchDistributed`) both have it."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_chief(self) -> bool: ...
+
+    environment: ClusterEnvironment
+
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]: ...
 
 
 def parse_signal(text: str) -> signal.Signals:
@@ -105,7 +119,7 @@ class Watch:
         checks: how many checks ran (each one collective).
     """
 
-    def __init__(self, dist: Distributed, check_seconds: float = 1.0,
+    def __init__(self, dist: Agreeing, check_seconds: float = 1.0,
                  catch: Sequence[signal.Signals] | None = None) -> None:
         if not check_seconds > 0:
             raise ConfigError(f"check_seconds={check_seconds}: use a positive number of seconds")
@@ -186,7 +200,7 @@ class Watch:
 
 
 @contextlib.contextmanager
-def watch(dist: Distributed, check_seconds: float | None = None) -> Iterator[Watch]:
+def watch(dist: Agreeing, check_seconds: float | None = None) -> Iterator[Watch]:
     """Watches for preemption signals in a custom loop; call ``.step()`` after every step::
 
         with tfdist.preemption.watch(dist) as stop:
@@ -206,6 +220,19 @@ def watch(dist: Distributed, check_seconds: float | None = None) -> Iterator[Wat
         yield found
     finally:
         found.uninstall()
+
+
+def exit_preempted(dist: Agreeing) -> NoReturn:
+    """Ends a preempted process, once its state is saved: call it on every rank.
+
+    The chief requeues the Slurm job (:func:`requeue`); then every rank waits for the others
+    (no rank may exit first: ``srun --kill-on-bad-exit`` would kill the chief mid-requeue) and
+    exits with :data:`EXIT_PREEMPTED`.
+    """
+    if dist.is_chief:
+        requeue(dist.environment)
+    dist.sum_over_ranks([0.0])  # the barrier
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 def commit(partial: str, final: str) -> None:

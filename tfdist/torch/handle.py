@@ -14,9 +14,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as torch_dist
@@ -150,6 +150,42 @@ class TorchDistributed(ReplicaMath):
                              device=self.device)
         torch_dist.all_reduce(total)
         return float(total[0] / total[1])
+
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """The element-wise sum of ``values`` over all ranks, the same on every rank (a
+        collective: every rank calls it at the same point)."""
+        total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        torch_dist.all_reduce(total)
+        return [float(v) for v in total.tolist()]
+
+    def preemption(self, check_seconds: float | None = None) -> Any:
+        """Watches for preemption signals (:func:`tfdist.preemption.watch`)::
+
+            state = dist.load("ckpt/state.pt")          # None on the first run
+            with dist.preemption() as stop:
+                for step, (x, y) in enumerate(loader):
+                    ...
+                    if stop.step():                      # the same answer on every rank
+                        dist.save({...}, "ckpt/state.pt")
+                        dist.exit_preempted()            # requeue (Slurm), exit 75
+        """
+        from tfdist import preemption
+
+        return preemption.watch(self, check_seconds)
+
+    def exit_preempted(self) -> NoReturn:
+        """Requeues the Slurm job from the chief, waits for every rank and exits with 75
+        (:func:`tfdist.preemption.exit_preempted`): call it on every rank after saving."""
+        from tfdist import preemption
+
+        preemption.exit_preempted(self)  # distributed()'s exit then destroys the group
+
+    def load(self, path: str | os.PathLike[str]) -> Any:
+        """What :meth:`save` wrote at ``path``, on this rank's device; None if there is none
+        (the first run)."""
+        if not os.path.exists(path):
+            return None
+        return torch.load(path, map_location=self.device, weights_only=False)
 
     def barrier(self) -> None:
         """Waits until every rank gets here (bounded by the process group's timeout)."""
