@@ -311,3 +311,39 @@ def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path):
     for before, after, alone in zip(stopped, resumed, expected, strict=True):
         assert before["steps"] + after["steps"] == alone["steps"] == 3 * STEPS_PER_EPOCH
         assert after["resumed"] and after["digest"] == alone["digest"]
+
+
+KILLED_WRITER = """
+import json, os, signal, sys
+from tfdist import preemption
+model_dir, when = sys.argv[1], sys.argv[2]
+
+def state(name, step):
+    folder = os.path.join(model_dir, name)
+    os.makedirs(folder)
+    with open(os.path.join(folder, preemption.STATE_FILE), "w") as f:
+        f.write(json.dumps({"step": step}) if when != "mid-write" or step == 1 else '{"st')
+    return folder
+
+preemption.commit(state("p1", 1), os.path.join(model_dir, preemption.CHECKPOINT_DIR))
+partial = state("p2", 2)
+if when == "mid-write":
+    os.kill(os.getpid(), signal.SIGKILL)  # the second state is half written
+replace = os.replace
+def killed_on_the_second(src, dst, calls=[]):
+    calls.append(src)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # between the two renames of the commit
+    replace(src, dst)
+os.replace = killed_on_the_second
+preemption.commit(partial, os.path.join(model_dir, preemption.CHECKPOINT_DIR))
+"""
+
+
+@pytest.mark.parametrize("when", ["mid-write", "between-renames"])
+def test_kill_9_while_saving_leaves_the_last_good_state(tmp_path, when):
+    run = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path), when], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    state = preemption.read_state(str(tmp_path))
+    assert state is not None and state["step"] == 1, (state, sorted(os.listdir(tmp_path)))
