@@ -26,12 +26,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from slurm_jobs import (
     EXAMPLE,
+    NODELIST,
     RECORDING_PYTHON,
     ROOT,
     TASK_OUTPUT,
@@ -41,6 +43,7 @@ from slurm_jobs import (
     cluster_config,
     final_weights,
     run_rendered,
+    submit_rendered,
     train_args,
 )
 from slurmtest import SlurmCluster
@@ -360,3 +363,39 @@ def test_tfdist_job_submit_prints_the_job_id_of_a_real_job(slurm_cluster: SlurmC
     ranks = sorted(json.loads(job.read(f"submitted-{job_id}-{task}.out"))["rank"]
                    for task in range(WORLD))
     assert ranks == list(range(WORLD)), job.describe()
+
+
+@pytest.mark.timeout(2 * TRAIN_TIMEOUT + 60)
+def test_preempted_job_requeues_itself_and_ends_bit_identical(
+        slurm_cluster: SlurmCluster, data_dir: Path, mwms_job: RenderedJob) -> None:
+    # The same training as mwms_job (its uninterrupted digest is the reference), rendered with
+    # requeue: true. When its chief has finished epoch 1, the job's tasks get SIGUSR1 from
+    # Slurm (`scancel --signal=USR1`, as `--signal=USR1@...` would send it): every rank stops at
+    # one step and saves, rank 0 runs `scontrol requeue`, Slurm starts the job again, and the
+    # second run resumes at that step.
+    reference = check_training(mwms_job)
+    config = cluster_config(slurm_cluster, job_name="preempted", script=str(EXAMPLE),
+                            args=train_args(data_dir), requeue=True,
+                            env={"TFDIST_PREEMPT_CHECK_SECONDS": "0.05"},
+                            sbatch_args=[NODELIST, "--open-mode=append"])
+    assert "#SBATCH --requeue" in render(config), render(config)
+    job_id, script = submit_rendered(slurm_cluster, config)
+    chief = script.parent / f"preempted-{job_id}-0.out"
+    deadline = time.monotonic() + TRAIN_TIMEOUT
+    while "Epoch 1/2" not in (chief.read_text(errors="replace") if chief.exists() else ""):
+        assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
+        time.sleep(0.2)
+    signalled = slurm_cluster.run("scancel", "--signal=USR1", job_id)
+    assert signalled.returncode == 0, signalled.stderr
+    result = slurm_cluster.wait(job_id, timeout=2 * TRAIN_TIMEOUT)
+    job = RenderedJob(config=config, script=script, result=result)
+    assert result.info.get("Restarts") == "1", job.describe()  # requeued exactly once
+    output = job.all_output()
+    assert "every rank stops after step" in output, job.describe()
+    assert "tfdist: requeue 1 of 20: `scontrol requeue" in output, job.describe()
+    assert "tfdist: resuming at step" in output, job.describe()
+    # --open-mode=append: each task file holds both runs; the final digests are the second's.
+    weights = final_weights(job.task_outputs())
+    assert {digest for _, digest in weights.values()} == {reference}, \
+        f"{weights} vs uninterrupted {reference}\n{job.describe()}"
+    assert not list(job.model_dir.glob("preempted*")), job.describe()

@@ -184,7 +184,10 @@ class AtomicCheckpoint(keras.callbacks.Callback):
 def _save_atomically(model: Any, path: str) -> None:
     # Beside the target, so that the rename is atomic on the same file system.
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    partial = os.path.join(os.path.dirname(path), f".partial-{os.path.basename(path)}")
+    # The process id keeps two writers of one path apart (several one-process jobs sharing a
+    # directory): each renames a complete file, the last one wins.
+    partial = os.path.join(os.path.dirname(path),
+                           f".partial-{os.getpid()}-{os.path.basename(path)}")
     model.save(partial)
     os.replace(partial, path)
 
