@@ -372,7 +372,8 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
     # requeue: true. When its chief has finished epoch 1, the job's tasks get SIGUSR1 from
     # Slurm (`scancel --signal=USR1`, as `--signal=USR1@...` would send it): every rank stops at
     # one step and saves, rank 0 runs `scontrol requeue`, Slurm starts the job again, and the
-    # second run resumes at that step.
+    # second run resumes at that step. Slurm holds a requeued job for about two minutes (its
+    # BeginTime); the test lets it start at once.
     reference = check_training(mwms_job)
     config = cluster_config(slurm_cluster, job_name="preempted", script=str(EXAMPLE),
                             args=train_args(data_dir), requeue=True,
@@ -382,17 +383,24 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
     job_id, script = submit_rendered(slurm_cluster, config)
     chief = script.parent / f"preempted-{job_id}-0.out"
     deadline = time.monotonic() + TRAIN_TIMEOUT
-    while "Epoch 1/2" not in (chief.read_text(errors="replace") if chief.exists() else ""):
+    epoch_done = re.compile(r"^\d+/\d+ - ", re.M)  # Keras's line at the end of an epoch
+    while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
         assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
         time.sleep(0.2)
     signalled = slurm_cluster.run("scancel", "--signal=USR1", job_id)
     assert signalled.returncode == 0, signalled.stderr
-    result = slurm_cluster.wait(job_id, timeout=2 * TRAIN_TIMEOUT)
+    while (info := slurm_cluster.job_info(job_id)).get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, f"never requeued: {info}"
+        time.sleep(0.2)
+    released = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    assert released.returncode == 0, released.stderr
+    result = slurm_cluster.wait(job_id, timeout=TRAIN_TIMEOUT)
     job = RenderedJob(config=config, script=script, result=result)
     assert result.info.get("Restarts") == "1", job.describe()  # requeued exactly once
     output = job.all_output()
     assert "every rank stops after step" in output, job.describe()
-    assert "tfdist: requeue 1 of 20: `scontrol requeue" in output, job.describe()
+    assert re.search(rf"tfdist: requeue 1 of 20: `\S*scontrol requeue {job_id}`", output), \
+        job.describe()
     assert "tfdist: resuming at step" in output, job.describe()
     # --open-mode=append: each task file holds both runs; the final digests are the second's.
     weights = final_weights(job.task_outputs())

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist import keras_compat, preemption, sync
@@ -299,7 +300,13 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         if self.dist.is_chief:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)
+        self.dist.sum_over_ranks([0.0])  # a barrier: the folder exists for every rank
         save(self.dist, self.model, os.path.join(partial, "model.keras"))
+        # What the model file leaves out, per rank: the random generators' states (Dropout's
+        # seed generator), without which the resumed run would draw other masks.
+        extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
+        np.savez(os.path.join(partial, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
+        self.dist.sum_over_ranks([0.0])  # every rank has written before the chief commits
         if self.dist.is_chief:
             state = {"epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
                      "validating": validating, "world_size": self.dist.world_size,
@@ -330,6 +337,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                                where, why)
             return
         self.model.load_weights(os.path.join(state["path"], "model.keras"))
+        self._restore_unsaved(state["path"])
         data = self._input
         if state["epoch_done"]:
             self._draw(data, int(state["iterators"]))  # the next epoch draws the next one
@@ -352,11 +360,27 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                        "the global batch is what the script sets")
             logger.warning("tfdist: resuming at %s from %s%s", where, state["path"], changed)
 
+    def _restore_unsaved(self, folder: str) -> None:
+        mine = os.path.join(folder, f"rank-{self.dist.rank}.npz")
+        path = mine if os.path.exists(mine) else os.path.join(folder, "rank-0.npz")
+        if not os.path.exists(path):
+            return
+        with np.load(path) as saved:
+            for i, variable in enumerate(_unsaved(self.model)):
+                if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
+                    variable.assign(saved[f"v{i}"])
+
     @staticmethod
     def _draw(data: Any, count: int) -> None:
         # Iterators made and dropped unread: each advances the dataset's seed generator.
         while data._tfdist_created < count:
             iter(data._get_iterator())
+
+
+def _unsaved(model: Any) -> list[Any]:
+    """The model's variables that ``model.save`` leaves out (seed generator states)."""
+    saved = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in saved]
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
@@ -437,8 +461,9 @@ if _KERAS3:
 
         def on_train_end(self, logs: Any = None) -> None:
             super().on_train_end(logs)
-            if self.delete_checkpoint and os.path.isdir(self.root) and not os.listdir(self.root):
-                shutil.rmtree(self.root, ignore_errors=True)
+            if self.delete_checkpoint:  # the other ranks remove theirs at the same moment
+                with contextlib.suppress(OSError):  # not empty yet, or already gone
+                    os.rmdir(self.root)
 
 else:
 
