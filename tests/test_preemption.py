@@ -3,8 +3,8 @@ the state there is saved atomically, the job exits 75, and ``tfdist launch --max
 starts it again, resuming at that step: bit-identical to an uninterrupted run, every step
 trained once. Pure tables first, then real 2-worker runs (MWMS and Horovod).
 
-Not here yet (issue 12, open): mid-epoch resume with tf_keras (it resumes from the last epoch's
-backup, tested), a real preemption on the Slurm test cluster, and the job-script keys.
+The Slurm cluster's preemption and requeue are tested in test_slurm_jobs.py, the job-script
+keys in test_jobs.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from types import SimpleNamespace
 import pytest
 from helpers import ROOT, WORKERS
 
-from tfdist import preemption
+from tfdist import keras_input, preemption
 from tfdist.backends.single import SingleDistributed
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError
+from tfdist.keras_input import Position, Resume
 
 WORKER = str(WORKERS / "preempt_worker.py")
 HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
@@ -132,6 +133,27 @@ def test_requeue_plan(case):
     assert found == command and words in reason, (found, reason)
 
 
+PLANS = {
+    # name: (saved position, epoch, step, epoch_done, recreates, expected Resume)
+    "mid-epoch, an iterator per epoch": (Position(3, 5), 1, 5, False, True, Resume(1, 5, 3, 5)),
+    "mid-epoch, one iterator for all": (Position(1, 29), 2, 5, False, False,
+                                        Resume(2, 5, 1, 29)),
+    "at an epoch's end, an iterator per epoch": (Position(3, 16), 1, 16, True, True,
+                                                 Resume(2, 0, 4, 0)),
+    # Keras 3 made the next iterator already when the data ran out: its position says 0.
+    "at an epoch's end, one iterator for all": (Position(2, 0), 1, 12, True, False,
+                                                Resume(2, 0, 2, 0)),
+    "while validating, one iterator for all": (Position(1, 24), 1, 12, True, False,
+                                               Resume(2, 0, 1, 24)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLANS))
+def test_resume_plan(case):
+    saved, epoch, step, done, recreates, expected = PLANS[case]
+    assert keras_input.plan(saved, epoch, step, epoch_done=done, recreates=recreates) == expected
+
+
 # --- real processes --------------------------------------------------------------------------
 
 def _env(**extra: str) -> dict[str, str]:
@@ -229,53 +251,50 @@ def _run(python: str, backend: str, out: Path, model: Path, rank: str, step: str
 
 
 RESUME = {
-    # name: (backend, the rank signalled, after which step)
-    "mwms-keras3": ("mwms", "1", "20"),
-    "horovod-keras3": ("horovod", "0", "27"),
+    # name: (backend, TF_USE_LEGACY_KERAS, input (PREEMPT_TEST_INPUT), the rank signalled,
+    #        after which step ("v10": at the tenth validation batch), steps in all)
+    "mwms-keras3": ("mwms", "0", "epochs", "1", "20", 3 * STEPS_PER_EPOCH),
+    "mwms-tf_keras": ("mwms", "1", "epochs", "1", "20", 3 * STEPS_PER_EPOCH),
+    "horovod-keras3": ("horovod", "0", "epochs", "0", "27", 3 * STEPS_PER_EPOCH),
+    "horovod-tf_keras": ("horovod", "1", "epochs", "1", "23", 3 * STEPS_PER_EPOCH),
+    # steps_per_epoch=12 over a repeated 16-batch dataset: one iterator for several epochs.
+    "mwms-keras3-steps_per_epoch": ("mwms", "0", "repeat", "0", "22", 36),
+    "mwms-tf_keras-steps_per_epoch": ("mwms", "1", "repeat", "0", "22", 36),
+    # 8 validation batches per epoch: the tenth is in the second epoch's validation, after
+    # which the resumed run starts with epoch 3.
+    "mwms-keras3-validation": ("mwms", "0", "validation", "1", "v10", 3 * STEPS_PER_EPOCH),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(RESUME))
 def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, case):
-    backend, rank, step = RESUME[case]
+    backend, legacy, data, rank, step, total = RESUME[case]
     python = str(HVD_PY) if backend == "horovod" else sys.executable
     if backend == "horovod" and not HVD_PY.exists():
         pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
     # The dataset reshuffles every epoch: the resumed run must see the stopped run's order.
-    straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0",
-                    TF_USE_LEGACY_KERAS="0")
+    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data}
+    straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0", **env)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     run = _run(python, backend, tmp_path / "out", tmp_path / "m2", rank, step,
-               "--max-restarts", "2", TF_USE_LEGACY_KERAS="0",
-               TFDIST_PREEMPT_CHECK_SECONDS="0.02")
+               "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.02", **env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "restarting all workers (1 of --max-restarts 2) after a preemption" in run.stderr
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
     assert [r["code"] for r in stopped + resumed] == [75, 75, 0, 0]
-    assert "resuming at step" in run.stdout
+    assert "resuming at step" in run.stdout and "backup instead" not in run.stdout
     expected = _results(tmp_path / "straight")
     for before, after, alone in zip(stopped, resumed, expected, strict=True):
-        assert before["steps"] + after["steps"] == alone["steps"] == 3 * STEPS_PER_EPOCH, (
+        assert before["steps"] + after["steps"] == alone["steps"] == total, (
             before, after)  # no step trained twice, none skipped
         assert after["digest"] == alone["digest"], (after, alone)  # weights and optimizer
+    if step.startswith("v"):  # stopped while validating epoch 2: only epoch 3 is left
+        assert [r["steps"] for r in stopped] == [2 * STEPS_PER_EPOCH] * 2, stopped
+        assert [r["tested"] for r in resumed] == [8, 8], resumed  # epoch 3's validation only
+    else:  # stopped inside an epoch
+        assert stopped[0]["step"] > 0 and stopped[0]["steps"] < total, stopped
     assert not list((tmp_path / "m2").glob("preempted*"))  # removed once an epoch finished
-
-
-@pytest.mark.multiprocess
-def test_tf_keras_resumes_from_the_last_epoch_and_says_so(tmp_path):
-    run = _run(sys.executable, "mwms", tmp_path / "out", tmp_path / "m", "1", "20",
-               "--max-restarts", "1", TF_USE_LEGACY_KERAS="1",
-               TFDIST_PREEMPT_CHECK_SECONDS="0.02")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "resuming there needs Keras 3's fit: resuming from the last epoch's backup" in (
-        run.stdout)
-    stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
-    # Stopped inside epoch 2: the whole of epoch 2 is trained again.
-    assert [r["epoch"] for r in stopped] == [1, 1]
-    assert [r["steps"] for r in resumed] == [2 * STEPS_PER_EPOCH] * 2
-    assert resumed[0]["digest"] == resumed[1]["digest"]
-    assert not list((tmp_path / "m").glob("preempted*"))
 
 
 @pytest.mark.multiprocess
@@ -315,7 +334,7 @@ def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path):
 
 KILLED_WRITER = """
 import json, os, signal, sys
-from tfdist import preemption
+from tfdist import keras_input, preemption
 model_dir, when = sys.argv[1], sys.argv[2]
 
 def state(name, step):

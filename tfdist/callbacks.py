@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist import keras_compat, preemption, sync
+from tfdist import keras_compat, keras_input, preemption, sync
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ __all__ = ["AtomicCheckpoint", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
 _KERAS3 = keras_compat.is_keras3(keras)
-_TRACKED = _KERAS3 and keras_compat.track_epoch_iterators()
+_TRACKED = keras_input.track()
 
 
 class ChiefOnly(keras.callbacks.Callback):
@@ -222,16 +222,16 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
 
     The state goes to ``model_dir/preempted/`` (:func:`tfdist.preemption.commit`): the whole
     model with its optimizer (``model.keras``, saved by every rank as :func:`save` does, written
-    by the chief) and ``state.json``: the epoch, the steps done in it, where the input was (how
-    many iterators Keras had drawn from the dataset), world size and signal. A signal during
-    validation inside ``fit`` stops there too; the resumed run then starts with the next epoch.
+    by the chief), per rank the random generators' states the model file leaves out
+    (``rank-N.npz``), and ``state.json``: the epoch, the steps done in it, where the input was
+    (:mod:`tfdist.keras_input`), world size and signal. A signal during validation inside
+    ``fit`` stops there too; the resumed run then starts with the next epoch.
 
-    Resuming (Keras 3): the model and optimizer are loaded, training starts at the saved epoch,
-    and the input continues at the saved step with the order the stopped run would have seen,
-    also for a dataset that reshuffles every epoch (the same number of iterators is drawn from
-    it first). With tf_keras the run resumes from the last epoch's backup instead, and says so.
-    The folder is removed at the end of the first epoch the resumed run completes, when the
-    epoch's backup is newer.
+    Resuming (Keras 3 and tf_keras): the model and optimizer are loaded, training starts at the
+    saved epoch and step, and the input continues at the saved batch with the order the stopped
+    run would have seen, also for a dataset that reshuffles every epoch and for
+    ``steps_per_epoch`` over a repeated dataset. The folder is removed at the end of the first
+    epoch the resumed run completes, when the epoch's backup is newer.
 
     Args:
         dist: the handle.
@@ -248,14 +248,13 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self.epoch, self.step, self._in_fit = 0, 0, False
         self.resumed_from: dict[str, Any] | None = None  # the state this fit resumed from
         self._state_found = False
-        self._input: Any = None  # Keras 3's TFEpochIterator of this fit
-        self._epoch_iterator_number = 0  # which of its iterators this epoch reads
-        self._skipped = 0  # batches of this epoch read before the resume
+        self._input: keras_input.Keras3Input | keras_input.TfKerasInput | None = None
+        self._resumed_epoch: int | None = None
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._in_fit = True
         self.watch.install()
-        self._input = keras_compat.last_epoch_iterator() if _TRACKED else None
+        self._input = keras_input.current(self.model) if _TRACKED else None
         state = preemption.read_state(self.model_dir)
         if state is not None:
             self._state_found = True
@@ -266,17 +265,13 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self.watch.uninstall()
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        if self._skipped and epoch != self.epoch and self._input is not None:
-            self._input._num_batches = self._input.data_adapter.num_batches  # a whole epoch
-            self._skipped = 0
-        self.epoch, self.step = epoch, self._skipped
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        if self._input is not None and batch == 0:
-            self._epoch_iterator_number = self._input._tfdist_created
+        if self._input is not None and epoch != self._resumed_epoch:
+            self._input.epoch_begin()
+        self.epoch = epoch
+        self.step = self._input.batch_offset if self._input is not None else 0
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.step = self._skipped + batch + 1
+        self.step = (self._input.batch_offset if self._input is not None else 0) + batch + 1
         if self.watch.step():
             self._save_and_exit(validating=False)
 
@@ -308,13 +303,15 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         np.savez(os.path.join(partial, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
         self.dist.sum_over_ranks([0.0])  # every rank has written before the chief commits
         if self.dist.is_chief:
-            state = {"epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
-                     "validating": validating, "world_size": self.dist.world_size,
-                     "num_replicas": self.dist.num_replicas,
-                     "signal": self.watch.signal.name if self.watch.signal else None}
+            state: dict[str, Any] = {
+                "epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
+                "validating": validating, "world_size": self.dist.world_size,
+                "num_replicas": self.dist.num_replicas,
+                "signal": self.watch.signal.name if self.watch.signal else None}
             if self._input is not None:
-                state.update(epoch_iterator=self._epoch_iterator_number,
-                             iterators=self._input._tfdist_created)
+                where = self._input.position(self.step)
+                state["input"] = {"iterator": where.iterator, "drawn": where.drawn,
+                                  "recreates": self._input.recreates}
             with open(os.path.join(partial, preemption.STATE_FILE), "w", encoding="utf-8") as f:
                 json.dump(state, f)
             preemption.commit(partial, final)
@@ -327,10 +324,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     def _resume(self, state: dict[str, Any]) -> None:
         epoch, step = int(state["epoch"]), int(state["step"])
         where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
-        why = ("needs Keras 3's fit" if self._input is None or "iterators" not in state
-               else "needs fit without steps_per_epoch (one pass over the dataset per epoch)"
-               if self._input.steps_per_epoch else None)
-        if why:
+        saved, found = state.get("input"), self._input
+        why = ("needs a Keras whose fit tfdist can follow" if found is None
+               else "was saved by another Keras" if saved is None
+               or saved["recreates"] != found.recreates else None)
+        if why or found is None or saved is None:
             if self.dist.is_chief:
                 logger.warning("tfdist: %s holds the state at %s, but resuming there %s: "
                                "resuming from the last epoch's backup instead", state["path"],
@@ -338,22 +336,12 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             return
         self.model.load_weights(os.path.join(state["path"], "model.keras"))
         self._restore_unsaved(state["path"])
-        data = self._input
-        if state["epoch_done"]:
-            self._draw(data, int(state["iterators"]))  # the next epoch draws the next one
-            epoch, step = epoch + 1, 0
-        else:
-            self._draw(data, int(state["epoch_iterator"]) - 1)
-            prepared = iter(data._get_iterator())
-            for _ in range(step):  # the batches the stopped run had trained on
-                next(prepared)
-            data._tfdist_created -= 1  # counted again when the epoch asks for it
-            data._tfdist_next = prepared
-            if data.data_adapter.num_batches:
-                data._num_batches = data.data_adapter.num_batches - step
-            self._skipped = step
-        self.model._initial_epoch = epoch
-        self.epoch, self.resumed_from = epoch, state
+        at = keras_input.plan(keras_input.Position(saved["iterator"], saved["drawn"]), epoch,
+                              step, epoch_done=bool(state["epoch_done"]),
+                              recreates=found.recreates)
+        found.resume(at)
+        self.model._initial_epoch = at.epoch  # Keras 3's fit starts there; tf_keras: resume()
+        self._resumed_epoch, self.epoch, self.resumed_from = at.epoch, at.epoch, state
         if self.dist.is_chief:
             changed = ("" if state["world_size"] == self.dist.world_size else
                        f"; it ran on {state['world_size']} workers, now {self.dist.world_size}: "
@@ -369,12 +357,6 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             for i, variable in enumerate(_unsaved(self.model)):
                 if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
                     variable.assign(saved[f"v{i}"])
-
-    @staticmethod
-    def _draw(data: Any, count: int) -> None:
-        # Iterators made and dropped unread: each advances the dataset's seed generator.
-        while data._tfdist_created < count:
-            iter(data._get_iterator())
 
 
 def _unsaved(model: Any) -> list[Any]:

@@ -25,8 +25,7 @@ from typing import Any
 
 from tfdist.settings import resolve
 
-__all__ = ["AFFECTED", "apply", "is_keras3", "last_epoch_iterator", "legacy_keras_requested",
-           "needs_fix", "track_epoch_iterators"]
+__all__ = ["AFFECTED", "apply", "is_keras3", "legacy_keras_requested", "needs_fix"]
 
 logger = logging.getLogger("tfdist")
 
@@ -127,47 +126,3 @@ def _wrap_reduce_per_replica(original: Any) -> Any:
 
     reduce_per_replica.__wrapped__ = original  # type: ignore[attr-defined]
     return reduce_per_replica
-
-
-# --- where fit's input is: for resuming mid-epoch ---------------------------------------------
-#
-# Keras 3's fit makes one TFEpochIterator and asks it for a new tf.data iterator at its own
-# moments (the symbolic build, each epoch's start, each epoch's end). A dataset shuffled with
-# reshuffle_each_iteration draws each new iterator's order from one seed generator, so the order
-# of an epoch depends on how many iterators were made before it. tfdist counts them, and on a
-# resume makes as many (unread) before the interrupted epoch's, which it then reads up to the
-# step where the run stopped: the resumed run sees exactly the batches the stopped one would.
-
-_last_epoch_iterator: Any = None
-
-
-def track_epoch_iterators() -> bool:
-    """Counts the iterators each Keras 3 TFEpochIterator makes and lets tfdist hand it one
-    (``_tfdist_created``, ``_tfdist_next``). Once; False on tf_keras, which has no such class."""
-    if legacy_keras_requested():
-        return False
-    from keras.src.backend.tensorflow import trainer
-
-    cls = trainer.TFEpochIterator
-    if getattr(cls, "_tfdist_tracked", False):
-        return True
-    init, get_iterator = cls.__init__, cls._get_iterator
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        global _last_epoch_iterator
-        init(self, *args, **kwargs)
-        self._tfdist_created, self._tfdist_next = 0, None
-        _last_epoch_iterator = self
-
-    def _get_iterator(self: Any) -> Any:
-        self._tfdist_created += 1
-        prepared, self._tfdist_next = self._tfdist_next, None
-        return prepared if prepared is not None else get_iterator(self)
-
-    cls.__init__, cls._get_iterator, cls._tfdist_tracked = __init__, _get_iterator, True
-    return True
-
-
-def last_epoch_iterator() -> Any:
-    """The TFEpochIterator made last (in ``on_train_begin``: fit's), or None."""
-    return _last_epoch_iterator

@@ -4,7 +4,11 @@
 
 ``SIGNAL_RANK`` (-1: none) sends itself ``SIGNAL`` (default USR1) after its ``SIGNAL_STEP``-th
 training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset),
-or of every run when ``SIGNAL_STEP`` is negative (its absolute value). Every rank prints
+or of every run when ``SIGNAL_STEP`` is negative (its absolute value); ``v3`` signals at the third
+validation batch instead. ``PREEMPT_TEST_INPUT`` picks the input: ``epochs`` (default: the
+dataset read once per epoch, reshuffled each time), ``repeat`` (a repeated dataset read with
+``steps_per_epoch=12``, so epochs straddle its passes) or ``validation`` (``epochs`` with
+``validation_data``). Every rank prints
 ``tfdist-test: rank R step S`` after each step, so a test can signal the launcher instead, and
 writes ``result-RANK-RUN.json``: where it stopped, the steps it trained, the exit code it leaves
 with, and after a finished fit a digest of its weights and optimizer state.
@@ -32,9 +36,11 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     keras = tf.keras
     keras.utils.set_random_seed(7)
     run = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
-    every_run = int(signal_step) < 0
-    target = abs(int(signal_step)) if int(signal_rank) == dist.rank and (
+    validating = signal_step.startswith("v")
+    every_run = signal_step.startswith("-")
+    target = abs(int(signal_step.lstrip("v"))) if int(signal_rank) == dist.rank and (
         run == 0 or every_run) else None
+    mode = os.environ.get("PREEMPT_TEST_INPUT", "epochs")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")
@@ -44,20 +50,31 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(32)
-    steps = {"done": 0}
+    fit_args: dict[str, object] = {}
+    if mode == "repeat":
+        dataset, fit_args["steps_per_epoch"] = dataset.repeat(), 12
+    elif mode == "validation":
+        fit_args["validation_data"] = dist.shard(
+            tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(32))
+    steps = {"done": 0, "tested": 0}
 
     class Announce(keras.callbacks.Callback):
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
             steps["done"] += 1
             print(f"tfdist-test: rank {dist.rank} step {steps['done']}", flush=True)
-            if steps["done"] == target:
+            if steps["done"] == target and not validating:
+                os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
+
+        def on_test_batch_end(self, batch: int, logs: object = None) -> None:
+            steps["tested"] += 1
+            if steps["tested"] == target and validating:
                 os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
 
     callbacks = dist.callbacks(Announce(), model_dir=model_dir, tensorboard=False)
     watcher = next(c for c in callbacks if isinstance(c, PreemptionCheckpoint))
     result = {"rank": dist.rank, "run": run, "code": 0}
     try:
-        model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks)
+        model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks, **fit_args)
         from tfdist.sync import digest, model_variables
 
         result["digest"] = digest(model_variables(model, include_optimizer=True))
@@ -66,6 +83,7 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
         raise
     finally:
         result.update(epoch=watcher.epoch, step=watcher.step, steps=steps["done"],
+                      tested=steps["tested"],
                       checks=watcher.watch.checks, resumed=watcher.resumed_from is not None
                       or run > 0,
                       signal=watcher.watch.signal.name if watcher.watch.signal else None)

@@ -1,0 +1,248 @@
+"""Where ``fit``'s input is, and how a resumed ``fit`` continues there: the step, the iterator and
+the batch, for Keras 3 and tf_keras alike.
+
+A ``fit`` over a ``tf.data`` dataset reads one iterator per epoch, or one for several epochs
+(``steps_per_epoch`` over a repeated dataset). Every new iterator of a dataset that reshuffles
+each epoch draws a new order from the dataset's seed generator, so a resumed run sees the stopped
+run's order only when it makes as many iterators first. A position is therefore two numbers:
+which iterator the epoch reads (counted from the first ``fit`` of the process's dataset) and how
+many batches were drawn from it.
+
+:func:`plan` turns a saved position into what the resumed ``fit`` does (pure, tested as a
+table); :class:`Keras3Input` and :class:`TfKerasInput` read positions off the two trainers and
+carry the plan out. Both count the iterators the trainer makes through a hook that
+:func:`track` installs once; :func:`current` is the input of the ``fit`` that is starting (read
+it in ``on_train_begin``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+from tfdist.keras_compat import legacy_keras_requested
+
+__all__ = ["Keras3Input", "Position", "Resume", "TfKerasInput", "current", "plan", "track"]
+
+logger = logging.getLogger("tfdist")
+
+
+class Position(NamedTuple):
+    """Where the input stands: the number of the iterator the epoch reads (1 for the first made)
+    and the batches drawn from that iterator so far."""
+
+    iterator: int
+    drawn: int
+
+
+class Resume(NamedTuple):
+    """What a resumed ``fit`` does: start at ``epoch`` and ``step`` with iterator number
+    ``iterator``, ``skip`` batches of which are drawn (and dropped) first."""
+
+    epoch: int
+    step: int
+    iterator: int
+    skip: int
+
+
+def plan(saved: Position, epoch: int, step: int, *, epoch_done: bool,
+         recreates: bool) -> Resume:
+    """The resumption of a run stopped after ``step`` steps of ``epoch`` at ``saved``.
+
+    Args:
+        saved: the input's position when the run stopped.
+        epoch: the epoch it stopped in (0-based).
+        step: the steps of that epoch it had trained.
+        epoch_done: whether it stopped after the epoch's last step (at its end, or while
+            validating): the resumed run starts with the next epoch.
+        recreates: whether the trainer makes a new iterator for every epoch (a dataset read
+            once per epoch) or reads one across epochs (``steps_per_epoch``).
+    """
+    if not epoch_done:
+        return Resume(epoch, step, saved.iterator, saved.drawn)
+    if recreates:
+        return Resume(epoch + 1, 0, saved.iterator + 1, 0)
+    return Resume(epoch + 1, 0, saved.iterator, saved.drawn)
+
+
+def _skip(iterator: Any, count: int) -> Any:
+    """Draws ``count`` batches from ``iterator`` and drops them; says how long that took."""
+    if count:
+        started = time.monotonic()
+        for _ in range(count):
+            next(iterator)
+        logger.info("tfdist: skipped %d batches already trained on in %.1f s", count,
+                    time.monotonic() - started)
+    return iterator
+
+
+class Keras3Input:
+    """The input of a Keras 3 ``fit``: its ``TFEpochIterator``.
+
+    Without ``steps_per_epoch`` Keras makes an iterator for every epoch; with it, one iterator
+    lasts until the data runs out (never, for a repeated dataset), and a new one follows.
+    """
+
+    batch_offset = 0  # steps of the resumed epoch done before: Keras 3 counts batches from 0
+
+    def __init__(self, epoch_iterator: Any) -> None:
+        self.data = epoch_iterator
+        self._steps_per_epoch = epoch_iterator.steps_per_epoch
+
+    @property
+    def recreates(self) -> bool:
+        return self._steps_per_epoch is None
+
+    def position(self, step: int) -> Position:
+        """The position after ``step`` steps of the current epoch (or at its end)."""
+        created = self.data._tfdist_created
+        return Position(created, step if self.recreates else self.data._steps_seen)
+
+    def resume(self, at: Resume) -> None:
+        data = self.data
+        while data._tfdist_created < at.iterator - 1:
+            iter(data._get_iterator())  # made and dropped: advances the seed generator
+        prepared = _skip(iter(data._get_iterator()), at.skip)
+        self.batch_offset = at.step
+        if self.recreates:
+            data._tfdist_created -= 1  # counted again when the epoch asks for it
+            data._tfdist_next = prepared
+            if at.step and data.data_adapter.num_batches:
+                data._num_batches = data.data_adapter.num_batches - at.step
+        else:
+            data._current_iterator, data._steps_seen = prepared, at.skip
+            if at.step:
+                data.steps_per_epoch = self._steps_per_epoch - at.step
+
+    def epoch_begin(self) -> None:
+        """A new epoch after the resumed one: whole epochs again."""
+        if self.batch_offset:
+            self.batch_offset = 0
+            self.data.steps_per_epoch = self._steps_per_epoch
+            if self.recreates:
+                self.data._num_batches = self.data.data_adapter.num_batches
+
+
+class TfKerasInput:
+    """The input of a tf_keras ``fit``: its ``DataHandler``.
+
+    ``DataHandler.enumerate_epochs`` makes one iterator first and, when the adapter recreates
+    iterators, one more for every epoch. tf_keras counts steps from the resumed step (its
+    batches are numbered within the whole epoch), and starts at the epoch and step that
+    ``Model._maybe_load_initial_counters_from_ckpt`` returns.
+    """
+
+    batch_offset = 0
+
+    def __init__(self, handler: Any, model: Any) -> None:
+        self.handler, self.model = handler, model
+
+    @property
+    def recreates(self) -> bool:
+        return bool(self.handler._adapter.should_recreate_iterator())
+
+    def position(self, step: int) -> Position:
+        handler = self.handler
+        return Position(handler._tfdist_created,
+                        step if self.recreates else handler._tfdist_drawn_before + step)
+
+    def resume(self, at: Resume) -> None:
+        self.handler._tfdist_plan = at
+        _counters[id(self.model)] = (at.epoch, at.step)
+
+    def epoch_begin(self) -> None:
+        pass
+
+
+_last: dict[str, Any] = {}  # the trainer's input made last, by Keras
+_counters: dict[int, tuple[int, int]] = {}  # id(model): where its next tf_keras fit starts
+
+
+def _track_keras3() -> None:
+    from keras.src.backend.tensorflow import trainer
+
+    cls = trainer.TFEpochIterator
+    if getattr(cls, "_tfdist_tracked", False):
+        return
+    init, get_iterator = cls.__init__, cls._get_iterator
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        init(self, *args, **kwargs)
+        self._tfdist_created, self._tfdist_next = 0, None
+        _last["keras3"] = self
+
+    def _get_iterator(self: Any) -> Any:
+        self._tfdist_created += 1
+        prepared, self._tfdist_next = self._tfdist_next, None
+        return prepared if prepared is not None else get_iterator(self)
+
+    cls.__init__, cls._get_iterator, cls._tfdist_tracked = __init__, _get_iterator, True
+
+
+def _track_tf_keras() -> None:
+    from tf_keras.src.engine import data_adapter, training
+
+    cls = data_adapter.DataHandler
+    if getattr(cls, "_tfdist_tracked", False):
+        return
+    init, enumerate_epochs = cls.__init__, cls.enumerate_epochs
+    load_counters = training.Model._maybe_load_initial_counters_from_ckpt
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        init(self, *args, **kwargs)
+        self._tfdist_created, self._tfdist_drawn_before = 0, 0
+        self._tfdist_plan = None
+        _last["tf_keras"] = self
+
+    def tracked_epochs(self: Any) -> Any:
+        at: Resume | None = self._tfdist_plan
+        self._tfdist_plan = None
+        recreates = self._adapter.should_recreate_iterator()
+        if at is not None:  # the iterators the stopped run had made before this epoch's
+            for _ in range(at.iterator - (2 if recreates else 1)):
+                iter(self._dataset)
+                self._tfdist_created += 1
+        first = True
+        for epoch, iterator in enumerate_epochs(self):
+            if first:
+                self._tfdist_created += 2 if recreates else 1
+                if at is not None:
+                    _skip(iterator, at.skip)
+                    self._tfdist_drawn_before = at.skip - at.step
+            elif recreates:
+                self._tfdist_created += 1
+                self._tfdist_drawn_before = 0
+            else:  # the same iterator goes on: the last epoch's steps were drawn from it
+                self._tfdist_drawn_before += self._current_step
+            first = False
+            yield epoch, iterator
+
+    def counters(self: Any, steps_per_epoch: Any, initial_epoch: int) -> Any:
+        resumed = _counters.pop(id(self), None)
+        return resumed if resumed is not None else load_counters(self, steps_per_epoch,
+                                                                 initial_epoch)
+
+    cls.__init__, cls.enumerate_epochs, cls._tfdist_tracked = __init__, tracked_epochs, True
+    training.Model._maybe_load_initial_counters_from_ckpt = counters
+
+
+def track() -> bool:
+    """Installs the counting hooks for the Keras in use, once. False where they cannot be (a
+    Keras without the classes hooked): a resumed ``fit`` then starts with the epoch."""
+    try:
+        _track_tf_keras() if legacy_keras_requested() else _track_keras3()
+    except (ImportError, AttributeError) as error:
+        logger.info("tfdist: cannot follow fit's input on this Keras (%s): a preempted fit "
+                    "resumes at its epoch", error)
+        return False
+    return True
+
+
+def current(model: Any) -> Keras3Input | TfKerasInput | None:
+    """The input of the ``fit`` of ``model`` that is starting (call in ``on_train_begin``)."""
+    if legacy_keras_requested():
+        handler = _last.get("tf_keras")
+        return TfKerasInput(handler, model) if handler is not None else None
+    epoch_iterator = _last.get("keras3")
+    return Keras3Input(epoch_iterator) if epoch_iterator is not None else None
