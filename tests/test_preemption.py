@@ -366,3 +366,34 @@ def test_kill_9_while_saving_leaves_the_last_good_state(tmp_path, when):
     assert run.returncode == -signal.SIGKILL, run.stderr
     state = preemption.read_state(str(tmp_path))
     assert state is not None and state["step"] == 1, (state, sorted(os.listdir(tmp_path)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backend):
+    python = str(HVD_PY) if backend == "horovod" else sys.executable
+    if backend == "horovod" and not HVD_PY.exists():
+        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
+    worker = str(WORKERS / "preempt_loop_worker.py")
+
+    def launch(out: Path, model: Path, rank: str, step: str, *extra: str
+               ) -> subprocess.CompletedProcess[str]:
+        out.mkdir()
+        horovod = ["--backend", "horovod"] if backend == "horovod" else []
+        return subprocess.run([python, "-m", "tfdist", "launch", *horovod, *extra, "-n", "2",
+                               worker, str(out), str(model), backend, rank, step], cwd=ROOT,
+                              env=_env(), capture_output=True, text=True, timeout=240,
+                              check=False)
+
+    straight = launch(tmp_path / "straight", tmp_path / "m1", "-1", "0")
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    run = launch(tmp_path / "out", tmp_path / "m2", "1", "21", "--max-restarts", "1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
+    expected = _results(tmp_path / "straight")
+    assert [r["code"] for r in stopped + resumed] == [75, 75, 0, 0]
+    assert len({(r["epoch"], r["step"]) for r in stopped}) == 1, stopped  # one agreed step
+    assert "resuming the loop at" in run.stdout + run.stderr
+    for before, after, alone in zip(stopped, resumed, expected, strict=True):
+        assert before["steps"] + after["steps"] == alone["steps"] == 3 * STEPS_PER_EPOCH
+        assert after["resumed"] and after["digest"] == alone["digest"], (after, alone)

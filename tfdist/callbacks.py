@@ -15,20 +15,19 @@ Imported only after :func:`tfdist.init`, when ``tf.keras`` resolves to Keras 3 o
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import keras_compat, keras_input, preemption, sync
+from tfdist.files import scratch_dir
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
@@ -86,16 +85,6 @@ def _path_attribute(callback: Any) -> str | None:
         if cls.__name__ in _PATHS:
             return _PATHS[cls.__name__]
     return None
-
-
-def scratch_dir(rank: int) -> str:
-    """A new private directory for a non-chief rank's throw-away writes (node-local temp).
-
-    Removed at the latest when the process exits, also when training stopped with an error.
-    """
-    folder = tempfile.mkdtemp(prefix=f"tfdist-rank{rank}-")
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
 
 
 class ChiefWrites(keras.callbacks.Callback):

@@ -39,13 +39,15 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from tfdist.errors import ConfigError
+from tfdist.files import scratch_dir
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
 __all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "commit", "exit_preempted",
-           "parse_signal", "read_state", "requeue", "requeue_plan", "signals", "watch"]
+           "load_loop_state", "parse_signal", "read_state", "requeue", "requeue_plan",
+           "save_loop_state", "signals", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -326,3 +328,63 @@ def requeue(environment: ClusterEnvironment) -> bool:
         return False
     logger.warning("tfdist: %s: `%s`", reason, " ".join(command))
     return True
+
+
+def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
+                    **objects: Any) -> bool:
+    """Saves a custom loop's state at the agreed step: call it on every rank.
+
+    ``objects`` (a Keras model, its optimizer, a ``tf.Variable``, anything
+    ``tf.train.Checkpoint`` takes) are written with one ``tf.train.Checkpoint`` by the chief
+    and into a throw-away folder by the other ranks (MultiWorkerMirroredStrategy wants every
+    worker to save); ``position`` (JSON: the epoch, the step, what your loop needs to go on)
+    goes to ``state.json``. The folder ``model_dir/preempted`` is replaced as :func:`commit`
+    does, so a kill at any moment leaves the last complete state.
+
+    Returns:
+        Whether this process wrote the state.
+    """
+    import tensorflow as tf
+
+    final = os.path.join(model_dir, CHECKPOINT_DIR)
+    partial = os.path.join(model_dir, f".{CHECKPOINT_DIR}.partial")
+    if dist.is_chief:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    folder = partial if dist.is_chief else scratch_dir(getattr(dist, "rank", 0))
+    tf.train.Checkpoint(**objects).write(os.path.join(folder, "loop"))
+    dist.sum_over_ranks([0.0])  # every rank has saved before the chief commits
+    if not dist.is_chief:
+        shutil.rmtree(folder, ignore_errors=True)
+        return False
+    with open(os.path.join(partial, STATE_FILE), "w", encoding="utf-8") as f:
+        json.dump({**position, "world_size": dist.world_size, "loop": True}, f)
+    commit(partial, final)
+    logger.warning("tfdist: saved the loop's state at %s in %s", position, final)
+    return True
+
+
+def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | None:
+    """Restores what :func:`save_loop_state` saved into ``objects``; returns its ``position``,
+    or None when ``model_dir`` holds no state (the first run). Call it on every rank, after
+    the objects exist and before the first step.
+
+    Raises:
+        ConfigError: the state does not fit ``objects`` (another model or optimizer).
+    """
+    import tensorflow as tf
+
+    state = read_state(model_dir) if model_dir else None
+    if state is None or not state.get("loop"):
+        return None
+    try:
+        tf.train.Checkpoint(**objects).read(
+            os.path.join(state["path"], "loop")).assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as error:
+        raise ConfigError(f"{state['path']} holds a loop state that does not fit the objects "
+                          f"given ({', '.join(objects)}): {error}. Remove it to start afresh, "
+                          "or build the same model and optimizer as the run that saved it"
+                          ) from None
+    position = {k: v for k, v in state.items() if k not in ("path", "loop", "world_size")}
+    logger.warning("tfdist: resuming the loop at %s from %s", position, state["path"])
+    return position

@@ -12,7 +12,7 @@ check). TensorFlow is imported inside the functions that need it only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tfdist.devices import affinity_thread_count
 from tfdist.env import ClusterEnvironment
@@ -133,16 +133,39 @@ class Distributed(ReplicaMath):
     def preemption(self, check_seconds: float | None = None) -> Any:
         """Watches for preemption signals in a custom loop (:func:`tfdist.preemption.watch`)::
 
+            position = dist.load_state(model_dir, model=model, optimizer=optimizer)
             with dist.preemption() as stop:
                 for batch in dataset:
                     train_step(batch)
                     if stop.step():  # the same answer on every rank
-                        save_state()
-                        raise SystemExit(tfdist.preemption.EXIT_PREEMPTED)
+                        dist.save_state(model_dir, {"epoch": e, "step": s},
+                                        model=model, optimizer=optimizer)
+                        dist.exit_preempted()
         """
         from tfdist import preemption
 
         return preemption.watch(self, check_seconds)
+
+    def save_state(self, model_dir: str, position: dict[str, Any], **objects: Any) -> bool:
+        """Saves a custom loop's ``objects`` and ``position`` in ``model_dir/preempted``, written
+        once by the chief (:func:`tfdist.preemption.save_loop_state`). Call it on every rank."""
+        from tfdist import preemption
+
+        return preemption.save_loop_state(self, model_dir, position, **objects)
+
+    def load_state(self, model_dir: str | None, **objects: Any) -> dict[str, Any] | None:
+        """Restores :meth:`save_state`'s ``objects``; the saved position, or None on a first run
+        (:func:`tfdist.preemption.load_loop_state`)."""
+        from tfdist import preemption
+
+        return preemption.load_loop_state(model_dir, **objects)
+
+    def exit_preempted(self) -> NoReturn:
+        """Requeues the Slurm job from the chief, waits for every rank and exits with 75
+        (:func:`tfdist.preemption.exit_preempted`): call it on every rank after saving."""
+        from tfdist import preemption
+
+        preemption.exit_preempted(self)
 
     def gradient_tape(self, persistent: bool = False) -> Any:
         """A ``tf.GradientTape`` for custom loops whose gradients are summed across replicas.
