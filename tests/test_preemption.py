@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from helpers import ROOT, WORKERS
 
@@ -162,13 +163,16 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(python: str, backend: str, args: list[str], *extra: str) -> list[str]:
+def _launch(python: str, backend: str, args: list[str], *extra: str, workers: int = 2
+            ) -> list[str]:
     horovod = ["--backend", "horovod"] if backend == "horovod" else []
-    return [python, "-m", "tfdist", "launch", *horovod, *extra, "-n", "2", WORKER, *args]
+    return [python, "-m", "tfdist", "launch", *horovod, *extra, "-n", str(workers), WORKER,
+            *args]
 
 
-def _results(out: Path, run: int = 0) -> list[dict]:
-    return [json.loads((out / f"result-{rank}-{run}.json").read_text()) for rank in (0, 1)]
+def _results(out: Path, run: int = 0, workers: int = 2) -> list[dict]:
+    return [json.loads((out / f"result-{rank}-{run}.json").read_text())
+            for rank in range(workers)]
 
 
 def _check_stopped_together(out: Path, model: Path, signal_step: int, output: str) -> None:
@@ -242,10 +246,10 @@ def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path):
 
 
 def _run(python: str, backend: str, out: Path, model: Path, rank: str, step: str, *extra: str,
-         **env: str) -> subprocess.CompletedProcess[str]:
-    out.mkdir()
+         workers: int = 2, **env: str) -> subprocess.CompletedProcess[str]:
+    out.mkdir(exist_ok=True)
     return subprocess.run(_launch(python, backend, [str(out), str(model), backend, rank, step],
-                                  *extra),
+                                  *extra, workers=workers),
                           cwd=ROOT, env=_env(**env), capture_output=True, text=True,
                           timeout=300, check=False)
 
@@ -295,6 +299,29 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, c
     else:  # stopped inside an epoch
         assert stopped[0]["step"] > 0 and stopped[0]["steps"] < total, stopped
     assert not list((tmp_path / "m2").glob("preempted*"))  # removed once an epoch finished
+
+
+@pytest.mark.multiprocess
+def test_a_run_resumed_on_fewer_workers_says_so_and_trains_every_step_once(tmp_path):
+    # The global batch is the script's (32) and dist.shard splits every global batch over the
+    # workers, so the saved step is the same place in the data on 1 worker as on 2. Not
+    # bit-identical (1 replica sums in another order than 2), but within rounding.
+    straight = _run(sys.executable, "mwms", tmp_path / "straight", tmp_path / "m1", "-1", "0")
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    stopped = _run(sys.executable, "mwms", tmp_path / "out", tmp_path / "m2", "1", "20",
+                   TFDIST_PREEMPT_CHECK_SECONDS="0.02")
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    resumed = _run(sys.executable, "mwms", tmp_path / "again", tmp_path / "m2", "-1", "0",
+                   workers=1)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "it ran on 2 workers, now 1: the global batch is what the script sets" in (
+        resumed.stdout + resumed.stderr)
+    before, (after,) = _results(tmp_path / "out"), _results(tmp_path / "again", workers=1)
+    assert before[0]["steps"] > 0 and before[0]["steps"] + after["steps"] == 3 * STEPS_PER_EPOCH
+    with np.load(tmp_path / "again" / "weights-0-0.npz") as got, \
+            np.load(tmp_path / "straight" / "weights-0-0.npz") as want:
+        for name in want.files:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.multiprocess

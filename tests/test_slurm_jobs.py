@@ -13,7 +13,11 @@ produced: the per-task output files, every rank's final-weights digest, the chie
 - A rendered job whose srun was left out: detection in the batch shell fails fast, with the
   message saying to use srun.
 - The Apptainer and enroot (pyxis) jobs, run on the cluster's container stand-ins (no container
-  runs: the stand-ins check and record their arguments, then run the task on the host).
+  runs: the stand-ins check and record their arguments, then run the task on the host; the
+  Apptainer stand-in hides the host's Slurm commands, as an image without them would). The
+  Apptainer job is preempted once and requeued by its batch script.
+- A preempted job (``scancel --signal=USR1``) that requeues itself, resumes, and ends
+  bit-identical to the uninterrupted one.
 
 Helpers to render, submit and collect are in tests/slurm_jobs/, for the Horovod and torchrun
 jobs to come. Every test here uses the ``slurm_cluster`` fixture, so it is marked ``slurm`` and
@@ -87,7 +91,7 @@ def task_views(job: RenderedJob) -> dict[int, dict[str, Any]]:
     return views
 
 
-def check_training(job: RenderedJob) -> str:
+def check_training(job: RenderedJob, runs: int = 1) -> str:
     """Checks a finished MWMS training job of examples/keras_train.py on WORLD tasks.
 
     One output file per task; every rank reports the same final-weights digest, in its own
@@ -118,7 +122,7 @@ def check_training(job: RenderedJob) -> str:
     assert not others, f"ranks {others} reported as chief\n{job.describe()}"
 
     (digest,) = digests
-    check_saved_models(job, digest)
+    check_saved_models(job, digest, runs)
     return digest
 
 
@@ -282,9 +286,14 @@ def test_rendered_job_without_srun_fails_fast_in_the_batch_shell(
 
 # --- containers, on the stand-ins ---------------------------------------------------------------
 
-@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
-def test_apptainer_standin_runs_the_rendered_mwms_job(slurm_cluster: SlurmCluster,
-                                                      data_dir: Path) -> None:
+@pytest.mark.timeout(2 * TRAIN_TIMEOUT + 60)
+def test_apptainer_standin_runs_the_rendered_mwms_job_and_its_script_requeues_it(
+        slurm_cluster: SlurmCluster, data_dir: Path, mwms_job: RenderedJob) -> None:
+    # The Apptainer job, preempted once: inside the "container" the Slurm commands are hidden
+    # as in an image without them, so the tasks cannot requeue the job; the batch script does,
+    # from their exit code 75. Slurm runs it again, it resumes, and it ends bit-identical to
+    # mwms_job (the same training, uninterrupted).
+    reference = check_training(mwms_job)
     workdir = slurm_cluster.new_workdir()
     image = workdir / "tensorflow-2.21.sif"
     image.write_bytes(b"not an image: the apptainer stand-in only checks that it exists")
@@ -293,22 +302,29 @@ def test_apptainer_standin_runs_the_rendered_mwms_job(slurm_cluster: SlurmCluste
     binds = [f"{ROOT}:{ROOT}:ro", f"{workdir}:{workdir}", f"{data_dir}:{data_dir}"]
     config = cluster_config(slurm_cluster, **recording(
         slurm_cluster, job_name="mwms-apptainer", runtime="apptainer", image=str(image),
-        binds=binds, env={"APPTAINER_STANDIN_LOG": str(log)}, script=str(EXAMPLE),
-        args=train_args(data_dir)))
+        binds=binds, env={"APPTAINER_STANDIN_LOG": str(log), "TFDIST_PREEMPT_CHECK_SECONDS":
+                          "0.05"}, script=str(EXAMPLE), args=train_args(data_dir),
+        requeue=True, sbatch_args=[NODELIST, "--open-mode=append"]))
     assert "apptainer exec --nv -B" in render(config), render(config)
-    job = run_rendered(slurm_cluster, config, workdir=workdir, timeout=TRAIN_TIMEOUT)
-    check_training(job)
+    job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
+    job = preempt_once(slurm_cluster, config, job_id, script)
+    assert check_training(job, runs=2) == reference, job.describe()  # bit-identical
+    output = job.all_output()
+    assert "scontrol is not installed here (inside a container?)" in output, job.describe()
+    assert f"tfdist: preempted; requeueing job {job_id}" in job.result.output, job.describe()
+    assert "tfdist: resuming at step" in output, job.describe()
 
     records = log.read_text().splitlines() if log.exists() else []
-    assert len(records) == WORLD, f"one apptainer call per task: {records}\n{job.describe()}"
+    assert len(records) == 2 * WORLD, f"one apptainer call per task and run: {records}\n" \
+                                      f"{job.describe()}"
     for record in records:
         assert record.startswith("apptainer stand-in: exec ") and f"image={image} " in record \
-            and f"binds={','.join(binds)} " in record and "flags=--nv " in record, \
-            f"{record}\n{job.describe()}"
+            and f"binds={','.join(binds)} " in record and "flags=--nv " in record \
+            and " slurm=hidden " in record, f"{record}\n{job.describe()}"
         assert f"command={RECORDING_PYTHON} {EXAMPLE} --epochs=2" in record, \
             f"{record}\n{job.describe()}"
     assert sorted(r.split(" host=")[1].split()[0] for r in records) == \
-        ["n10", "n10", "n9", "n9"], f"{records}\n{job.describe()}"
+        ["n10"] * 4 + ["n9"] * 4, f"{records}\n{job.describe()}"
     for rank, view in task_views(job).items():
         env = view["env"]
         assert (env.get("APPTAINER_CONTAINER"), env.get("APPTAINER_STANDIN")) == (
@@ -381,32 +397,52 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
                             sbatch_args=[NODELIST, "--open-mode=append"])
     assert "#SBATCH --requeue" in render(config), render(config)
     job_id, script = submit_rendered(slurm_cluster, config)
-    chief = script.parent / f"preempted-{job_id}-0.out"
-    deadline = time.monotonic() + TRAIN_TIMEOUT
-    epoch_done = re.compile(r"^\d+/\d+ - ", re.M)  # Keras's line at the end of an epoch
-    while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
-        assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
-        time.sleep(0.2)
-    signalled = slurm_cluster.run("scancel", "--signal=USR1", job_id)
-    assert signalled.returncode == 0, signalled.stderr
-    while (info := slurm_cluster.job_info(job_id)).get("JobState") != "PENDING":
-        if info.get("Restarts", "0") != "0" and info.get("JobState") in ("RUNNING", "COMPLETED"):
-            break  # requeued and already started again: nothing to release
-        assert time.monotonic() < deadline, f"never requeued: {info}"
-        time.sleep(0.2)
-    else:
-        released = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-        assert released.returncode == 0, released.stderr
-    result = slurm_cluster.wait(job_id, timeout=TRAIN_TIMEOUT)
-    job = RenderedJob(config=config, script=script, result=result)
-    assert result.info.get("Restarts") == "1", job.describe()  # requeued exactly once
+    job = preempt_once(slurm_cluster, config, job_id, script)
     output = job.all_output()
-    assert "every rank stops after step" in output, job.describe()
     assert re.search(rf"tfdist: requeue 1 of 20: `\S*scontrol requeue {job_id}`", output), \
         job.describe()
+    assert "every rank stops after step" in output, job.describe()
     assert "tfdist: resuming at step" in output, job.describe()
     # --open-mode=append: each task file holds both runs; the final digests are the second's.
     weights = final_weights(job.task_outputs())
     assert {digest for _, digest in weights.values()} == {reference}, \
         f"{weights} vs uninterrupted {reference}\n{job.describe()}"
     assert not list(job.model_dir.glob("preempted*")), job.describe()
+
+
+def preempt_once(cluster: SlurmCluster, config: Any, job_id: str, script: Path) -> RenderedJob:
+    """Preempts the submitted training job once, as Slurm's ``--signal=USR1@...`` would, and
+    waits for it to end: when its chief has finished epoch 1, ``scancel --signal=USR1`` to
+    every task; then it must be requeued (by a task or by its script), and is let start at
+    once (Slurm holds a requeued job for about two minutes, its BeginTime). Checks that it was
+    requeued exactly once."""
+    chief = script.parent / f"{config.job_name}-{job_id}-0.out"
+    deadline = time.monotonic() + TRAIN_TIMEOUT
+    epoch_done = re.compile(r"^\d+/\d+ - ", re.M)  # Keras's line at the end of an epoch
+    while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
+        assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
+        time.sleep(0.2)
+    signalled = cluster.run("scancel", "--signal=USR1", job_id)
+    assert signalled.returncode == 0, signalled.stderr
+    while (info := cluster.job_info(job_id)).get("JobState") != "PENDING":
+        if info.get("Restarts", "0") != "0" and info.get("JobState") in ("RUNNING", "COMPLETED"):
+            break  # requeued and already started again: nothing to release
+        assert time.monotonic() < deadline, f"never requeued: {info}"
+        time.sleep(0.2)
+    else:
+        # Not at once: a job started again in the second its last run's credential was revoked
+        # on its nodes is killed ("Job credential revoked"; the times have 1 s resolution).
+        # Slurm's own hold avoids that; released early, the job waits for its nodes to be idle
+        # and for that second to pass.
+        requeued = time.monotonic()
+        while time.monotonic() - requeued < 2 or "COMPLETING" in cluster.job_info(job_id).get(
+                "JobState", "") or cluster.run("sinfo", "-h", "-n", info["ReqNodeList"], "-o",
+                                               "%T").stdout.split() != ["idle"]:
+            assert time.monotonic() < deadline, f"nodes never idle after the requeue: {info}"
+            time.sleep(0.2)
+        released = cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        assert released.returncode == 0, released.stderr
+    result = cluster.wait(job_id, timeout=TRAIN_TIMEOUT)
+    job = RenderedJob(config=config, script=script, result=result)
+    assert result.info.get("Restarts") == "1", job.describe()  # requeued exactly once
+    return job

@@ -58,6 +58,7 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 MAX_INTERVAL = 1000  # steps between two checks at most, however short the steps
 CHECKPOINT_DIR = "preempted"  # in model_dir: the state saved at the agreed step
 STATE_FILE = "state.json"
+_exiting = False  # exit_preempted has begun: the preemption signals are ignored until the end
 
 
 class Agreeing(Protocol):
@@ -144,7 +145,8 @@ class Watch:
             self._previous[sig] = signal.signal(sig, self._record)
 
     def uninstall(self, redeliver: bool = True) -> None:
-        """Puts the previous handlers back.
+        """Puts the previous handlers back (not once :func:`exit_preempted` has begun: the
+        signals stay ignored until the process has exited).
 
         Args:
             redeliver: a signal that arrived but was never acted on (training ended first)
@@ -152,7 +154,8 @@ class Watch:
                 without tfdist (SIGTERM still ends the process).
         """
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            if not _exiting:
+                signal.signal(sig, previous)
         pending = self._previous and redeliver and self.signal and not self.stop_requested
         self._previous = {}
         if pending and self.signal is not None:
@@ -231,8 +234,17 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
     (no rank may exit first: ``srun --kill-on-bad-exit`` would kill the chief mid-requeue) and
     exits with :data:`EXIT_PREEMPTED`.
     """
+    global _exiting
     if dist.is_chief:
         requeue(dist.environment)
+    # The state is saved: from here a SIGTERM has nothing left to protect, and one comes when
+    # the first rank exits (srun --kill-on-bad-exit ends the step), which would turn this
+    # rank's 75 into 143, and srun's code with it: the job script would not requeue. Ignored,
+    # not handled, because Python keeps an ignored signal ignored through its shutdown.
+    _exiting = True
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals():
+            signal.signal(sig, signal.SIG_IGN)
     dist.sum_over_ranks([0.0])  # the barrier
     raise SystemExit(EXIT_PREEMPTED)
 

@@ -177,20 +177,22 @@ def _describe(head: str, script: Path, tasks: Mapping[int, Path]) -> str:
     return "\n".join(parts)
 
 
-def check_saved_models(job: RenderedJob, digest: str) -> None:
+def check_saved_models(job: RenderedJob, digest: str, runs: int = 1) -> None:
     """The chief alone wrote ``checkpoint.keras`` and ``final.keras`` (atomically) and the
-    TensorBoard logs, and both models load in this process holding the ranks' final ``digest``."""
+    TensorBoard logs (one chief process per run of a requeued job), and both models load in this
+    process holding the ranks' final ``digest``."""
     saved = sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*.keras"))
     model_dir = job.model_dir.relative_to(job.workdir)
     assert saved == [f"{model_dir}/checkpoint.keras", f"{model_dir}/final.keras"], \
         f"exactly one checkpoint and one final model, by the chief: {saved}\n{job.describe()}"
     partial = [p.name for p in job.model_dir.rglob(".partial-*")]
     assert not partial, f"unfinished checkpoint writes left: {partial}\n{job.describe()}"
-    # events.out.tfevents.TIME.HOST.PID.N.v2: one writer, the chief, on the first node.
+    # events.out.tfevents.TIME.HOST.PID.N.v2: one writer per run, the chief, on the first node.
     names = sorted(p.name for p in (job.model_dir / "logs").rglob("events.out.tfevents.*"))
     writers = {tuple(name.split(".")[4:6]) for name in names}
-    assert len(writers) == 1 and next(iter(writers))[0] == TWO_NODES[0], \
-        f"TensorBoard files by {len(writers)} processes: {names}\n{job.describe()}"
+    assert len(writers) == runs and {host for host, _ in writers} == {TWO_NODES[0]}, \
+        f"TensorBoard files by {len(writers)} processes in {runs} run(s): {names}\n" \
+        f"{job.describe()}"
     for name in ("checkpoint.keras", "final.keras"):
         path = job.model_dir / name
         assert zipfile.is_zipfile(path), f"{name} is not a .keras (zip) file\n{job.describe()}"

@@ -11,7 +11,8 @@ dataset read once per epoch, reshuffled each time), ``repeat`` (a repeated datas
 ``validation_data``). Every rank prints
 ``tfdist-test: rank R step S`` after each step, so a test can signal the launcher instead, and
 writes ``result-RANK-RUN.json``: where it stopped, the steps it trained, the exit code it leaves
-with, and after a finished fit a digest of its weights and optimizer state.
+with, and after a finished fit a digest of its weights and optimizer state (and the weights,
+``weights-RANK-RUN.npz``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
         from tfdist.sync import digest, model_variables
 
         result["digest"] = digest(model_variables(model, include_optimizer=True))
+        np.savez(os.path.join(out_dir, f"weights-{dist.rank}-{run}.npz"),
+                 *[np.asarray(w) for w in model.get_weights()])
     except SystemExit as exit_:
         result["code"] = exit_.code
         raise
