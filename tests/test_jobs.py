@@ -15,9 +15,11 @@ import difflib
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -776,3 +778,42 @@ def test_the_batch_shell_requeues_a_preempted_job(tmp_path: Path, extra: dict[st
                          timeout=30, check=False)
     assert run.returncode == code, run.stderr
     assert (log.read_text().strip() if log.exists() else None) == requeued
+
+
+FORWARDING_SRUN = """#!/bin/bash
+# srun stand-in: "tasks" that save and exit 75 when srun passes a signal on to them.
+trap 'echo "srun got USR1" >> "$STUB_LOG"; exit 75' USR1
+trap 'echo "srun got TERM (would kill the tasks)" >> "$STUB_LOG"; exit 143' TERM
+echo started >> "$STUB_LOG"
+while :; do sleep 0.05; done
+"""
+
+
+@pytest.mark.parametrize("sent", ["USR1", "TERM"])
+def test_a_signal_to_the_batch_shell_alone_reaches_the_tasks(tmp_path: Path, sent: str) -> None:
+    # As `scancel --batch --signal=...` or `--signal=B:...`: the batch shell passes it on to
+    # srun as USR1 (srun answers TERM by killing its tasks), the tasks save and exit 75, and
+    # the shell requeues the job.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FORWARDING_SRUN)
+    (bin_dir / "scontrol").write_text(REQUEUE_STUBS["scontrol"])
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(JobConfig(gpus_per_node=0, script="t.py", signal="USR1@90",
+                                       requeue=True)))
+    log = tmp_path / "log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "STUB_LOG": str(log)}
+    shell = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while "started" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and shell.poll() is None, "srun never started"
+            time.sleep(0.05)
+        shell.send_signal(getattr(signal, f"SIG{sent}"))
+        _, stderr = shell.communicate(timeout=20)
+    finally:
+        shell.kill()
+    assert shell.returncode == 75, stderr
+    assert log.read_text().splitlines() == ["started", "srun got USR1", "requeue 4242"], stderr

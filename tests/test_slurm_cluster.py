@@ -55,7 +55,8 @@ def test_start_is_idempotent_and_nodes_are_idle(slurm_cluster: SlurmCluster) -> 
                            check=False)
     assert again.returncode == 0 and "already running" in again.stderr, again.stderr
     assert time.monotonic() - started < 5
-    sinfo = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N %c %G %t")
+    sinfo = slurm_cluster.run("sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o",
+                              "%N %c %G %t")
     rows = [line.split() for line in sinfo.stdout.splitlines()]
     assert [row[0] for row in rows] == ["n9", "n10", "n11"] == list(slurm_cluster.nodes)
     for _, cpus, gres, state in rows:  # other sessions' jobs may be running

@@ -31,6 +31,7 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -289,9 +290,10 @@ def test_rendered_job_without_srun_fails_fast_in_the_batch_shell(
 @pytest.mark.timeout(2 * TRAIN_TIMEOUT + 60)
 def test_apptainer_standin_runs_the_rendered_mwms_job_and_its_script_requeues_it(
         slurm_cluster: SlurmCluster, data_dir: Path, mwms_job: RenderedJob) -> None:
-    # The Apptainer job, preempted once: inside the "container" the Slurm commands are hidden
-    # as in an image without them, so the tasks cannot requeue the job; the batch script does,
-    # from their exit code 75. Slurm runs it again, it resumes, and it ends bit-identical to
+    # The Apptainer job, preempted once by a signal to its batch shell alone, which passes it
+    # on to the tasks through srun. Inside the "container" the Slurm commands are hidden as in
+    # an image without them, so the tasks cannot requeue the job; the batch script does, from
+    # their exit code 75. Slurm runs it again, it resumes, and it ends bit-identical to
     # mwms_job (the same training, uninterrupted).
     reference = check_training(mwms_job)
     workdir = slurm_cluster.new_workdir()
@@ -307,7 +309,12 @@ def test_apptainer_standin_runs_the_rendered_mwms_job_and_its_script_requeues_it
         requeue=True, sbatch_args=[NODELIST, "--open-mode=append"]))
     assert "apptainer exec --nv -B" in render(config), render(config)
     job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
-    job = preempt_once(slurm_cluster, config, job_id, script)
+
+    def signal_the_batch_shell() -> None:  # as --signal=B:USR1@... would: srun must pass it on
+        signalled = slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+        assert signalled.returncode == 0, signalled.stderr
+
+    job = preempt_once(slurm_cluster, config, job_id, script, signal_the_batch_shell)
     assert check_training(job, runs=2) == reference, job.describe()  # bit-identical
     output = job.all_output()
     assert "scontrol is not installed here (inside a container?)" in output, job.describe()
@@ -384,24 +391,35 @@ def test_tfdist_job_submit_prints_the_job_id_of_a_real_job(slurm_cluster: SlurmC
 @pytest.mark.timeout(2 * TRAIN_TIMEOUT + 60)
 def test_preempted_job_requeues_itself_and_ends_bit_identical(
         slurm_cluster: SlurmCluster, data_dir: Path, mwms_job: RenderedJob) -> None:
-    # The same training as mwms_job (its uninterrupted digest is the reference), rendered with
-    # requeue: true. When its chief has finished epoch 1, the job's tasks get SIGUSR1 from
-    # Slurm (`scancel --signal=USR1`, as `--signal=USR1@...` would send it): every rank stops at
-    # one step and saves, rank 0 runs `scontrol requeue`, Slurm starts the job again, and the
-    # second run resumes at that step. Slurm holds a requeued job for about two minutes (its
-    # BeginTime); the test lets it start at once.
+    # A real preemption: the same training as mwms_job (its uninterrupted digest is the
+    # reference), rendered with requeue and a walltime signal (USR1@60). When its chief has
+    # finished epoch 1, a job in the cluster's "urgent" partition (a higher PriorityTier) asks
+    # for n9 alone. Slurm preempts ours: with preempt_send_user_signal and GraceTime it sends
+    # the job's signal, SIGUSR1, to the tasks and gives them 30 s. Every rank stops at one step
+    # and saves, rank 0 runs `scontrol requeue`, Slurm runs the job again once the urgent job is
+    # done, and it resumes at that step.
     reference = check_training(mwms_job)
     config = cluster_config(slurm_cluster, job_name="preempted", script=str(EXAMPLE),
-                            args=train_args(data_dir), requeue=True,
+                            args=train_args(data_dir), requeue=True, signal="USR1@60",
                             env={"TFDIST_PREEMPT_CHECK_SECONDS": "0.05"},
                             sbatch_args=[NODELIST, "--open-mode=append"])
     assert "#SBATCH --requeue" in render(config), render(config)
     job_id, script = submit_rendered(slurm_cluster, config)
-    job = preempt_once(slurm_cluster, config, job_id, script)
+    urgent: list[str] = []
+
+    def outrank() -> None:
+        run = slurm_cluster.run("sbatch", "--parsable", "--partition=urgent", "--nodelist=n9",
+                                "--ntasks=1", "--exclusive", "--wrap=sleep 2",
+                                cwd=script.parent)
+        assert run.returncode == 0, run.stderr
+        urgent.append(run.stdout.strip().split(";")[0])
+
+    job = preempt_once(slurm_cluster, config, job_id, script, outrank)
+    assert slurm_cluster.wait(urgent[0], timeout=60).ok, urgent
     output = job.all_output()
+    assert "tfdist: preemption requested (SIGUSR1 on this rank)" in output, job.describe()
     assert re.search(rf"tfdist: requeue 1 of 20: `\S*scontrol requeue {job_id}`", output), \
         job.describe()
-    assert "every rank stops after step" in output, job.describe()
     assert "tfdist: resuming at step" in output, job.describe()
     # --open-mode=append: each task file holds both runs; the final digests are the second's.
     weights = final_weights(job.task_outputs())
@@ -410,20 +428,19 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
     assert not list(job.model_dir.glob("preempted*")), job.describe()
 
 
-def preempt_once(cluster: SlurmCluster, config: Any, job_id: str, script: Path) -> RenderedJob:
-    """Preempts the submitted training job once, as Slurm's ``--signal=USR1@...`` would, and
-    waits for it to end: when its chief has finished epoch 1, ``scancel --signal=USR1`` to
-    every task; then it must be requeued (by a task or by its script), and is let start at
-    once (Slurm holds a requeued job for about two minutes, its BeginTime). Checks that it was
-    requeued exactly once."""
+def preempt_once(cluster: SlurmCluster, config: Any, job_id: str, script: Path,
+                 preempt: Callable[[], None]) -> RenderedJob:
+    """Preempts the submitted training job once and waits for it to end: when its chief has
+    finished epoch 1, ``preempt()``; then the job must be requeued (by a task or by its
+    script), and is let start at once (Slurm holds a requeued job for about two minutes, its
+    BeginTime). Checks that it was requeued exactly once."""
     chief = script.parent / f"{config.job_name}-{job_id}-0.out"
     deadline = time.monotonic() + TRAIN_TIMEOUT
     epoch_done = re.compile(r"^\d+/\d+ - ", re.M)  # Keras's line at the end of an epoch
     while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
         assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
         time.sleep(0.2)
-    signalled = cluster.run("scancel", "--signal=USR1", job_id)
-    assert signalled.returncode == 0, signalled.stderr
+    preempt()
     while (info := cluster.job_info(job_id)).get("JobState") != "PENDING":
         if info.get("Restarts", "0") != "0" and info.get("JobState") in ("RUNNING", "COMPLETED"):
             break  # requeued and already started again: nothing to release

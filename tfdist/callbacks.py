@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,6 +79,12 @@ class ChiefOnly(keras.callbacks.Callback):
 # ModelCheckpoint derive their real paths from these in set_model or at save time.
 _PATHS = {"AtomicCheckpoint": "path", "ModelCheckpoint": "filepath", "CSVLogger": "filename",
           "TensorBoard": "log_dir"}
+
+
+def _keeps_logs_open(callback: Any) -> bool:
+    """TensorBoard and CSVLogger (also wrapped by ChiefOnly or ChiefWrites)."""
+    inner = callback.callback if isinstance(callback, (ChiefOnly, ChiefWrites)) else callback
+    return any(cls.__name__ in ("TensorBoard", "CSVLogger") for cls in type(inner).__mro__)
 
 
 def _path_attribute(callback: Any) -> str | None:
@@ -227,12 +234,14 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         model_dir: where the state goes.
         check_seconds: about how often the ranks agree; env ``TFDIST_PREEMPT_CHECK_SECONDS``,
             default 1.
+        logs: callbacks that keep log files open (TensorBoard, CSVLogger): their
+            ``on_train_end`` closes them before the process ends.
     """
 
     def __init__(self, dist: Distributed, model_dir: str,
-                 check_seconds: float | None = None) -> None:
+                 check_seconds: float | None = None, *, logs: Sequence[Any] = ()) -> None:
         super().__init__()
-        self.dist, self.model_dir = dist, model_dir
+        self.dist, self.model_dir, self.logs = dist, model_dir, list(logs)
         self.watch = preemption.Watch(dist, resolve("preempt_check_seconds", check_seconds))
         self.epoch, self.step, self._in_fit = 0, 0, False
         self.resumed_from: dict[str, Any] | None = None  # the state this fit resumed from
@@ -308,6 +317,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                            "with code %d", self.step, self.epoch + 1,
                            " (during validation)" if validating else "", final,
                            preemption.EXIT_PREEMPTED)
+        for callback in self.logs:  # the process ends without teardown: close the logs now
+            try:
+                callback.on_train_end()
+            except Exception as error:  # the state is saved: a log is not worth failing for
+                logger.warning("tfdist: closing %s failed: %s", type(callback).__name__, error)
         preemption.exit_preempted(self.dist)
 
     def _resume(self, state: dict[str, Any]) -> None:
@@ -564,7 +578,8 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
         writers.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
     callbacks += [route_writer(dist, writer) for writer in writers]
     if model_dir and preempt:  # last: a stop at an epoch's end comes after its backup
-        callbacks.append(PreemptionCheckpoint(dist, model_dir))
+        callbacks.append(PreemptionCheckpoint(dist, model_dir, logs=[
+            callback for callback in callbacks if _keeps_logs_open(callback)]))
     if not dist.is_chief:
         callbacks.append(_SilentProgbar())
     return callbacks

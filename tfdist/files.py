@@ -10,7 +10,9 @@ import atexit
 import shutil
 import tempfile
 
-__all__ = ["scratch_dir"]
+__all__ = ["remove_scratch_dirs", "scratch_dir"]
+
+_made: list[str] = []
 
 
 def scratch_dir(rank: int) -> str:
@@ -19,5 +21,12 @@ def scratch_dir(rank: int) -> str:
     Removed at the latest when the process exits, also when training stopped with an error.
     """
     folder = tempfile.mkdtemp(prefix=f"tfdist-rank{rank}-")
+    _made.append(folder)
     atexit.register(shutil.rmtree, folder, True)
     return folder
+
+
+def remove_scratch_dirs() -> None:
+    """Removes every scratch directory made so far (for an exit that skips ``atexit``)."""
+    while _made:
+        shutil.rmtree(_made.pop(), ignore_errors=True)

@@ -25,6 +25,7 @@ afterwards: outside those, ``SIGTERM`` ends the process as it always did.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -32,6 +33,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -39,7 +41,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from tfdist.errors import ConfigError
-from tfdist.files import scratch_dir
+from tfdist.files import remove_scratch_dirs, scratch_dir
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
@@ -232,7 +234,9 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
 
     The chief requeues the Slurm job (:func:`requeue`); then every rank waits for the others
     (no rank may exit first: ``srun --kill-on-bad-exit`` would kill the chief mid-requeue) and
-    exits with :data:`EXIT_PREEMPTED`.
+    exits with :data:`EXIT_PREEMPTED`: ``SystemExit`` runs your ``finally`` blocks, then the
+    process ends at once, without TensorFlow's (or torch's) teardown; close your own log
+    writers in a ``finally`` block.
     """
     global _exiting
     if dist.is_chief:
@@ -246,7 +250,22 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
         for sig in signals():
             signal.signal(sig, signal.SIG_IGN)
     dist.sum_over_ranks([0.0])  # the barrier
+    # Registered last, so it runs first at shutdown, after every finally block: the process
+    # ends there, without TensorFlow's teardown, which can wait for seconds on peers that have
+    # already exited (the chief holds MWMS's coordination service) while srun's KillWait runs.
+    atexit.register(_end_now, EXIT_PREEMPTED)
     raise SystemExit(EXIT_PREEMPTED)
+
+
+def _end_now(code: int) -> None:
+    """Flushes the logs and output, removes scratch folders, and ends the process with
+    ``code`` at once (no further ``atexit`` functions, no library teardown)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    remove_scratch_dirs()
+    os._exit(code)
 
 
 def commit(partial: str, final: str) -> None:

@@ -233,13 +233,17 @@ def _launch(c: JobConfig) -> str:
         text = _horovodrun(c)
     else:
         text = _srun(c)
-    return _with_requeue(text) if c.requeue else text
+    return _with_requeue(text, c.signal) if c.requeue else text
 
 
 # After a preemption every task exits 75 (tfdist.preemption.EXIT_PREEMPTED) once the state is
 # saved, and rank 0 requeues the job with scontrol; inside a container it may have none, so the
 # batch shell, which has, does it too (a second request for a job already requeued fails
-# harmlessly).
+# harmlessly). The launcher runs in the background so that this shell can pass on a signal
+# that reached it alone (`scancel --batch`, `--signal=B:...` set by hand): srun forwards USR1
+# and USR2 to its tasks, but answers TERM by killing them, so TERM goes on as USR1. Without the
+# trap Slurm's TERM would end this shell at once, and with it the job, before the tasks had
+# saved.
 _REQUEUE = [
     'if [ "$code" -eq 75 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "${TFDIST_MAX_REQUEUES:-20}" ]; '
     "then",
@@ -251,13 +255,28 @@ _REQUEUE = [
 ]
 
 
-def _with_requeue(launch: str) -> str:
+def _with_requeue(launch: str, signal: str | None) -> str:
     lines = launch.split("\n")
     comments = [line for line in lines if line.startswith("#")]
     command = [line for line in lines if not line.startswith("#")]
-    return "\n".join([*comments, "# Preempted (exit code 75): requeue from this shell too, in "
-                       "case the tasks had no scontrol.", "code=0",
-                       *command[:-1], command[-1] + " || code=$?", *_REQUEUE])
+    # srun answers TERM by killing its tasks at once (SIGKILL): TERM is passed on as USR1.
+    names = {"TERM": "USR1", "USR1": "USR1"}
+    name = (signal or "").partition("@")[0].upper().removeprefix("SIG")
+    if name and name not in names:
+        names[name] = name if name in ("USR1", "USR2") else "USR1"
+    traps = [f"trap 'kill -{sent} \"$launched\" 2>/dev/null || true' {got}"
+             for got, sent in names.items()]
+    return "\n".join([
+        *comments,
+        "# Preempted (exit code 75): requeue from this shell too, in case the tasks had no "
+        "scontrol.",
+        f"# A signal to this shell alone ({', '.join(names)}) goes on to the tasks.",
+        *command[:-1], command[-1] + " &",
+        "launched=$!", *traps,
+        'while kill -0 "$launched" 2>/dev/null; do wait "$launched" || true; done',
+        'code=0',
+        'wait "$launched" || code=$?',
+        *_REQUEUE])
 
 
 def _program(c: JobConfig) -> str:
