@@ -5,6 +5,10 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/custom_loop.py      # Horovod (auto)
     srun python examples/custom_loop.py --backend=horovod                      # Slurm + Horovod
 
+With ``--model_dir`` a preempted run (SIGTERM, SIGUSR1 from ``--signal=USR1@...``) stops every
+rank at one agreed step, saves the model, optimizer and position there, exits 75 (the job is
+requeued), and the next run resumes at that step.
+
 The step is written the tf.distribute way: ``strategy.run`` on each replica, the loss divided by
 the GLOBAL batch size, gradients summed across replicas. Under MWMS ``apply_gradients`` sums them;
 under Horovod the strategy is TensorFlow's default one and ``dist.gradient_tape()`` sums them
@@ -14,6 +18,7 @@ take). Each change for distributed training is marked `tfdist:`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from absl import app, flags
@@ -32,6 +37,8 @@ flags.DEFINE_enum("backend", "auto", ["auto", "mwms", "horovod", "single"],
                   "tfdist backend: auto picks Horovod under horovodrun/mpirun, else MWMS.")
 flags.DEFINE_enum("collective", "auto", ["auto", "ring", "nccl"], "All-reduce implementation.")
 flags.DEFINE_integer("seed", 0, "Random seed for weights and shuffling.")
+flags.DEFINE_string("model_dir", None, "Where a preempted run saves its state and the next "
+                    "run resumes from (none: no preemption handling).")
 
 
 def build_model(keras):  # type: ignore[no-untyped-def]
@@ -116,17 +123,32 @@ def train() -> None:
     if dist.is_chief:
         print(f"tfdist: {dist.world_size} worker(s), {dist.num_replicas} replica(s), backend "
               f"{dist.backend}, collective {dist.collective}, learning rate {lr:g}", flush=True)
-    for epoch in range(FLAGS.epochs):
-        losses, correct, seen = [], 0.0, 0.0
-        for step, (images, labels) in enumerate(train, start=1):
-            loss, right, count = train_step(images, labels)
-            losses.append(float(loss))
-            correct, seen = correct + float(right), seen + float(count)
-            if epoch == 0 and step == 1:  # tfdist: every rank holds the same weights
-                sync.check(dist, sync.model_variables(model), step=1)
-        if dist.is_chief:
-            print(f"epoch {epoch + 1}/{FLAGS.epochs}  loss {sum(losses) / len(losses):.4f}  "
-                  f"accuracy {correct / seen:.4f}", flush=True)
+    # tfdist: a preempted run saved where it stopped; None on a first run.
+    position = dist.load_state(FLAGS.model_dir, model=model, optimizer=optimizer)
+    first_epoch, done = (position["epoch"], position["step"]) if position else (0, 0)
+    for _ in range(first_epoch):
+        iter(train)  # each epoch's iterator reshuffles: make the ones the stopped run made
+    # tfdist: with --model_dir, every rank learns of a preemption signal at the same step.
+    watch = dist.preemption() if FLAGS.model_dir else contextlib.nullcontext()
+    with watch as stop:
+        for epoch in range(first_epoch, FLAGS.epochs):
+            losses, correct, seen = [], 0.0, 0.0
+            for step, (images, labels) in enumerate(train, start=1):
+                if step <= done:
+                    continue  # trained before the preemption
+                loss, right, count = train_step(images, labels)
+                losses.append(float(loss))
+                correct, seen = correct + float(right), seen + float(count)
+                if epoch == 0 and step == 1:  # tfdist: every rank holds the same weights
+                    sync.check(dist, sync.model_variables(model), step=1)
+                if stop is not None and stop.step():
+                    dist.save_state(FLAGS.model_dir, {"epoch": epoch, "step": step},
+                                    model=model, optimizer=optimizer)
+                    dist.exit_preempted()  # the chief requeues the Slurm job; exit code 75
+            done = 0
+            if dist.is_chief and losses:
+                print(f"epoch {epoch + 1}/{FLAGS.epochs}  loss {sum(losses) / len(losses):.4f}"
+                      f"  accuracy {correct / seen:.4f}", flush=True)
     right_total, seen_total = 0.0, 0.0
     for images, labels in test:
         right, count = test_step(images, labels)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -74,3 +75,34 @@ def test_a_launch_that_cannot_train_stops_with_the_fix_not_a_traceback(example):
     assert run.returncode == 1, run.stdout + run.stderr
     assert run.stderr.startswith("tfdist: ") and "srun" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_the_custom_loop_example_resumes_after_a_preemption(tmp_path):
+    # As a user tries it on one machine: SIGUSR1 to the launcher after epoch 1; every rank
+    # stops at one step and saves in --model_dir, exits 75, and --max-restarts starts the
+    # workers again, which resume there and finish.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    command = [sys.executable, "-m", "tfdist", "launch", "--max-restarts", "1", "-n", "2",
+               str(ROOT / "examples" / "custom_loop.py"), "--epochs=8", "--batch_size=64",
+               f"--model_dir={tmp_path}/m", f"--data_dir={tmp_path}/data"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    lines, signalled = [], False
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "[0] epoch 1/8" in line and not signalled:
+                proc.send_signal(signal.SIGUSR1)  # as Slurm's --signal=USR1@... would
+                signalled = True
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    output = "".join(lines)
+    assert code == 0, output[-3000:]
+    assert "was preempted and saved its state" in output, output[-3000:]
+    assert re.search(r"resuming the loop at \{'epoch': \d, 'step': \d+\}", output), (
+        output[-3000:])
+    assert "[0] epoch 8/8" in output and _accuracy(output) > 0.8, output[-3000:]
+    assert "could not be found in the restored object" not in output, output[-3000:]

@@ -396,8 +396,9 @@ def test_kill_9_while_saving_leaves_the_last_good_state(tmp_path, when):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["mwms", "horovod"])
-def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backend):
+@pytest.mark.parametrize(("backend", "legacy"), [("mwms", "0"), ("mwms", "1"), ("horovod", "0")],
+                         ids=["mwms-keras3", "mwms-tf_keras", "horovod-keras3"])
+def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backend, legacy):
     python = str(HVD_PY) if backend == "horovod" else sys.executable
     if backend == "horovod" and not HVD_PY.exists():
         pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
@@ -409,8 +410,8 @@ def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backen
         horovod = ["--backend", "horovod"] if backend == "horovod" else []
         return subprocess.run([python, "-m", "tfdist", "launch", *horovod, *extra, "-n", "2",
                                worker, str(out), str(model), backend, rank, step], cwd=ROOT,
-                              env=_env(), capture_output=True, text=True, timeout=240,
-                              check=False)
+                              env=_env(TF_USE_LEGACY_KERAS=legacy), capture_output=True,
+                              text=True, timeout=240, check=False)
 
     straight = launch(tmp_path / "straight", tmp_path / "m1", "-1", "0")
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]

@@ -60,6 +60,7 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 MAX_INTERVAL = 1000  # steps between two checks at most, however short the steps
 CHECKPOINT_DIR = "preempted"  # in model_dir: the state saved at the agreed step
 STATE_FILE = "state.json"
+_restores: list[Any] = []  # the custom loops' restore statuses, kept for deferred variables
 _exiting = False  # exit_preempted has begun: the preemption signals are ignored until the end
 
 
@@ -409,13 +410,16 @@ def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | N
     if state is None or not state.get("loop"):
         return None
     try:
-        tf.train.Checkpoint(**objects).read(
-            os.path.join(state["path"], "loop")).assert_existing_objects_matched()
+        restored = tf.train.Checkpoint(**objects).read(os.path.join(state["path"], "loop"))
+        restored.assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as error:
         raise ConfigError(f"{state['path']} holds a loop state that does not fit the objects "
                           f"given ({', '.join(objects)}): {error}. Remove it to start afresh, "
                           "or build the same model and optimizer as the run that saved it"
                           ) from None
+    # Kept: variables made after this (an optimizer's, at its first step) are restored then,
+    # through this status; once it is garbage collected, their values are dropped.
+    _restores.append(restored)
     position = {k: v for k, v in state.items() if k not in ("path", "loop", "world_size")}
     logger.warning("tfdist: resuming the loop at %s from %s", position, state["path"])
     return position
