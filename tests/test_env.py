@@ -106,6 +106,15 @@ DETECTED: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "cyclic with the nopack flag": (
         srun_task(3, 1, 1, "1,3", SLURM_DISTRIBUTION="cyclic,nopack"),
         slurm_rank(3, 1, 1, CYCLIC)),
+    # srun -m pack / nopack (and CR_Pack_Nodes clusters) export the flag alone: block order.
+    "pack alone is block across nodes": (
+        srun_task(2, 0, 1, "2,3", SLURM_DISTRIBUTION="pack"), slurm_rank(2, 0, 1, BLOCK)),
+    "nopack alone is block across nodes": (
+        srun_task(1, 1, 0, "0,1", SLURM_DISTRIBUTION="nopack"), slurm_rank(1, 1, 0, BLOCK)),
+    "a single-node step needs no tasks-per-node variable": (
+        {k: v for k, v in srun_task(0, 0, 0, "0,1", nodelist="n1", tasks_per_node="2",
+                                    ntasks=2).items() if k != "SLURM_STEP_TASKS_PER_NODE"},
+        slurm_rank(0, 0, 0, (f"n1:{P}", f"n1:{P + 1}"), hosts=("n1",), world_size=2)),
     # srun -m plane=2 exports SLURM_DISTRIBUTION=plane and SLURM_DIST_PLANESIZE=2.
     "plane as srun exports it": (
         srun_task(4, 2, 0, "0,1,4,5", tasks_per_node="4(x2)", ntasks=8,
@@ -298,6 +307,13 @@ RAISES: dict[str, tuple[dict[str, str], type[Exception], str]] = {
         srun_task(0, 0, 0, "0,1", ntasks=5), LaunchError, "disagree"),
     "step variables disagree on the number of nodes": (
         srun_task(0, 0, 0, "0,1", nodelist="n[1-3]"), LaunchError, "disagree"),
+    "an srun step without a node list": (
+        {k: v for k, v in srun_task(0, 0, 0, "0,1").items() if "NODELIST" not in k},
+        LaunchError, "neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set"),
+    "a two-node step without SLURM_STEP_TASKS_PER_NODE": (
+        {k: v for k, v in srun_task(0, 0, 0, "0,1").items()
+         if k != "SLURM_STEP_TASKS_PER_NODE"},
+        LaunchError, "SLURM_STEP_TASKS_PER_NODE is not set, and the step has 2 nodes"),
     "SLURM_DISTRIBUTION=arbitrary": (
         srun_task(0, 0, 0, "0,1", SLURM_DISTRIBUTION="arbitrary"), LaunchError, "arbitrary"),
     "plane without SLURM_DIST_PLANESIZE": (

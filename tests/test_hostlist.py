@@ -31,6 +31,16 @@ HOSTLISTS = {
     "whitespace around items and range parts is ignored": (
         " n1 , n[2-3, 5] ", ["n1", "n2", "n3", "n5"]),
     "digits before the bracket": ("n1[0-1]", ["n10", "n11"]),
+    "whitespace separates hosts, as in Slurm": ("n1 n2\nn[3-4]\tm1", ["n1", "n2", "n3", "n4",
+                                                                  "m1"]),
+    "a comma and a space are one separator": ("n1, n2", ["n1", "n2"]),
+    # As scontrol show hostnames writes them: the last group fastest, then the first, second.
+    "three bracket groups, in Slurm's order": ("a[1-2]b[1-2]c[1-2]", [
+        "a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2", "a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"]),
+    "four bracket groups, in Slurm's order": ("a[1-2]b[1-2]c[1-2]d[1-2]", [
+        "a1b1c1d1", "a1b1c1d2", "a2b1c1d1", "a2b1c1d2", "a1b2c1d1", "a1b2c1d2", "a2b2c1d1",
+        "a2b2c1d2", "a1b1c2d1", "a1b1c2d2", "a2b1c2d1", "a2b1c2d2", "a1b2c2d1", "a1b2c2d2",
+        "a2b2c2d1", "a2b2c2d2"]),
 }
 
 

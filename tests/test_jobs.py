@@ -341,6 +341,7 @@ ERRORS: list[tuple[dict[str, Any], list[str]]] = [
     ({"env": {"1BAD": "x"}}, ["is not a variable name"]),
     ({"env": {"TFDIST_BACKEND": "horovod"}}, ["set backend instead"]),
     ({"env": {"A": "nul\0byte"}}, ["NUL byte"]),
+    ({"modules": ["TensorFlow/2.15", ""]}, ["modules[1] is empty", "module load ''"]),
     ({"backend": "horovod", "launcher": "mpirun", "task_output": "%t.out"},
      ["use launcher srun or torchrun"]),
     ({"packages": ["x"]}, ["packages applies to kind build-venv only"]),

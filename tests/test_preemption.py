@@ -222,11 +222,15 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_state_saved(
 
 
 @pytest.mark.multiprocess
-def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path):
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, backend):
+    python = str(HVD_PY) if backend == "horovod" else sys.executable
+    if backend == "horovod" and not HVD_PY.exists():
+        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
     out, model = tmp_path / "out", tmp_path / "model"
     out.mkdir()
-    proc = subprocess.Popen(_launch(sys.executable, "mwms", [str(out), str(model), "mwms", "-1",
-                                                             "0"]),
+    proc = subprocess.Popen(_launch(python, backend, [str(out), str(model), backend, "-1",
+                                                      "0"]),
                             cwd=ROOT, env=_env(TFDIST_PREEMPT_CHECK_SECONDS="0.02"), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []

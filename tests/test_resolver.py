@@ -191,6 +191,9 @@ def test_defect_7_batch_shell_says_use_srun(stock_env: Any) -> None:
     for outside in ({"SLURM_JOB_ID": JOB, "SLURM_NTASKS": "1"}, {}):
         with pytest.raises(LaunchError, match="srun python"):
             SlurmClusterResolver(environ=outside)
+    # The message names what is missing: here the job itself, not the step's rank.
+    with pytest.raises(LaunchError, match=r"\(SLURM_JOB_ID is not set\)"):
+        SlurmClusterResolver(environ={"SLURM_STEP_ID": "0", "SLURM_PROCID": "0"})
 
 
 def test_defect_8_two_jobs_on_one_node_get_different_ports(stock_env: Any) -> None:
@@ -272,6 +275,11 @@ def test_resolver_takes_a_detected_environment_and_explicit_gpu_count() -> None:
     assert resolver.num_accelerators() == {"GPU": 2}
     assert resolver.master() == f"n2:{P}"
     assert resolver.environment == ""
+    # As TensorFlow's resolvers: a job or task the cluster does not have is a ValueError.
+    with pytest.raises(ValueError, match="ps"):
+        resolver.master("ps")
+    with pytest.raises(ValueError, match="9"):
+        resolver.master(task_id=9)
     with pytest.raises(LaunchError):
         SlurmClusterResolver(detect({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, '
                                                   '"task": {"type": "worker", "index": 0}}'}))

@@ -29,9 +29,10 @@ _REPEAT = re.compile(r"^([0-9]+)(?:\(x([0-9]+)\))?$")
 def expand_hostlist(expression: str) -> list[str]:
     """Expands a Slurm hostlist such as ``n[1-2]-ib,rack[1-2]-n[01-02]`` in Slurm's order.
 
-    Supports comma-separated items, several bracket groups per name (the rightmost varies
-    fastest), lists and ranges inside brackets, zero padding taken from the written width, and
-    text after a bracket. Duplicates are kept, as Slurm keeps them in a step's nodelist.
+    Supports items separated by commas or whitespace, several bracket groups per name (in
+    Slurm's order: the last varies fastest, then the first, the second, ...), lists and ranges
+    inside brackets, zero padding taken from the written width, and text after a bracket.
+    Duplicates are kept, as Slurm keeps them in a step's nodelist.
 
     Raises:
         ConfigError: the expression is not a hostlist.
@@ -56,31 +57,52 @@ def expand_tasks_per_node(expression: str) -> list[int]:
 
 
 def _split_top_level(expression: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, char in enumerate(expression):
+    # Commas and, as in Slurm, whitespace (spaces, newlines) separate items outside brackets.
+    items: list[str] = []
+    depth, current, after_comma = 0, "", True
+    for char in expression:
         if char == "[":
             depth += 1
         elif char == "]":
             depth -= 1
-        elif char == "," and depth == 0:
-            items.append(expression[start:i])
-            start = i + 1
         if depth not in (0, 1):
             raise _bad(expression, "brackets are unbalanced or nested")
+        if depth == 0 and char == ",":
+            if not current and after_comma:
+                raise _bad(expression, "it has an empty item")
+            if current:
+                items.append(current)
+            current, after_comma = "", True
+        elif depth == 0 and char.isspace():
+            if current:
+                items.append(current)
+                current, after_comma = "", False
+        else:
+            current += char
     if depth:
         raise _bad(expression, "a '[' is never closed")
-    items.append(expression[start:])
-    if any(not item.strip() for item in items):
+    if current:
+        items.append(current)
+    elif after_comma:
         raise _bad(expression, "it has an empty item")
-    return [item.strip() for item in items]
+    return items
 
 
 def _expand_item(item: str) -> list[str]:
     # "rack[1-2]-n[01-02]" -> ["rack", "1-2", "-n", "01-02", ""]: text at even positions,
     # bracket contents at odd ones.
     parts = re.split(r"\[([^\]]*)\]", item)
-    choices = [[text] if i % 2 == 0 else _expand_ranges(text, item) for i, text in enumerate(parts)]
-    return ["".join(combo) for combo in itertools.product(*choices)]
+    texts, groups = parts[0::2], [_expand_ranges(text, item) for text in parts[1::2]]
+    # Slurm's order (scontrol show hostnames): the last group varies fastest, then the first,
+    # the second, ...: a[1-2]b[1-2]c[1-2] -> a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 ... With one
+    # or two groups that is the plain product, rightmost fastest.
+    order = [*range(len(groups) - 2, -1, -1), len(groups) - 1] if len(groups) > 2 else \
+        list(range(len(groups)))
+    hosts = []
+    for combo in itertools.product(*(groups[i] for i in order)):
+        values = dict(zip(order, combo, strict=True))
+        hosts.append(texts[0] + "".join(values[i] + texts[i + 1] for i in range(len(groups))))
+    return hosts
 
 
 def _expand_ranges(ranges: str, item: str) -> list[str]:

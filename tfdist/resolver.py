@@ -54,9 +54,12 @@ class SlurmClusterResolver(ClusterResolver):
         if environment is None:
             environment = slurm.detect(environ)
         if environment is None or environment.launcher != "slurm":
-            raise LaunchError("SlurmClusterResolver needs an srun step (SLURM_STEP_ID and "
-                              "SLURM_PROCID are not set): start the script with `srun python "
-                              "train.py` inside the job, one task per GPU")
+            missing = [name for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")
+                       if name not in environ]
+            raise LaunchError(f"SlurmClusterResolver needs an srun step ({' and '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not set): start the "
+                              "script with `srun python train.py` inside a Slurm job, one task "
+                              "per GPU")
         self._env = environment
         if num_gpus is None:
             num_gpus = devices.count(devices.select_gpus(
@@ -76,8 +79,13 @@ class SlurmClusterResolver(ClusterResolver):
 
     def master(self, task_type: str | None = None, task_id: int | None = None,
                rpc_layer: str | None = None) -> str:
-        index = self.task_id if task_id is None else task_id
-        address = self._env.worker_addresses[index]
+        """The address of a task, ``grpc://HOST:PORT``; this task's by default.
+
+        Raises:
+            ValueError: no such job (there is only ``worker``) or task index.
+        """
+        address = self.cluster_spec().task_address(
+            task_type or self.task_type, self.task_id if task_id is None else task_id)
         protocol = rpc_layer or self.rpc_layer
         return f"{protocol}://{address}" if protocol else address
 

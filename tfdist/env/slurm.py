@@ -42,12 +42,23 @@ def _step(environ: Mapping[str, str]) -> ClusterEnvironment:
     if not 0 <= rank < world_size:
         raise LaunchError(f"SLURM_PROCID={rank} is outside the step's {world_size} tasks "
                           "(SLURM_STEP_NUM_TASKS): the variables come from different steps")
-    hosts = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
-    counts = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE", str(world_size)))
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise LaunchError("an srun step without a node list: neither SLURM_STEP_NODELIST nor "
+                          "SLURM_JOB_NODELIST is set. srun sets both; if the script clears or "
+                          "filters the environment, keep the SLURM_* variables")
+    hosts = expand_hostlist(nodelist)
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE")
+    if per_node is None and len(hosts) > 1:
+        raise LaunchError(f"SLURM_STEP_TASKS_PER_NODE is not set, and the step has "
+                          f"{len(hosts)} nodes ({nodelist}): tfdist cannot tell which tasks run "
+                          "where. srun sets it; keep the SLURM_* variables in the environment")
+    counts = expand_tasks_per_node(per_node or str(world_size))
     if len(counts) != len(hosts) or sum(counts) != world_size:
         raise LaunchError(f"Slurm's step variables disagree: {len(hosts)} nodes "
-                          f"({environ.get('SLURM_STEP_NODELIST')}), tasks per node {counts}, "
-                          f"{world_size} tasks in all")
+                          f"(SLURM_STEP_NODELIST={nodelist}), tasks per node {counts} "
+                          f"(SLURM_STEP_TASKS_PER_NODE={per_node}), {world_size} tasks in all "
+                          "(SLURM_STEP_NUM_TASKS): the variables come from different steps")
     nodes = task_nodes(counts, _distribution(environ))
     node_rank = nodes[rank]
     local = local_ranks(nodes)
@@ -77,13 +88,16 @@ def task_nodes(tasks_per_node: list[int], distribution: str) -> list[int]:
     """Returns the node index of every rank for Slurm's task distribution across nodes.
 
     ``distribution`` is ``SLURM_DISTRIBUTION``: ``block`` (the default), ``cyclic`` or
-    ``plane=N``; only the part before ``:`` (distribution across nodes) matters here.
+    ``plane=N``; only the part before ``:`` (distribution across nodes) matters here. ``pack``
+    and ``nopack`` (``srun -m pack``, clusters with ``CR_Pack_Nodes``) change how many tasks
+    each node gets, which ``SLURM_STEP_TASKS_PER_NODE`` already says, not their order: the
+    order is then block, as in Slurm.
 
     Raises:
         LaunchError: a distribution whose layout the variables do not determine (arbitrary),
             or a plane size that is not a positive integer.
     """
-    across_nodes = distribution.split(":")[0].split(",")[0].strip() or "block"
+    across_nodes = _across_nodes(distribution)
     if across_nodes in ("block", "*"):
         return [node for node, count in enumerate(tasks_per_node) for _ in range(count)]
     if across_nodes == "cyclic":
@@ -99,11 +113,18 @@ def task_nodes(tasks_per_node: list[int], distribution: str) -> list[int]:
                       "`srun --distribution=block` (the default)")
 
 
+def _across_nodes(distribution: str) -> str:
+    """The method across nodes: ``block,pack`` -> ``block``, ``pack`` -> ``block``."""
+    words = [word.strip() for word in distribution.split(":")[0].split(",")]
+    methods = [word for word in words if word and word.lower() not in ("pack", "nopack")]
+    return methods[0] if methods else "block"
+
+
 def _distribution(environ: Mapping[str, str]) -> str:
     # `srun --distribution=plane=2` exports SLURM_DISTRIBUTION=plane and the size apart, in
     # SLURM_DIST_PLANESIZE (Slurm's env.c).
     distribution = environ.get("SLURM_DISTRIBUTION", "block")
-    if distribution.split(":")[0].split(",")[0].strip() == "plane":
+    if _across_nodes(distribution) == "plane":
         return f"plane={get_int(environ, 'SLURM_DIST_PLANESIZE')}"
     return distribution
 

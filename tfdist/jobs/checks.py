@@ -247,5 +247,8 @@ def _check_body_values(c: JobConfig) -> None:
     for key in lists:
         for index, value in enumerate(getattr(c, key)):
             check_body_value(f"{key}[{index}]", value)
+            if key in ("modules", "binds", "packages") and not value.strip():
+                raise ConfigError(f"{key}[{index}] is empty: it would render as `''` in the job "
+                                  f"script (e.g. `module load ''`); remove it")
     for name, value in c.env.items():
         check_body_value(f"env.{name}", value)
