@@ -451,6 +451,9 @@ def test_env_prints_the_detected_environment() -> None:
     from tfdist.env import detect
 
     fields = asdict(detect({"TF_CONFIG": TWO_WORKERS}))
+    # The plan: two processes from TF_CONFIG are MWMS workers; no GPU information here.
+    fields.update(backend="mwms", backend_reason=f"auto: 2 processes ({fields['reason']})",
+                  gpus="counted by the framework")
     # Only TF_CONFIG: a Slurm or MPI variable in the test's own environment would win.
     environ = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
     environ["TF_CONFIG"] = TWO_WORKERS
@@ -461,10 +464,15 @@ def test_env_prints_the_detected_environment() -> None:
     assert fields["rank"] == 1
 
 
-def test_env_error_prints_message_and_exits_2() -> None:
-    result = _tfdist("env", TF_CONFIG="not json")
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("TF_CONFIG", "not json", "TF_CONFIG"),
+    ("TFDIST_BACKEND", "mwm", "backend 'mwm' is not one of"),  # every setting is checked
+    ("TFDIST_PREEMPT_CHECK_SECONDS", "soon", "TFDIST_PREEMPT_CHECK_SECONDS"),
+])
+def test_env_error_prints_message_and_exits_2(variable: str, value: str, message: str) -> None:
+    result = _tfdist("env", **{variable: value})
     assert result.returncode == 2
-    assert result.stderr.startswith("tfdist: ")
+    assert result.stderr.startswith("tfdist: ") and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 

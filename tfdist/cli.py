@@ -158,17 +158,28 @@ def _run_launch(args: argparse.Namespace) -> int:
 def _add_env(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "env",
-        help="print the detected cluster environment",
-        description="Print the cluster environment tfdist detects (rank, world size, ...).",
+        help="print the detected cluster environment and this process's plan",
+        description="Print the cluster environment tfdist detects (rank, world size, ...), the "
+        "backend it would choose and why, and the GPUs this process would drive; every TFDIST_* "
+        "variable is checked.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of name: value")
     parser.set_defaults(handler=_run_env)
 
 
 def _run_env(args: argparse.Namespace) -> int:
+    from tfdist import devices, settings
+    from tfdist.backends import choose
     from tfdist.env import detect
 
-    fields = dataclasses.asdict(detect())
+    environment = detect()
+    settings.current()  # every TFDIST_* variable valid, or an error that names it
+    backend, why = choose(settings.resolve("backend"), environment)
+    gpus = devices.select_gpus(environment.visible_devices, environment.local_rank,
+                               environment.local_world_size,
+                               environment.gpus_per_task is not None)
+    fields = {**dataclasses.asdict(environment), "backend": backend, "backend_reason": why,
+              "gpus": "counted by the framework" if gpus is None else gpus or "none (CPU)"}
     if args.json:
         print(json.dumps(fields, indent=2, default=str))
     else:
