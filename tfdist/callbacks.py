@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist import keras_compat, keras_input, preemption, sync
+from tfdist import failures, keras_compat, keras_input, preemption, sync
 from tfdist.files import scratch_dir
 from tfdist.settings import resolve
 
@@ -580,6 +580,18 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
     if model_dir and preempt:  # last: a stop at an epoch's end comes after its backup
         callbacks.append(PreemptionCheckpoint(dist, model_dir, logs=[
             callback for callback in callbacks if _keeps_logs_open(callback)]))
+    callbacks.append(_Progress())
     if not dist.is_chief:
         callbacks.append(_SilentProgbar())
     return callbacks
+
+
+class _Progress(keras.callbacks.Callback):
+    """Keeps :data:`tfdist.failures.progress` at the current epoch and step, so that a peer's
+    failure can be reported with where this rank stopped."""
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        failures.progress.update(epoch=epoch, step=0)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        failures.progress["step"] = batch + 1

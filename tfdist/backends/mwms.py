@@ -142,9 +142,10 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         if "configured at program startup" in str(error):
             raise too_late(environment) from None
         raise
-    from tfdist import keras_compat
+    from tfdist import failures, keras_compat
 
     keras_compat.apply()
+    failures.install(environment)  # a peer's failure named in one line, after TF's error
     handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
     if handle.is_chief:
         logger.info("tfdist: MultiWorkerMirroredStrategy, %d workers, %s collectives, %d GPU(s) "
