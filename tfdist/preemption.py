@@ -240,8 +240,6 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
     writers in a ``finally`` block.
     """
     global _exiting
-    if dist.is_chief:
-        requeue(dist.environment)
     # The state is saved: from here a SIGTERM has nothing left to protect, and one comes when
     # the first rank exits (srun --kill-on-bad-exit ends the step), which would turn this
     # rank's 75 into 143, and srun's code with it: the job script would not requeue. Ignored,
@@ -250,6 +248,8 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
     if threading.current_thread() is threading.main_thread():
         for sig in signals():
             signal.signal(sig, signal.SIG_IGN)
+    if dist.is_chief:
+        requeue(dist.environment)
     dist.sum_over_ranks([0.0])  # the barrier
     # Registered last, so it runs first at shutdown, after every finally block: the process
     # ends there, without TensorFlow's teardown, which can wait for seconds on peers that have
