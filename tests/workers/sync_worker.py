@@ -5,8 +5,8 @@
 Modes, run as 2 workers through `tfdist launch` unless said otherwise:
 
 * ``fit``: ``fit`` with ``dist.callbacks()``; records the steps the check ran at and its cost.
-* ``desync``: the same, but rank 1 moves one weight of its own copy by one ulp before training:
-  both ranks must stop with ReplicaMismatchError at the first step.
+* ``desync``: the same, but rank 1 moves one weight of its own copy by one ulp after the first
+  step: both ranks must stop with ReplicaMismatchError at the check after that step.
 * ``custom``: a custom loop calling ``tfdist.sync.check`` (passes, then fails after rank 1
   changes its copy), then a check that only rank 0 calls, which must time out with an error.
 * ``replicas``: ONE process with a 2-replica MirroredStrategy on 2 logical CPUs, standing in for
@@ -77,8 +77,11 @@ def _fit(out: Path, dist: tfdist.Distributed, model: Any, nudge: bool) -> None:
     from tfdist.sync import ReplicaSyncCheck
 
     class Nudge(tf.keras.callbacks.Callback):
-        def on_train_begin(self, logs: Any = None) -> None:
-            if nudge and dist.rank == 1:
+        # After the first step, just before the check that follows it (which runs after the
+        # user's callbacks). Nudged before training, the ulp may not survive the step: the
+        # same update can round both copies to one value (it did on some CPUs).
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if nudge and dist.rank == 1 and batch == 0:
                 _nudge_local_copy(dist, model.trainable_variables[0], replica=0)
 
     with dist.scope():
