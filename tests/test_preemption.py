@@ -268,6 +268,10 @@ RESUME = {
     # steps_per_epoch=12 over a repeated 16-batch dataset: one iterator for several epochs.
     "mwms-keras3-steps_per_epoch": ("mwms", "0", "repeat", "0", "22", 36),
     "mwms-tf_keras-steps_per_epoch": ("mwms", "1", "repeat", "0", "22", 36),
+    # Signalled at an epoch's last step: the stop waits for the epoch's end (resuming at
+    # step 12 of 12 would leave tf_keras an epoch without steps).
+    "mwms-tf_keras-at-an-epochs-last-step": ("mwms", "1", "repeat", "0", "12", 36),
+    "mwms-keras3-at-an-epochs-last-step": ("mwms", "0", "repeat", "0", "12", 36),
     # 8 validation batches per epoch: the tenth is in the second epoch's validation, after
     # which the resumed run starts with epoch 3.
     "mwms-keras3-validation": ("mwms", "0", "validation", "1", "v10", 3 * STEPS_PER_EPOCH),
@@ -285,8 +289,9 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, c
     env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data}
     straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0", **env)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    # A check after every step, so the stop comes at the first step after the signal.
     run = _run(python, backend, tmp_path / "out", tmp_path / "m2", rank, step,
-               "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.02", **env)
+               "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "restarting all workers (1 of --max-restarts 2) after a preemption" in run.stderr
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)

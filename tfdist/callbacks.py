@@ -270,6 +270,8 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.step = (self._input.batch_offset if self._input is not None else 0) + batch + 1
+        if self._input is not None and self.step == self._input.epoch_steps():
+            return  # the epoch's last step: its end checks, after the epoch's backup and logs
         if self.watch.step():
             self._save_and_exit(validating=False)
 

@@ -99,6 +99,10 @@ class Keras3Input:
         created = self.data._tfdist_created
         return Position(created, step if self.recreates else self.data._steps_seen)
 
+    def epoch_steps(self) -> int | None:
+        """Steps in a whole epoch, when known."""
+        return self._steps_per_epoch or self.data.data_adapter.num_batches
+
     def resume(self, at: Resume) -> None:
         data = self.data
         while data._tfdist_created < at.iterator - 1:
@@ -146,6 +150,11 @@ class TfKerasInput:
         handler = self.handler
         return Position(handler._tfdist_created,
                         step if self.recreates else handler._tfdist_drawn_before + step)
+
+    def epoch_steps(self) -> int | None:
+        """Steps in a whole epoch, when known."""
+        steps = self.handler._inferred_steps
+        return int(steps) if steps is not None else None
 
     def resume(self, at: Resume) -> None:
         self.handler._tfdist_plan = at
