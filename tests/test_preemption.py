@@ -163,10 +163,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(python: str, backend: str, args: list[str], *extra: str, workers: int = 2
-            ) -> list[str]:
+def _launch(python: str, backend: str, args: list[str], *extra: str, workers: int = 2,
+            worker: str = WORKER) -> list[str]:
     horovod = ["--backend", "horovod"] if backend == "horovod" else []
-    return [python, "-m", "tfdist", "launch", *horovod, *extra, "-n", str(workers), WORKER,
+    return [python, "-m", "tfdist", "launch", *horovod, *extra, "-n", str(workers), worker,
             *args]
 
 
@@ -250,10 +250,10 @@ def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, backend):
 
 
 def _run(python: str, backend: str, out: Path, model: Path, rank: str, step: str, *extra: str,
-         workers: int = 2, **env: str) -> subprocess.CompletedProcess[str]:
+         workers: int = 2, worker: str = WORKER, **env: str) -> subprocess.CompletedProcess[str]:
     out.mkdir(exist_ok=True)
     return subprocess.run(_launch(python, backend, [str(out), str(model), backend, rank, step],
-                                  *extra, workers=workers),
+                                  *extra, workers=workers, worker=worker),
                           cwd=ROOT, env=_env(**env), capture_output=True, text=True,
                           timeout=300, check=False)
 
@@ -412,19 +412,11 @@ def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backen
     if backend == "horovod" and not HVD_PY.exists():
         pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
     worker = str(WORKERS / "preempt_loop_worker.py")
-
-    def launch(out: Path, model: Path, rank: str, step: str, *extra: str
-               ) -> subprocess.CompletedProcess[str]:
-        out.mkdir()
-        horovod = ["--backend", "horovod"] if backend == "horovod" else []
-        return subprocess.run([python, "-m", "tfdist", "launch", *horovod, *extra, "-n", "2",
-                               worker, str(out), str(model), backend, rank, step], cwd=ROOT,
-                              env=_env(TF_USE_LEGACY_KERAS=legacy), capture_output=True,
-                              text=True, timeout=240, check=False)
-
-    straight = launch(tmp_path / "straight", tmp_path / "m1", "-1", "0")
+    straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0",
+                    worker=worker, TF_USE_LEGACY_KERAS=legacy)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    run = launch(tmp_path / "out", tmp_path / "m2", "1", "21", "--max-restarts", "1")
+    run = _run(python, backend, tmp_path / "out", tmp_path / "m2", "1", "21", "--max-restarts",
+               "1", worker=worker, TF_USE_LEGACY_KERAS=legacy)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
     expected = _results(tmp_path / "straight")

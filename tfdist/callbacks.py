@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -290,31 +289,23 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             self._save_and_exit(validating=True, epoch_done=True)
 
     def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
-        final = os.path.join(self.model_dir, preemption.CHECKPOINT_DIR)
-        partial = os.path.join(self.model_dir, f".{preemption.CHECKPOINT_DIR}.partial")
-        if self.dist.is_chief:
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        self.dist.sum_over_ranks([0.0])  # a barrier: the folder exists for every rank
-        save(self.dist, self.model, os.path.join(partial, "model.keras"))
-        # What the model file leaves out, per rank: the random generators' states (Dropout's
-        # seed generator), without which the resumed run would draw other masks.
-        extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
-        np.savez(os.path.join(partial, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
-        self.dist.sum_over_ranks([0.0])  # every rank has written before the chief commits
-        if self.dist.is_chief:
-            state: dict[str, Any] = {
-                "epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
-                "validating": validating, "world_size": self.dist.world_size,
-                "num_replicas": self.dist.num_replicas,
-                "signal": self.watch.signal.name if self.watch.signal else None}
-            if self._input is not None:
-                where = self._input.position(self.step)
-                state["input"] = {"iterator": where.iterator, "drawn": where.drawn,
-                                  "recreates": self._input.recreates}
-            with open(os.path.join(partial, preemption.STATE_FILE), "w", encoding="utf-8") as f:
-                json.dump(state, f)
-            preemption.commit(partial, final)
+        def write(folder: str) -> None:
+            save(self.dist, self.model, os.path.join(folder, "model.keras"))
+            # What the model file leaves out, per rank: the random generators' states
+            # (Dropout's seed generator), without which the resumed run would draw other masks.
+            extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
+            np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
+
+        state: dict[str, Any] = {
+            "epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
+            "validating": validating, "num_replicas": self.dist.num_replicas,
+            "signal": self.watch.signal.name if self.watch.signal else None}
+        if self._input is not None:
+            where = self._input.position(self.step)
+            state["input"] = {"iterator": where.iterator, "drawn": where.drawn,
+                              "recreates": self._input.recreates}
+        final = preemption.save_state(self.dist, self.model_dir, write, state)
+        if final is not None:
             logger.warning("tfdist: saved the state after step %d of epoch %d%s in %s; exiting "
                            "with code %d", self.step, self.epoch + 1,
                            " (during validation)" if validating else "", final,
@@ -330,10 +321,9 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         epoch, step = int(state["epoch"]), int(state["step"])
         where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
         saved, found = state.get("input"), self._input
-        why = ("needs a Keras whose fit tfdist can follow" if found is None
-               else "was saved by another Keras" if saved is None
-               or saved["recreates"] != found.recreates else None)
-        if why or found is None or saved is None:
+        if found is None or saved is None or saved["recreates"] != found.recreates:
+            why = ("needs a Keras whose fit tfdist can follow" if found is None
+                   else "was saved by another Keras")
             if self.dist.is_chief:
                 logger.warning("tfdist: %s holds the state at %s, but resuming there %s: "
                                "resuming from the last epoch's backup instead", state["path"],

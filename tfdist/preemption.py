@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "commit", "exit_preempted",
            "load_loop_state", "parse_signal", "read_state", "requeue", "requeue_plan",
-           "save_loop_state", "signals", "watch"]
+           "save_loop_state", "save_state", "signals", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -362,6 +362,33 @@ def requeue(environment: ClusterEnvironment) -> bool:
     return True
 
 
+def save_state(dist: Agreeing, model_dir: str, write: Callable[[str], None],
+               state: dict[str, Any]) -> str | None:
+    """Writes one complete state folder and makes it ``model_dir/preempted`` (:func:`commit`).
+
+    Call it on every rank: the chief makes a fresh folder, every rank runs ``write(folder)``
+    (what a rank writes there must be its own files), then the chief adds ``state.json``
+    (``state`` and the world size) and commits.
+
+    Returns:
+        The committed folder on the chief, None on the other ranks.
+    """
+    final = os.path.join(model_dir, CHECKPOINT_DIR)
+    partial = os.path.join(model_dir, f".{CHECKPOINT_DIR}.partial")
+    if dist.is_chief:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.sum_over_ranks([0.0])  # a barrier: the folder exists for every rank
+    write(partial)
+    dist.sum_over_ranks([0.0])  # every rank has written before the chief commits
+    if not dist.is_chief:
+        return None
+    with open(os.path.join(partial, STATE_FILE), "w", encoding="utf-8") as f:
+        json.dump({**state, "world_size": dist.world_size}, f)
+    commit(partial, final)
+    return final
+
+
 def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
                     **objects: Any) -> bool:
     """Saves a custom loop's state at the agreed step: call it on every rank.
@@ -378,22 +405,16 @@ def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
     """
     import tensorflow as tf
 
-    final = os.path.join(model_dir, CHECKPOINT_DIR)
-    partial = os.path.join(model_dir, f".{CHECKPOINT_DIR}.partial")
-    if dist.is_chief:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    folder = partial if dist.is_chief else scratch_dir(getattr(dist, "rank", 0))
-    tf.train.Checkpoint(**objects).write(os.path.join(folder, "loop"))
-    dist.sum_over_ranks([0.0])  # every rank has saved before the chief commits
-    if not dist.is_chief:
-        shutil.rmtree(folder, ignore_errors=True)
-        return False
-    with open(os.path.join(partial, STATE_FILE), "w", encoding="utf-8") as f:
-        json.dump({**position, "world_size": dist.world_size, "loop": True}, f)
-    commit(partial, final)
-    logger.warning("tfdist: saved the loop's state at %s in %s", position, final)
-    return True
+    def write(partial: str) -> None:
+        folder = partial if dist.is_chief else scratch_dir(getattr(dist, "rank", 0))
+        tf.train.Checkpoint(**objects).write(os.path.join(folder, "loop"))
+        if folder != partial:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    final = save_state(dist, model_dir, write, {**position, "loop": True})
+    if final is not None:
+        logger.warning("tfdist: saved the loop's state at %s in %s", position, final)
+    return final is not None
 
 
 def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | None:
