@@ -1,6 +1,6 @@
 """The ``tfdist`` command: ``tfdist launch`` runs local workers, ``tfdist env`` shows the
 cluster environment tfdist detects, ``tfdist settings`` every setting and its value here,
-``tfdist job`` renders and submits Slurm job scripts.
+``tfdist job`` renders and submits Slurm job scripts, ``tfdist doctor`` checks a launch.
 
 Each subcommand has one small function adding its flags and one running it. Nothing here imports
 TensorFlow, so ``tfdist --help`` stays fast.
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_launch(commands)
     _add_env(commands)
+    _add_doctor(commands)
     _add_settings(commands)
     _add_job(commands)
     return parser
@@ -187,6 +188,47 @@ def _run_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "doctor",
+        help="check a launch in seconds: every rank's plan, versions, ports, an all-reduce",
+        description="Run it like the training, as its own step (`srun python -m tfdist "
+        "doctor`, `tfdist launch -n 2 -m tfdist doctor`), or with --dry-run on a login node. "
+        "Every rank reports its host, cores, GPUs, versions and network settings to rank 0 "
+        "over TCP (rank 0's port, within --timeout); rank 0 checks them together and prints "
+        "one table; then the engine starts as training will start it and a tiny all-reduce "
+        "must finish within --timeout. A problem names the rank, the host and the fix, and "
+        "every rank exits 1.",
+    )
+    parser.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+                        help="deadline of each phase (default: 30)")
+    parser.add_argument("--bandwidth", type=_positive_float, default=0.0, metavar="MB",
+                        help="also time all-reduces of MB megabytes and print the bus bandwidth")
+    parser.add_argument("--expect-gbps", type=_positive_float, metavar="GB/S",
+                        help="fail if the bus bandwidth is below this (default: warn below "
+                        "5 GB/s for NCCL across nodes)")
+    parser.add_argument("--framework", choices=("auto", "tf", "torch"), default="auto",
+                        help="the engine to check (default: tf when TensorFlow is installed)")
+    parser.add_argument("--backend", choices=("auto", "mwms", "horovod", "single"),
+                        help="TensorFlow backend (default: TFDIST_BACKEND, else auto)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no network: print this launch's plan and the checks one process "
+                        "can make (versions, settings, interfaces, names)")
+    parser.add_argument("--hosts", metavar="HOSTLIST",
+                        help="with --dry-run: also resolve these nodes' names through "
+                        "TFDIST_HOST_TEMPLATE, e.g. 'gpu[01-04]'")
+    parser.set_defaults(handler=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from tfdist import doctor
+
+    return doctor.run(doctor.Options(
+        timeout_s=args.timeout, bandwidth_mb=args.bandwidth, expect_gbps=args.expect_gbps,
+        framework=args.framework, backend=args.backend, dry_run=args.dry_run,
+        hosts=args.hosts))
+
+
 def _add_settings(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "settings",
@@ -217,6 +259,16 @@ def _add_job(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     from tfdist.jobs.cli import add_parser  # `tfdist job`: flag groups and handler live there
 
     add_parser(commands)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:

@@ -48,6 +48,12 @@ class ClusterEnvironment:
             set up for: ``"mwms"`` (a ``TF_CONFIG`` each) or ``"horovod"`` (Horovod's Gloo
             variables); None for other launchers.
         visible_devices: this process's ``CUDA_VISIBLE_DEVICES`` as inherited, or None.
+        job_nodes: nodes of the Slurm job around the process (``SLURM_JOB_NUM_NODES``), which
+            a step may use only some of; None outside Slurm.
+        job_tasks_per_node: tasks per node the job asked for (``SLURM_NTASKS_PER_NODE``, set by
+            ``sbatch --ntasks-per-node`` and inherited by its steps), or None.
+        slurm_gpus: the physical ids of the node's GPUs Slurm gave the step (``SLURM_STEP_GPUS``,
+            else ``SLURM_JOB_GPUS``), or None.
         reason: which variables decided the detection, for logs and ``tfdist env``.
     """
 
@@ -72,6 +78,9 @@ class ClusterEnvironment:
     array_task_id: str | None = None
     launched_for: str | None = None
     visible_devices: str | None = None
+    job_nodes: int | None = None
+    job_tasks_per_node: int | None = None
+    slurm_gpus: str | None = None
     reason: str = ""
 
     @property
@@ -116,7 +125,16 @@ def common(environ: Mapping[str, str]) -> dict[str, Any]:
         "restart_count": get_int(environ, "SLURM_RESTART_COUNT", 0),
         "array_job_id": environ.get("SLURM_ARRAY_JOB_ID") or None,
         "array_task_id": environ.get("SLURM_ARRAY_TASK_ID") or None,
+        "job_nodes": _optional_int(environ, "SLURM_JOB_NUM_NODES"),
+        "job_tasks_per_node": _optional_int(environ, "SLURM_NTASKS_PER_NODE"),
+        "slurm_gpus": environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS") or None,
     }
+
+
+def _optional_int(environ: Mapping[str, str], name: str) -> int | None:
+    # Slurm writes some counts per node group ("4(x2)"); only a plain number is read here.
+    value = environ.get(name, "").strip()
+    return int(value) if value.isdigit() else None
 
 
 def _gpus_per_task(value: str | None) -> int | None:

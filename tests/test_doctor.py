@@ -1,0 +1,299 @@
+"""``tfdist doctor``: the checks as tables, then real ranks on loopback.
+
+The real cases each start 2 processes: a good plan passes (TensorFlow's MWMS, torch and
+Horovod); a port held by another process, a coordinator address that does not route, an
+interface that does not exist and a rank running other versions each fail in seconds, with the
+rank and host named. The version mismatch is real: rank 1 runs the Horovod environment's
+Python (TensorFlow 2.18) against rank 0's (2.21).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import ROOT
+
+from tfdist.doctor.collective import bus_bandwidth
+from tfdist.doctor.report import (
+    Problem,
+    RankReport,
+    check,
+    interface_problem,
+    ranges,
+    table,
+    version_problems,
+)
+
+VERSIONS = {"python": "3.11.7", "tensorflow": "2.21.0", "keras": "3.15.1", "tfdist": "0.1.0"}
+HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG",
+                    "NCCL_", "GLOO_")
+
+
+def _report(rank: int, **fields: object) -> RankReport:
+    base: dict[str, object] = {"host": "n1", "local_rank": rank, "local_world_size": 2,
+                               "backend": "mwms", "collective": "ring", "versions": VERSIONS,
+                               "interfaces": ("lo", "eth0", "ib0")}
+    return RankReport(rank=rank, **{**base, **fields})  # type: ignore[arg-type]
+
+
+INTERFACES = ("lo", "eth0", "ib0", "ib1", "enp1s0")
+SELECTIONS = {
+    # (variable, value): selects an interface
+    ("NCCL_SOCKET_IFNAME", "ib"): True,  # a prefix
+    ("NCCL_SOCKET_IFNAME", "ib9"): False,
+    ("NCCL_SOCKET_IFNAME", "=ib"): False,  # exact names only
+    ("NCCL_SOCKET_IFNAME", "=ib1"): True,
+    ("NCCL_SOCKET_IFNAME", "^lo,docker"): True,  # everything but
+    ("NCCL_SOCKET_IFNAME", "^lo,eth,ib,enp"): False,
+    ("NCCL_SOCKET_IFNAME", "hsn,en"): True,  # a list of prefixes
+    ("GLOO_SOCKET_IFNAME", "ib0,ib1"): True,
+    ("GLOO_SOCKET_IFNAME", "ib"): False,  # gloo: names, not prefixes
+    ("HOROVOD_GLOO_IFACE", "eth0"): True,
+    ("HOROVOD_GLOO_IFACE", "eth"): False,
+}
+
+
+@pytest.mark.parametrize(("variable", "value"), sorted(SELECTIONS))
+def test_interface_variables_read_as_their_library_reads_them(variable, value):
+    problem = interface_problem(variable, value, INTERFACES)
+    assert (problem is None) == SELECTIONS[(variable, value)]
+    if problem:
+        assert f"{variable}={value}" in problem and "enp1s0, eth0, ib0, ib1, lo" in problem
+
+
+def test_versions_that_differ_name_the_odd_rank_out():
+    reports = [_report(0), _report(1, host="n2", versions={**VERSIONS, "tensorflow": "2.18.1"}),
+               _report(2, host="n3")]
+    (problem,) = version_problems(reports)
+    assert (problem.rank, problem.host) == (1, "n2")
+    assert "tensorflow 2.18.1 where 2 of 3 ranks run 2.21.0" in problem.what
+    missing = [_report(0), _report(1, versions={k: v for k, v in VERSIONS.items()
+                                                if k != "keras"}), _report(2)]
+    assert "keras (not installed) where 2 of 3 ranks run 3.15.1" in \
+        version_problems(missing)[0].what
+
+
+CASES = {
+    # name: (reports, expected (severity, rank, words) of every problem)
+    "a good plan": ([_report(0), _report(1)], []),
+    "an invalid setting": ([_report(0, errors=("backend 'mwm' is not one of ...",))],
+                           [("error", 0, "backend 'mwm'")]),
+    "an interface one node lacks": (
+        [_report(0, network={"NCCL_SOCKET_IFNAME": "ib0"}),
+         _report(1, host="n2", interfaces=("lo", "eth0"), network={"NCCL_SOCKET_IFNAME": "ib0"})],
+        [("error", 1, "NCCL_SOCKET_IFNAME=ib0 selects no network interface")]),
+    "a host name that does not resolve": (
+        [_report(0, resolved={"n1-ib0": "10.0.0.1", "n2-ib0": "error: Name or service not known"},
+                 network={"TFDIST_HOST_TEMPLATE": "{host}-ib0"})],
+        [("error", 0, "cannot resolve n2-ib0 (Name or service not known), the name "
+                      "TFDIST_HOST_TEMPLATE={host}-ib0 gives")]),
+    "more tasks than GPUs": ([_report(r, local_world_size=8, node_gpus=4, gpus=str(r))
+                              for r in range(2)],
+                             [("error", rank, "8 tasks share the node's 4 GPUs")
+                              for rank in range(2)]),
+    "two ranks on one GPU": ([_report(0, gpus="0"), _report(1, gpus="0")],
+                             [("error", 1, "GPU 0 is driven by ranks 0, 1")]),
+    "the same GPU id on two hosts is two GPUs": (
+        [_report(0, gpus="0"), _report(1, host="n2", gpus="0")], []),
+    "--gpus-per-task with NCCL": (
+        [_report(r, gpus="0", gpus_per_task=1, collective="nccl", node_gpus=2) for r in range(2)],
+        [("warning", rank, "--gpus-per-task gives each task only its own GPU")
+         for rank in range(2)]),
+    "a step on fewer nodes than the job": (
+        [_report(0, local_world_size=1, step_nodes=1, job_nodes=2)],
+        [("warning", 0, "this step runs on 1 of the job's 2 nodes")]),
+    "a 1-task step in a 4-task-per-node job": (
+        [_report(0, local_world_size=1, job_tasks_per_node=4)],
+        [("warning", 0, "1 task(s) on this node, where the job asked for 4 per node")]),
+    "ranks on different backends": (
+        [_report(0), _report(1), _report(2, backend="horovod")],
+        [("error", 2, "will use backend 'horovod' where the others use 'mwms'")]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_checks(case):
+    reports, expected = CASES[case]
+    found = check(reports)
+    assert [(p.severity, p.rank) for p in found] == [(s, r) for s, r, _ in expected]
+    for problem, (_, _, words) in zip(found, expected, strict=True):
+        assert words in problem.what
+        assert problem.severity == "warning" or problem.fix or problem.what.startswith("backend")
+
+
+def test_a_problem_reads_as_one_line_with_the_fix():
+    line = Problem(3, "gpu07", "cannot listen on port 20480: Address already in use.",
+                   "set TFDIST_PORT_BASE to a free range").line()
+    assert line == ("error: rank 3 (host gpu07): cannot listen on port 20480: Address already in "
+                    "use. Fix: set TFDIST_PORT_BASE to a free range.")
+
+
+def test_table_and_helpers():
+    assert ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert ranges([]) == ""
+    text = table([_report(1, address="n1:20001", cpus="4-7", gpus="1", slurm_gpus="0,1"),
+                  _report(0, address="n1:20000", cpus="0-3", gpus="0")])
+    rows = text.splitlines()
+    assert rows[0].split() == ["rank", "host", "local", "cpus", "gpus", "address", "backend"]
+    assert rows[1].split()[:6] == ["0", "n1", "0/2", "0-3", "0", "n1:20000"]
+    assert rows[2].split()[:7] == ["1", "n1", "1/2", "4-7", "1", "(slurm", "0,1)"]
+    assert "versions: python 3.11.7, tensorflow 2.21.0, keras 3.15.1, tfdist 0.1.0" in text
+    round_trip = RankReport.from_dict(json.loads(json.dumps(_report(0).to_dict())))
+    assert round_trip == _report(0)
+    # nccl-tests' bus bandwidth: 2 (n - 1) / n of the bytes per second.
+    assert bus_bandwidth(1e9, 4, 1.0) == pytest.approx(1.5)
+    assert bus_bandwidth(1e9, 1, 1.0) == 0.0
+
+
+# --- real processes ----------------------------------------------------------------------------
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _doctor(*args: str, n: int = 2, python: str = sys.executable, timeout: float = 180,
+            **extra: str) -> tuple[int, str, float]:
+    began = time.monotonic()
+    done = subprocess.run([python, "-m", "tfdist", "launch", "-n", str(n), *args],
+                          cwd=ROOT, env=_env(**extra), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - began
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("framework", ["tf", "torch"])
+def test_a_good_plan_passes(framework):
+    code, out, _ = _doctor("-m", "tfdist", "doctor", "--framework", framework,
+                           "--bandwidth", "1")
+    assert code == 0, out[-3000:]
+    host = socket.gethostname()
+    for rank in (0, 1):
+        assert f"[0] {rank}     {host}" in out, out
+    engine = "mwms ring" if framework == "tf" else "torch gloo"
+    assert f"all-reduce across 2 rank(s) over {engine}: correct" in out
+    assert "1 MB all-reduce:" in out and "GB/s bus bandwidth" in out
+    assert "tfdist doctor: ready: 2 rank(s) on 1 host(s)" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not HVD_PY.exists(), reason="needs .venv-horovod (make venv-horovod)")
+def test_a_good_plan_passes_under_horovod():
+    # tfdist launch --backend horovod gives no address per rank: the reports travel through
+    # Horovod's own allgather, after its all-reduce.
+    code, out, _ = _doctor("--backend", "horovod", "-m", "tfdist", "doctor", python=str(HVD_PY))
+    assert code == 0, out[-3000:]
+    assert "all-reduce across 2 rank(s) over horovod gloo: correct" in out
+    assert "horovod 0.28.1" in out and f"[0] 1     {socket.gethostname()}" in out
+
+
+@pytest.mark.multiprocess
+def test_an_interface_no_node_has_fails_at_once_on_every_rank():
+    code, out, took = _doctor("-m", "tfdist", "doctor", NCCL_SOCKET_IFNAME="ib9")
+    assert code == 1, out
+    host = socket.gethostname()
+    for rank in (0, 1):
+        assert (f"error: rank {rank} (host {host}): NCCL_SOCKET_IFNAME=ib9 selects no network "
+                "interface here") in out
+    assert "rank 1 stops: rank 0's output lists 2 problem(s)" in out
+    assert "all-reduce" not in out  # stopped before the engine started
+    assert took < 30, took
+
+
+@pytest.mark.multiprocess
+def test_a_port_held_by_another_process_is_named():
+    with socket.create_server(("", 0)) as holder:
+        port = holder.getsockname()[1]
+        code, out, took = _doctor("--port-base", str(port), "-m", "tfdist", "doctor",
+                                  "--timeout", "3")
+    assert code == 1, out
+    assert (f"error: rank 0 (host {socket.gethostname()}): cannot listen on port {port}: "
+            "Address already in use. Fix: another process holds the port") in out
+    assert took < 30, took
+
+
+def _by_hand(tmp_path, pythons: list[str], addresses: list[str], *args: str
+             ) -> tuple[list[int], list[str], float]:
+    """Starts one doctor per rank with its own TF_CONFIG, as a hand-written launch would."""
+    procs = []
+    began = time.monotonic()
+    for rank, python in enumerate(pythons):
+        config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
+        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen([python, "-m", "tfdist", "doctor", *args], cwd=ROOT,
+                                       env=_env(TF_CONFIG=json.dumps(config)), stdout=log,
+                                       stderr=subprocess.STDOUT), log))
+    codes = []
+    for proc, log in procs:
+        try:
+            codes.append(proc.wait(timeout=120))
+        finally:
+            proc.kill()
+            log.close()
+    took = time.monotonic() - began
+    return codes, [(tmp_path / f"rank{r}.log").read_text() for r in range(len(procs))], took
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.multiprocess
+def test_a_coordinator_that_does_not_route_is_named_by_both_sides(tmp_path):
+    # Rank 0's address is in TEST-NET-1 (RFC 5737), which no host has: rank 1's connections
+    # fail as through a firewall that drops them; rank 0 listens and sees nobody come.
+    port = _free_port()
+    codes, (out0, out1), took = _by_hand(
+        tmp_path, [sys.executable] * 2, [f"192.0.2.1:{port}", f"127.0.0.1:{_free_port()}"],
+        "--timeout", "4")
+    assert codes == [1, 1], (out0, out1)
+    host = socket.gethostname()
+    assert (f"error: rank 1 (host {host}): cannot reach rank 0 at 192.0.2.1:{port} within 4 s"
+            in out1), out1
+    assert f"error: rank 1 (host 127.0.0.1): did not reach rank 0's port {port} within 4 s" \
+        in out0, out0
+    assert took < 40, took
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not HVD_PY.exists(), reason="needs .venv-horovod (make venv-horovod)")
+def test_a_rank_with_other_versions_is_named(tmp_path):
+    addresses = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+    codes, (out0, out1), took = _by_hand(tmp_path, [sys.executable, str(HVD_PY)], addresses,
+                                         "--timeout", "20")
+    assert codes == [1, 1], (out0, out1)
+    # Two ranks, one each: the odd one out is whichever is not rank 0's.
+    assert "error: rank 1 (host" in out0 and "runs tensorflow 2.18.1 where 1 of 2 ranks run" \
+        in out0, out0
+    assert "Fix: start every rank with the same environment" in out0
+    assert "rank 1 stops: rank 0's output lists" in out1
+    assert took < 30, took
+
+
+def test_dry_run_checks_this_process_and_plans_the_others(tmp_path):
+    config = {"cluster": {"worker": ["127.0.0.1:20000", "localhost:20001", "nx-9:20000"]},
+              "task": {"type": "worker", "index": 0}}
+    done = subprocess.run([sys.executable, "-m", "tfdist", "doctor", "--dry-run", "--hosts",
+                           "localhost"], cwd=ROOT, capture_output=True, text=True, check=False,
+                          env=_env(TF_CONFIG=json.dumps(config),
+                                   TFDIST_HOST_TEMPLATE="{host}"))
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()[2:5]]
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    assert rows[2][1:4] == ["nx-9", "0/1", "-"] and rows[2][-3] == "nx-9:20000"
+    assert "nothing was dialled" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "tfdist", "doctor", "--dry-run"], cwd=ROOT,
+                         capture_output=True, text=True, check=False,
+                         env=_env(TFDIST_BACKEND="mwm", GLOO_SOCKET_IFNAME="nope0"))
+    assert bad.returncode == 1
+    assert "error: rank 0" in bad.stderr and "backend 'mwm' is not one of" in bad.stderr
+    assert "GLOO_SOCKET_IFNAME=nope0 selects no network interface" in bad.stderr

@@ -1,0 +1,217 @@
+"""``tfdist doctor``: check a launch in seconds, before hours of training depend on it.
+
+Run it with the same launcher as the training, as its own step (the rendered job scripts do:
+``srun python -m tfdist doctor``), or by hand on a login node with ``--dry-run``. Two phases:
+
+1. **Meet** (:mod:`~tfdist.doctor.meet`): every rank reports what it found about itself
+   (:mod:`~tfdist.doctor.probe`: host, cores, GPUs, versions, network settings) to rank 0 over a
+   plain TCP connection to rank 0's port, with a deadline. Rank 0 checks them together
+   (:mod:`~tfdist.doctor.report`: versions that differ, interfaces that do not exist, names that
+   do not resolve, the launch's shape) and prints one table. Nothing slow has started yet.
+2. **All-reduce** (:mod:`~tfdist.doctor.collective`): the engine starts as training will start
+   it, and a tiny all-reduce across every rank must finish within the deadline; optionally a
+   bandwidth probe of N MB.
+
+Every problem names the rank, its host and the fix; any error makes every rank exit 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from tfdist import hostlist, settings
+from tfdist.doctor import meet, probe
+from tfdist.doctor.report import Problem, RankReport, check, table
+from tfdist.env import ClusterEnvironment, detect
+from tfdist.env.base import local_ranks
+
+__all__ = ["Options", "run"]
+
+# Below this bus bandwidth an all-reduce between nodes over NCCL has fallen back to TCP sockets
+# (10/25 GbE gives ~1-3 GB/s; InfiniBand HDR 20+ GB/s, RoCE 100 GbE ~10 GB/s).
+DEFAULT_NCCL_GBPS = 5.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``tfdist doctor`` was asked to do (its command-line flags)."""
+
+    timeout_s: float = 30.0
+    bandwidth_mb: float = 0.0
+    expect_gbps: float | None = None
+    framework: str = "auto"
+    backend: str | None = None
+    dry_run: bool = False
+    hosts: str | None = None
+
+
+def run(options: Options) -> int:
+    """Runs the doctor on this rank; returns the exit code (0: ready, 1: a problem)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up lines, not ours
+    environment = detect()
+    framework = _framework(options.framework)
+    mine = probe.report(environment, framework=framework, backend=options.backend)
+    if options.dry_run:
+        return _dry_run(environment, mine, options)
+    met = bool(environment.worker_addresses) and environment.is_distributed
+    if met:
+        reports, problems = _meet(environment, mine, options.timeout_s)
+        if problems is None:  # another rank: it could not connect, or rank 0 said no
+            return 1
+        if _report(environment, reports, problems):
+            return 1
+    line, reports, problems = _all_reduce(environment, mine, framework, options, met)
+    if environment.is_chief:
+        if not met:  # the reports came through the engine's own gather
+            _report(environment, reports or [mine], problems)
+        else:
+            for problem in problems:
+                print(f"tfdist doctor: {problem.line()}", file=sys.stderr, flush=True)
+        print(line, flush=True)
+    if any(p.severity == "error" for p in problems):
+        return 1
+    if environment.is_chief:
+        print(f"tfdist doctor: ready: {environment.world_size} rank(s) on "
+              f"{max(1, environment.num_nodes)} host(s)", flush=True)
+    return 0
+
+
+def _framework(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "tf" if importlib.util.find_spec("tensorflow") else "torch"
+
+
+def _meet(environment: ClusterEnvironment, mine: RankReport,
+          timeout_s: float) -> tuple[list[RankReport], list[Problem] | None]:
+    """Phase 1. Rank 0 gets every report and the problems; the others get ``([], None)`` when
+    they must stop (after saying why), else ``([], [])``."""
+    coordinator = environment.worker_addresses[0]
+    if environment.rank != 0:
+        try:
+            verdict = meet.report_to(coordinator, mine.to_dict(), timeout_s)
+        except (ConnectionError, TimeoutError) as error:
+            print(f"tfdist doctor: error: rank {environment.rank} (host {mine.host}): cannot "
+                  f"reach rank 0 at {coordinator} within {timeout_s:g} s: {error}. Fix: open "
+                  "the port range between the nodes, or set TFDIST_HOST_TEMPLATE to an "
+                  "interface that routes; `nc -zv HOST PORT` from this node tests it",
+                  file=sys.stderr, flush=True)
+            return [], None
+        if not verdict.get("ok"):
+            print(f"tfdist doctor: rank {environment.rank} stops: rank 0's output lists "
+                  f"{verdict.get('errors', 'the')} problem(s)", file=sys.stderr, flush=True)
+            return [], None
+        return [], []
+    port = int(coordinator.rsplit(":", 1)[1])
+    hosts = [address.rsplit(":", 1)[0] for address in environment.worker_addresses]
+
+    def judge(meeting: meet.Meeting) -> dict[str, Any]:
+        found = [RankReport.from_dict(r) for r in meeting.reports.values()]
+        meeting.problems += check(found)
+        errors = sum(p.severity == "error" for p in meeting.problems)
+        return {"ok": errors == 0, "errors": errors}
+
+    meeting = meet.gather(port, environment.world_size, mine.to_dict(), timeout_s, judge,
+                          hosts=hosts, host=mine.host)
+    reports = [RankReport.from_dict(r) for _, r in sorted(meeting.reports.items())]
+    return reports, meeting.problems
+
+
+def _report(environment: ClusterEnvironment, reports: list[RankReport],
+            problems: list[Problem]) -> bool:
+    """Rank 0 prints the table and the problems; whether any is an error."""
+    if environment.is_chief:
+        print(f"tfdist doctor: {environment.world_size} rank(s), {environment.reason}\n"
+              + table(reports), flush=True)
+        for problem in problems:
+            print(f"tfdist doctor: {problem.line()}", file=sys.stderr, flush=True)
+    return any(p.severity == "error" for p in problems)
+
+
+def _all_reduce(environment: ClusterEnvironment, mine: RankReport, framework: str,
+                options: Options, met: bool
+                ) -> tuple[str, list[RankReport], list[Problem]]:
+    """Phase 2: the engine's all-reduce (and bandwidth) within the deadline."""
+    from tfdist.doctor import collective
+
+    def hung() -> str:
+        return (f"tfdist doctor: error: rank {environment.rank} (host {mine.host}): the "
+                f"{framework} engine did not start or its first all-reduce across "
+                f"{environment.world_size} ranks did not finish within {options.timeout_s:g} s"
+                + (", although every rank reached rank 0's port" if met else "")
+                + ". Fix: the framework's own connections are blocked or slow: TensorFlow "
+                "dials every rank's own port, NCCL uses NCCL_SOCKET_IFNAME and InfiniBand "
+                "(run with NCCL_DEBUG=INFO and look for NET/IB); a rank that crashed says why "
+                "in its own output")
+
+    if framework == "tf":
+        import tensorflow  # noqa: F401  # the import is slow and not the collective's fault
+    with collective.watchdog(options.timeout_s, hung):
+        engine = collective.start(framework, options.backend)
+        correct, took = engine.sum_check()
+        reports: list[RankReport] = []
+        if not met and engine.gather is not None:
+            reports = [RankReport.from_dict(r) for r in engine.gather(mine.to_dict())]
+        rate = engine.bandwidth(options.bandwidth_mb) if options.bandwidth_mb > 0 else None
+    problems = check(reports) if reports else []
+    if not correct:
+        problems.append(Problem(environment.rank, mine.host, "the all-reduce summed wrong",
+                                "report this with the output of every rank"))
+    line = (f"tfdist doctor: all-reduce across {engine.world_size} rank(s) over {engine.name}: "
+            f"{'correct' if correct else 'WRONG'}, {took * 1e3:.1f} ms")
+    if rate is not None:
+        median, spread = rate
+        line += (f"; {options.bandwidth_mb:g} MB all-reduce: {median:.2f} GB/s bus bandwidth "
+                 f"(median of {collective.ROUNDS}, spread {spread:.2f})")
+        problems += _bandwidth_problems(median, options, mine, environment)
+    return line, reports, problems
+
+
+def _bandwidth_problems(median: float, options: Options, mine: RankReport,
+                        environment: ClusterEnvironment) -> list[Problem]:
+    expected, severity = options.expect_gbps, "error"
+    if expected is None and mine.collective == "nccl" and environment.num_nodes > 1:
+        expected, severity = DEFAULT_NCCL_GBPS, "warning"
+    if expected is None or median >= expected:
+        return []
+    return [Problem(None, "", f"all-reduce bus bandwidth {median:.2f} GB/s is below the "
+                    f"expected {expected:g} GB/s",
+                    "run with NCCL_DEBUG=INFO: NET/Socket instead of NET/IB means NCCL missed "
+                    "InfiniBand (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, the container's libraries)",
+                    severity)]
+
+
+def _dry_run(environment: ClusterEnvironment, mine: RankReport, options: Options) -> int:
+    """Prints the plan this launch would run and the checks one process can make alone."""
+    if options.hosts:
+        template = settings.resolve("host_template")
+        names = [template.format(host=host) for host in hostlist.expand_hostlist(options.hosts)]
+        mine = RankReport.from_dict({**mine.to_dict(),
+                                     "resolved": {**mine.resolved, **probe.resolve(names)}})
+    reports = [mine, *_planned(environment, mine)]
+    problems = check([mine])
+    print(f"tfdist doctor --dry-run: {environment.world_size} rank(s), {environment.reason}\n"
+          + table(reports))
+    for problem in problems:
+        print(f"tfdist doctor: {problem.line()}", file=sys.stderr)
+    print("tfdist doctor: dry run: nothing was dialled; run `srun python -m tfdist doctor` "
+          "(one task per GPU) in the job to check the ranks together", flush=True)
+    return 1 if any(p.severity == "error" for p in problems) else 0
+
+
+def _planned(environment: ClusterEnvironment, mine: RankReport) -> list[RankReport]:
+    """The other ranks as the launch plans them (no facts of theirs: they were not asked)."""
+    addresses = environment.worker_addresses
+    hosts = [address.rsplit(":", 1)[0] for address in addresses]
+    local = local_ranks(hosts)
+    counts = {host: hosts.count(host) for host in hosts}
+    return [RankReport(rank=r, host=hosts[r] if hosts[r] != socket.gethostname() else mine.host,
+                       local_rank=local[r], local_world_size=counts[hosts[r]],
+                       address=addresses[r], gpus="?", backend=mine.backend,
+                       collective=mine.collective, versions=mine.versions, why=mine.why)
+            for r in range(len(addresses)) if r != environment.rank]

@@ -1,0 +1,133 @@
+"""What one rank finds out about itself, without the network and without importing TensorFlow.
+
+Versions come from the installed packages' metadata, the GPUs from tfdist's own policy
+(:mod:`tfdist.devices`) and the node's device files, the cores from the affinity mask: all in
+milliseconds, so that a broken rank is reported before anything slow starts.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import platform
+import re
+import socket
+from collections.abc import Mapping
+
+from tfdist import devices, settings
+from tfdist.backends import choose
+from tfdist.doctor.report import INTERFACE_VARIABLES, RankReport, ranges
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import TfdistError
+
+__all__ = ["report", "resolve", "versions"]
+
+# Distribution names of each package, first installed wins.
+_DISTRIBUTIONS = {
+    "tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-macos",
+                   "tf-nightly", "intel-tensorflow"),
+    "keras": ("keras",), "tf_keras": ("tf-keras", "tf_keras"), "tfdist": ("tfdist",),
+    "horovod": ("horovod",), "torch": ("torch",),
+}
+_GPU_FILE = re.compile(r"/dev/nvidia\d+$")
+
+
+def report(environment: ClusterEnvironment, *, framework: str = "tf",
+           backend: str | None = None, environ: Mapping[str, str] | None = None) -> RankReport:
+    """This rank's :class:`RankReport`.
+
+    Args:
+        environment: the detected launch.
+        framework: ``"tf"`` or ``"torch"``: which engine the doctor checks.
+        backend: the requested TensorFlow backend (default: the setting).
+        environ: the environment to read (default ``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    errors: list[str] = []
+    try:
+        settings.current(environ)
+        requested = settings.resolve("backend", backend, environ)
+        collective = settings.resolve(
+            "collective" if framework == "tf" else "torch_collective", environ=environ)
+    except TfdistError as error:
+        errors.append(str(error))
+        requested, collective = "auto", "auto"
+    try:
+        gpus = devices.select_gpus(environment.visible_devices, environment.local_rank,
+                                   environment.local_world_size,
+                                   environment.gpus_per_task is not None)
+    except TfdistError as error:
+        errors.append(str(error))
+        gpus = ""
+    node_gpus = len([path for path in glob.glob("/dev/nvidia*") if _GPU_FILE.match(path)])
+    if framework == "torch":
+        chosen, why = "ddp", "tfdist.torch: torch.distributed"
+    else:
+        chosen, why = choose(requested, environment)
+    if collective == "auto":
+        has_gpus = bool(gpus) if gpus is not None else node_gpus > 0
+        collective = ("nccl" if has_gpus else "ring" if framework == "tf" else "gloo")
+    if chosen == "horovod":  # Horovod's controller, decided when it starts unless set
+        controller = settings.resolve("horovod_controller", environ=environ)
+        collective = "" if controller == "auto" else controller
+    if chosen == "single":
+        collective = ""
+    return RankReport(
+        rank=environment.rank, host=socket.gethostname(), local_rank=environment.local_rank,
+        local_world_size=environment.local_world_size,
+        address=(environment.worker_addresses[environment.rank]
+                 if environment.worker_addresses else ""),
+        cpus=ranges(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "",
+        gpus="?" if gpus is None else gpus, slurm_gpus=environment.slurm_gpus or "",
+        node_gpus=node_gpus, gpus_per_task=environment.gpus_per_task, backend=chosen,
+        collective=collective, why=why, versions=versions(),
+        interfaces=tuple(name for _, name in socket.if_nameindex()),
+        network=_network(environ),
+        resolved=resolve(_dialled(environment)), step_nodes=environment.num_nodes,
+        job_nodes=environment.job_nodes, job_tasks_per_node=environment.job_tasks_per_node,
+        errors=tuple(errors))
+
+
+def versions() -> dict[str, str]:
+    """Python's version and each installed package's (see :data:`report.PACKAGES`)."""
+    found = {"python": platform.python_version()}
+    for package, names in _DISTRIBUTIONS.items():
+        for name in names:
+            try:
+                found[package] = importlib.metadata.version(name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def _network(environ: Mapping[str, str]) -> dict[str, str]:
+    network = {name: environ[name] for name in INTERFACE_VARIABLES if environ.get(name)}
+    try:
+        template = settings.resolve("host_template", environ=environ)
+    except TfdistError:  # reported with the other settings
+        return network
+    if template != settings.setting("host_template").default:
+        network["TFDIST_HOST_TEMPLATE"] = template
+    return network
+
+
+def _dialled(environment: ClusterEnvironment) -> list[str]:
+    """The host names this rank dials first: the coordinator's and the next rank's."""
+    addresses = environment.worker_addresses
+    if not addresses:
+        return []
+    neighbour = addresses[(environment.rank + 1) % len(addresses)]
+    return list(dict.fromkeys(a.rsplit(":", 1)[0] for a in (addresses[0], neighbour)))
+
+
+def resolve(names: list[str]) -> dict[str, str]:
+    """Each name's first address, or ``"error: ..."``."""
+    resolved = {}
+    for name in names:
+        try:
+            resolved[name] = str(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0])
+        except OSError as error:
+            resolved[name] = f"error: {error.strerror or error}"
+    return resolved
