@@ -242,9 +242,9 @@ DETECTED: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
         srun_task(0, 0, 0, "0,1", SLURM_JOB_NUM_NODES="4", SLURM_NTASKS_PER_NODE="2",
                   SLURM_STEP_GPUS="2,3"),
         {"job_nodes": 4, "job_tasks_per_node": 2, "slurm_gpus": "2,3"}),
-    "a per-node count Slurm writes as 2(x2) is not read as one": (
-        srun_task(0, 0, 0, "0,1", SLURM_NTASKS_PER_NODE="2(x2)", SLURM_JOB_GPUS="0"),
-        {"job_tasks_per_node": None, "slurm_gpus": "0"}),
+    "a per-node count Slurm writes as 2(x2) is not read as one; the step's GPUs win": (
+        srun_task(0, 0, 0, "0,1", SLURM_NTASKS_PER_NODE="2(x2)", SLURM_JOB_GPUS="0-3"),
+        {"job_tasks_per_node": None, "slurm_gpus": "0,1"}),
     "srun --mpi=pmix: the plugin": (
         srun_task(0, 0, 0, "0,1", PMIX_RANK="0"), {"mpi_plugin": "pmix"}),
     "srun --mpi=pmi2": (srun_task(0, 0, 0, "0,1", PMI_RANK="0"), {"mpi_plugin": "pmi2"}),
