@@ -512,8 +512,29 @@ def _run_script(text: str, tmp_path: Path, extra_env: dict[str, str] | None = No
 
 
 def _launch_call(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    (launch,) = [call for call in calls if call["prog"] not in ("module", "scontrol")]
+    (launch,) = [call for call in calls
+                 if call["prog"] not in ("module", "scontrol") and not _is_doctor(call)]
     return launch
+
+
+def _is_doctor(call: dict[str, Any]) -> bool:
+    return "doctor" in call["argv"] and call["argv"][call["argv"].index("doctor") - 1] == "tfdist"
+
+
+def _expected_doctor_argv(config: JobConfig) -> list[str]:
+    c, launcher = config, config.effective_launcher
+    container: list[str] = []
+    if c.runtime == "apptainer":
+        container = ["apptainer", "exec", "--nv"]
+        for bind in c.binds:
+            container += ["-B", bind]
+        container.append(c.image or "")
+    bind = [f"--cpu-bind={c.cpu_bind}"] if c.cpu_bind else []
+    own = list(c.launcher_args) if launcher == "srun" else []
+    flags = {"torch": ["--framework", "torch"]}.get(
+        c.backend, ["--backend", "mwms"] if c.backend == "horovod" and launcher != "srun" else [])
+    return ["--kill-on-bad-exit=1", *bind, *own, *container, c.python or "python", "-m",
+            "tfdist", "doctor", *flags]
 
 
 def _expected_argv(config: JobConfig) -> list[str]:
@@ -559,6 +580,9 @@ def test_hostile_values_arrive_byte_for_byte(launcher: str, runtime: str,
     config = _hostile_config(launcher, runtime, tmp_path)
     calls = _run_script(render(config), tmp_path)
     launch = _launch_call(calls)
+    (doctor,) = [call for call in calls if _is_doctor(call)]
+    assert doctor["prog"] == "srun" and doctor["argv"] == _expected_doctor_argv(config)
+    assert calls.index(doctor) < calls.index(launch)
     assert launch["prog"] == ("srun" if launcher == "torchrun" else launcher)
     assert launch["argv"] == _expected_argv(config)
     assert {k: v for k, v in launch["env"].items() if k.startswith("H_")} == config.env
@@ -771,7 +795,7 @@ def test_the_batch_shell_requeues_a_preempted_job(tmp_path: Path, extra: dict[st
         (bin_dir / name).chmod(0o755)
     script = tmp_path / "job.sbatch"
     script.write_text(render(JobConfig(gpus_per_node=0, script="t.py", signal="USR1@90",
-                                       requeue=True)))
+                                       requeue=True, doctor=False)))
     log = tmp_path / "log"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "STUB_LOG": str(log),
            **extra}
@@ -803,7 +827,7 @@ def test_a_signal_to_the_batch_shell_alone_reaches_the_tasks(tmp_path: Path, sen
         (bin_dir / name).chmod(0o755)
     script = tmp_path / "job.sbatch"
     script.write_text(render(JobConfig(gpus_per_node=0, script="t.py", signal="USR1@90",
-                                       requeue=True)))
+                                       requeue=True, doctor=False)))
     log = tmp_path / "log"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "STUB_LOG": str(log)}
     shell = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
@@ -818,3 +842,16 @@ def test_a_signal_to_the_batch_shell_alone_reaches_the_tasks(tmp_path: Path, sen
         shell.kill()
     assert shell.returncode == 75, stderr
     assert log.read_text().splitlines() == ["started", "srun got USR1", "requeue 4242"], stderr
+
+
+def test_the_doctor_step_runs_before_training_unless_turned_off(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    text = render(JobConfig(script="t.py"))
+    assert text.index("python -m tfdist doctor") < text.index("python t.py")
+    assert "tfdist doctor" not in render(JobConfig(script="t.py", doctor=False))
+    code, out, _ = _cli(["--no-doctor", "t.py"], capsys)
+    assert code == 0 and "tfdist doctor" not in out
+    code, out, _ = _cli(["t.py"], capsys)
+    assert code == 0 and "tfdist doctor" in out
+    with pytest.raises(ConfigError, match="doctor applies to kind train only"):
+        JobConfig(kind="build-venv", venv="v", packages=("tfdist",), doctor=False)

@@ -32,7 +32,7 @@ _TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INF
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Keys that belong to one kind of job only.
 _TRAIN_ONLY = ("backend", "launcher", "launcher_args", "script", "args", "runtime", "image",
-               "binds", "gpus_per_task", "tasks_per_node", "task_output")
+               "binds", "gpus_per_task", "tasks_per_node", "task_output", "doctor")
 _BUILD_ONLY = ("packages", "system_site_packages")
 # sbatch options that have their own key: setting them twice would leave the winner to the order.
 _OWN_KEYS = {

@@ -103,6 +103,9 @@ def _add_launch(group: _Group) -> None:
     group.add_argument("--launcher-arg", action="append", metavar="ARG",
                        help="one more launcher option, e.g. --launcher-arg=--exact (repeat)")
     group.add_argument("--cpu-bind", metavar="TYPE", help="srun --cpu-bind (default: cores)")
+    group.add_argument("--doctor", action=argparse.BooleanOptionalAction,
+                       help="run `tfdist doctor` as a step of its own before training: every "
+                       "rank's plan, versions, ports and an all-reduce, in seconds (default: yes)")
 
 
 def _add_build(group: _Group) -> None:

@@ -91,6 +91,7 @@ class JobConfig:
     launcher: str | None = None
     launcher_args: tuple[str, ...] = ()
     cpu_bind: str | None = "cores"
+    doctor: bool = True
     script: str | None = None
     args: tuple[str, ...] = ()
     # Venv build
@@ -154,7 +155,7 @@ class JobConfig:
 KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig))
 _LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packages")
 _INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task")
-_BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue")
+_BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue", "doctor")
 _OPTIONAL_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig) if "None" in str(f.type))
 
 

@@ -62,10 +62,11 @@ def render(config: JobConfig, *, source: str | None = None) -> str:
     Returns:
         The script text, ending in a newline.
     """
-    blocks = [_header(config, source), _directives(config), "set -eo pipefail",
-              _modules(config)]
+    blocks: list[str | None] = [_header(config, source), _directives(config),
+                                "set -eo pipefail", _modules(config)]
     if config.kind == "train":
-        blocks += [_venv(config), _environment(config), _network(config), _launch(config)]
+        blocks += [_venv(config), _environment(config), _network(config), _doctor(config),
+                   _launch(config)]
     else:
         blocks += [_environment(config), _build(config)]
     return "\n\n".join(block for block in blocks if block) + "\n"
@@ -223,6 +224,28 @@ def _network(c: JobConfig) -> str:
     return "\n".join(lines)
 
 
+def _doctor(c: JobConfig) -> str | None:
+    """A step of its own before training: ``tfdist doctor`` on the same tasks, in seconds."""
+    if not c.doctor:
+        return None
+    python = word(c.python) if c.python else "python"
+    command = f"{python} -m tfdist doctor"
+    comment = ["# Check the launch before training, in seconds: every rank's host, cores, GPUs "
+               "and versions,", "# the ports between the nodes and one all-reduce. A problem "
+               "names the rank, the host and", "# the fix, and ends the job here; the report "
+               "goes to this job's output. (doctor: false", "# in the config, or --no-doctor, "
+               "leaves this step out.)"]
+    if c.backend == "torch":
+        command += " --framework torch"
+    elif c.backend == "horovod" and c.effective_launcher != "srun":
+        # The training's launcher starts Horovod; this step checks the nodes with TensorFlow's
+        # own collectives over srun, which the job has too.
+        command += " --backend mwms"
+        comment.append("# (Horovod starts under the launcher below; this step uses srun and "
+                       "TensorFlow's all-reduce.)")
+    return _lines(comment, _srun_segments(c, doctor=True), _apptainer(c), command)
+
+
 def _launch(c: JobConfig) -> str:
     launcher = c.effective_launcher
     if launcher == "torchrun":
@@ -284,23 +307,28 @@ def _program(c: JobConfig) -> str:
     return " ".join([python, word(c.script or ""), words(c.args)]).rstrip()
 
 
-def _srun_segments(c: JobConfig, *, per_node: bool = False) -> list[str]:
-    """``srun`` and its options (binding, PMIx for Horovod, per-task output), then pyxis's."""
+def _srun_segments(c: JobConfig, *, per_node: bool = False, doctor: bool = False) -> list[str]:
+    """``srun`` and its options (binding, PMIx for Horovod, per-task output), then pyxis's.
+
+    ``doctor``: for the doctor's step, which writes to the job's output and takes the launcher's
+    options only when the launcher is srun itself.
+    """
+    own = c.effective_launcher == "srun" or not doctor
     options = ["srun", "--kill-on-bad-exit=1"]  # one failed task ends the step, not a hang
     if per_node:
         options.append("--ntasks-per-node=1")
     if c.cpu_bind:
         options.append(word(f"--cpu-bind={c.cpu_bind}"))
-    if _horovod_mpi(c):
+    if _horovod_mpi(c) and own:
         options.append("--mpi=pmix")
-    if c.task_output is not None:
+    if c.task_output is not None and not doctor:
         options.append(word(f"--output={c.task_output}"))
     container = []
     if c.runtime == "enroot":
         container.append(word(f"--container-image={c.image}"))
         if c.binds:
             container.append(word(f"--container-mounts={','.join(c.binds)}"))
-    extra = [] if per_node else [word(arg) for arg in c.launcher_args]
+    extra = [] if per_node or not own else [word(arg) for arg in c.launcher_args]
     return [" ".join(options), *container, " ".join(extra)]
 
 
