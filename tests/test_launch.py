@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import socket
 import sys
 import textwrap
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tfdist.cli import main
+from tfdist.doctor.report import ranges
 from tfdist.errors import ConfigError
 from tfdist.launch import (
     assign_cpus,
@@ -450,10 +452,15 @@ def test_env_prints_the_detected_environment() -> None:
 
     from tfdist.env import detect
 
+    from tfdist.doctor.probe import versions
+
     fields = asdict(detect({"TF_CONFIG": TWO_WORKERS}))
-    # The plan: two processes from TF_CONFIG are MWMS workers; no GPU information here.
+    # The plan: two processes from TF_CONFIG are MWMS workers; no GPU information here; the
+    # rest as tfdist doctor's table shows it.
     fields.update(backend="mwms", backend_reason=f"auto: 2 processes ({fields['reason']})",
-                  gpus="counted by the framework")
+                  collective="ring", gpus="counted by the framework",
+                  cpus=ranges(os.sched_getaffinity(0)), host=socket.gethostname(),
+                  versions=versions())
     # Only TF_CONFIG: a Slurm or MPI variable in the test's own environment would win.
     environ = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
     environ["TF_CONFIG"] = TWO_WORKERS
@@ -461,6 +468,7 @@ def test_env_prints_the_detected_environment() -> None:
     assert [r.returncode for r in results] == [0, 0], results[0].stderr
     assert results[0].stdout.splitlines() == [f"{name}: {value}" for name, value in fields.items()]
     assert json.loads(results[1].stdout) == json.loads(json.dumps(fields, default=str))
+    assert "tensorflow" in fields["versions"] and fields["cpus"]
     assert fields["rank"] == 1
 
 

@@ -169,18 +169,18 @@ def _add_env(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _run_env(args: argparse.Namespace) -> int:
-    from tfdist import devices, settings
-    from tfdist.backends import choose
+    from tfdist.doctor import probe
     from tfdist.env import detect
 
     environment = detect()
-    settings.current()  # every TFDIST_* variable valid, or an error that names it
-    backend, why = choose(settings.resolve("backend"), environment)
-    gpus = devices.select_gpus(environment.visible_devices, environment.local_rank,
-                               environment.local_world_size,
-                               environment.gpus_per_task is not None)
-    fields = {**dataclasses.asdict(environment), "backend": backend, "backend_reason": why,
-              "gpus": "counted by the framework" if gpus is None else gpus or "none (CPU)"}
+    plan = probe.report(environment)  # what tfdist doctor's table shows for this process
+    if plan.errors:
+        raise TfdistError(plan.errors[0])  # every TFDIST_* variable valid, or name it
+    fields = {**dataclasses.asdict(environment), "backend": plan.backend,
+              "backend_reason": plan.why, "collective": plan.collective or "none",
+              "gpus": {"?": "counted by the framework", "": "none (CPU)"}.get(plan.gpus,
+                                                                              plan.gpus),
+              "cpus": plan.cpus, "host": plan.host, "versions": plan.versions}
     if args.json:
         print(json.dumps(fields, indent=2, default=str))
     else:
