@@ -11,8 +11,8 @@ import json
 import os
 import re
 import signal
-import subprocess
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -450,9 +450,8 @@ TWO_WORKERS = '{"cluster":{"worker":["a:1","b:2"]},"task":{"type":"worker","inde
 def test_env_prints_the_detected_environment() -> None:
     from dataclasses import asdict
 
-    from tfdist.env import detect
-
     from tfdist.doctor.probe import versions
+    from tfdist.env import detect
 
     fields = asdict(detect({"TF_CONFIG": TWO_WORKERS}))
     # The plan: two processes from TF_CONFIG are MWMS workers; no GPU information here; the
