@@ -156,6 +156,11 @@ SETTINGS: tuple[Setting, ...] = (
             "several processes were launched, else one process", "init(backend=)"),
     _choice("collective", "TFDIST_COLLECTIVE", ("auto", "ring", "nccl"),
             "MWMS all-reduce; `auto`: NCCL with GPUs, ring on CPU", "init(collective=)"),
+    Setting("collective_timeout", "TFDIST_COLLECTIVE_TIMEOUT", _positive_seconds, None,
+            "seconds an MWMS collective waits for the other ranks, then fails with a tfdist "
+            "line: for a rank alive but stuck, which the heartbeat does not catch; default: "
+            "wait forever. Set it above the longest time one rank may work alone (the chief "
+            "saving, a first trace)", argument="init(collective_timeout=)"),
     Setting("threads", "TFDIST_NUM_THREADS", _positive_int, None,
             "TensorFlow (and torch) threads; default: the cores this process is pinned to",
             argument="init(threads=)"),

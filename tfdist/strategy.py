@@ -24,7 +24,7 @@ _cache: HandleCache[Distributed] = HandleCache("tfdist")
 
 
 def init(backend: str | None = None, *, collective: str | None = None,
-         threads: int | None = None) -> Distributed:
+         threads: int | None = None, collective_timeout: float | None = None) -> Distributed:
     """Detects the launch and creates the strategy. Call it first in ``main``.
 
     Calling it again returns the same handle (the strategy can be created once per process).
@@ -39,6 +39,10 @@ def init(backend: str | None = None, *, collective: str | None = None,
         threads: TensorFlow intra- and inter-op threads; env ``TFDIST_NUM_THREADS``. By default
             the number of cores this process is pinned to, when it is pinned (srun
             ``--cpu-bind``, ``tfdist launch``), else TensorFlow's default.
+        collective_timeout: seconds an MWMS collective waits for the other ranks before it
+            fails with a tfdist line (a rank alive but stuck, which the heartbeat does not
+            catch: :mod:`tfdist.timeouts`); env ``TFDIST_COLLECTIVE_TIMEOUT``. Default: wait
+            forever.
 
     Returns:
         The :class:`Distributed` handle.
@@ -48,7 +52,7 @@ def init(backend: str | None = None, *, collective: str | None = None,
         LaunchError: the launch cannot train as started (e.g. the Slurm batch shell).
         ConfigError: an invalid setting, named with the allowed values.
     """
-    settings = resolve_settings(backend, collective, threads)
+    settings = resolve_settings(backend, collective, threads, collective_timeout)
     cached = _cache.get(settings)
     if cached is not None:
         return cached
@@ -61,12 +65,14 @@ def init(backend: str | None = None, *, collective: str | None = None,
 
 @contextlib.contextmanager
 def strategy_scope(backend: str | None = None, *, collective: str | None = None,
-                   threads: int | None = None) -> Iterator[Distributed]:
+                   threads: int | None = None,
+                   collective_timeout: float | None = None) -> Iterator[Distributed]:
     """``init()`` and enter the strategy's scope: ``with strategy_scope() as dist: ...``.
 
     Takes the same arguments as :func:`init`.
     """
-    handle = init(backend, collective=collective, threads=threads)
+    handle = init(backend, collective=collective, threads=threads,
+                  collective_timeout=collective_timeout)
     with handle.scope():
         yield handle
 
@@ -82,7 +88,7 @@ def reset() -> None:
 
 
 def resolve_settings(backend: str | None = None, collective: str | None = None,
-                     threads: int | None = None,
+                     threads: int | None = None, collective_timeout: float | None = None,
                      environ: Mapping[str, str] | None = None) -> Settings:
     """The settings of :func:`init`, each from its argument, variable or default.
 
@@ -91,4 +97,5 @@ def resolve_settings(backend: str | None = None, collective: str | None = None,
     """
     return {"backend": resolve("backend", backend, environ),
             "collective": resolve("collective", collective, environ),
-            "threads": resolve("threads", threads, environ)}
+            "threads": resolve("threads", threads, environ),
+            "collective_timeout": resolve("collective_timeout", collective_timeout, environ)}

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["Distributed", "Settings", "check_not_initialised", "configure_threads",
            "too_late"]
 
-# The resolved settings of init(): backend, collective, threads (see tfdist.settings).
+# The resolved settings of init(): backend, collective, threads, collective_timeout (see
+# tfdist.settings).
 Settings = dict[str, Any]
 
 

@@ -4,7 +4,8 @@ Start-up order matters: the GPUs are narrowed (``CUDA_VISIBLE_DEVICES``) before 
 looks at CUDA, and the strategy is created before TensorFlow's runtime starts, since collectives
 can be configured only then (:func:`tfdist.backends.base.too_late` says how to reorder a script).
 Each worker's address comes from the launch: tfdist's Slurm resolver for an srun step,
-``TF_CONFIG`` for ``tfdist launch`` and hand-written clusters.
+``TF_CONFIG`` for ``tfdist launch`` and hand-written clusters. ``TFDIST_COLLECTIVE_TIMEOUT``
+bounds every collective's wait for the other ranks (:mod:`tfdist.timeouts`).
 """
 
 from __future__ import annotations
@@ -132,9 +133,11 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
     collective = settings["collective"]
     if collective == "auto":
         collective = "nccl" if num_gpus else "ring"
+    timeout = settings["collective_timeout"]
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=getattr(tf.distribute.experimental.CommunicationImplementation,
-                               collective.upper()))
+                               collective.upper()),
+        timeout_seconds=timeout)  # every collective of the strategy; None: wait forever
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=_resolver(environment, num_gpus), communication_options=options)
@@ -142,15 +145,18 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         if "configured at program startup" in str(error):
             raise too_late(environment) from None
         raise
-    from tfdist import failures, keras_compat
+    from tfdist import failures, keras_compat, timeouts
 
     keras_compat.apply()
     failures.install(environment)  # a peer's failure named in one line, after TF's error
+    if timeout is not None:
+        timeouts.install(environment, timeout)  # and a collective's timeout, after it
     handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
     if handle.is_chief:
         logger.info("tfdist: MultiWorkerMirroredStrategy, %d workers, %s collectives, %d GPU(s) "
-                    "per worker; launched by %s", handle.world_size, collective.upper(),
-                    num_gpus, environment.reason)
+                    "per worker%s; launched by %s", handle.world_size, collective.upper(),
+                    num_gpus, f", collectives time out after {timeout:g} s" if timeout else "",
+                    environment.reason)
     return handle
 
 
