@@ -1,10 +1,11 @@
 """An MWMS fit in which one rank fails on purpose (tests/test_slurm_failures.py).
 
-``fault_fit_worker.py KIND RANK``: at step 20 of the first epoch, rank RANK prints
+``fault_fit_worker.py KIND RANK [MODEL_DIR]``: at step 20 of the first epoch, rank RANK prints
 ``fault-fit: rank R KIND at T`` (T: the wall clock, seconds since the epoch) and then sends
 itself SIGKILL (``kill``: a crash, an out-of-memory kill) or SIGSTOP (``stop``: a hang: the
 process lives, holds its sockets and answers nothing). The other ranks train on until
-TensorFlow's heartbeats, and tfdist's line, tell them.
+TensorFlow's heartbeats, and tfdist's line, tell them. With MODEL_DIR the fit also has
+tfdist's preemption callbacks, which must not mistake the fault for a preemption.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 def main() -> None:
     kind, faulty = sys.argv[1], int(sys.argv[2])
+    model_dir = sys.argv[3] if len(sys.argv) > 3 else None
     dist = tfdist.init()
     import tensorflow as tf
 
@@ -44,7 +46,8 @@ def main() -> None:
 
     dataset = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
     model.fit(dataset, epochs=200, verbose=0,
-              callbacks=dist.callbacks(Fault(), tensorboard=False, sync_check=False))
+              callbacks=dist.callbacks(Fault(), tensorboard=False, sync_check=False,
+                                       model_dir=model_dir))
 
 
 if __name__ == "__main__":
