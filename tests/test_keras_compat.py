@@ -36,6 +36,20 @@ def test_patched_functions_still_have_the_upstream_defects():
         "Keras changed _maybe_symbolic_build: defect 1 of keras#20585 may be fixed upstream")
     assert 'strategy.reduce("MEAN", v, axis=0)' in reduce, (
         "Keras changed reduce_per_replica: defect 2 of keras#20585 may be fixed upstream")
+    make = trainer.TensorFlowTrainer._make_function
+    steps = inspect.getsource(getattr(make, "__wrapped__", make))
+    assert "get_next_as_optional" in steps and "tf.cond(" in steps, (
+        "Keras changed multi_step_on_iterator: steps_per_execution may work on several workers "
+        "upstream now (tests/test_keras_traps.py checks it with the fix)")
+
+
+@pytest.mark.parametrize(("begin", "epoch_steps", "expected"), [
+    (0, 8, 3), (3, 8, 3), (6, 8, 2),  # 8 steps in chunks of 3: the last has 2
+    (9, 8, 0),  # past the end: nothing to run (the epoch ends)
+    (30, None, 3),  # unknown length: always full chunks
+])
+def test_an_execution_runs_what_the_epoch_has_left(begin, epoch_steps, expected):
+    assert keras_compat.steps_in_chunk(begin, epoch_steps, 3) == expected
 
 
 def test_legacy_keras_needs_no_fix(monkeypatch):

@@ -121,6 +121,12 @@ def test_numpy_inputs_are_split_by_rank(run):
         np.testing.assert_array_equal(np.sort(np.concatenate(parts)), everything)
 
 
+def test_steps_per_execution_trains_as_one_step_at_a_time(run):
+    found = run.case("steps_per_execution")
+    _same_on_both_ranks(found)
+    assert found[0]["digest"] == found[0]["one_step"]
+
+
 def test_jit_compile_under_horovod_is_refused_with_the_fix(run):
     found = run.case("jit_compile")
     if run.backend != "horovod":

@@ -11,7 +11,14 @@ to the one tfdist pins. Two defects, both only with more than one worker:
    losses and metrics ("Invalid reduction dimension 0 for input with 0 dimensions"). The
    single-worker path means across replicas, which is ``axis=None``.
 
-Both fixes wrap the upstream functions and defer to them everywhere else. They are applied by
+3. ``compile(steps_per_execution=N)`` runs N steps in one ``tf.while_loop`` that draws each
+   batch with ``get_next_as_optional`` inside a ``tf.cond``; a multi-worker distributed iterator
+   agrees on "has a next batch" with a collective, which fails there ("You must feed a value
+   for placeholder tensor ... has_next"). tfdist runs the N steps unrolled in one
+   ``tf.function`` instead, each drawing its batch with ``get_next``: it knows from the epoch
+   iterator how many steps the epoch has left, so the last, shorter chunk gets its own trace.
+
+All fixes wrap the upstream functions and defer to them everywhere else. They are applied by
 tfdist.init only for a multi-worker strategy and only on the Keras versions in ``AFFECTED``;
 ``tests/test_keras_compat.py`` fails loudly when the pinned Keras no longer has the defects or
 moved the patched functions. ``TFDIST_KERAS_FIX=0`` turns the fix off (to reproduce the bug).
@@ -25,7 +32,8 @@ from typing import Any
 
 from tfdist.settings import resolve
 
-__all__ = ["AFFECTED", "apply", "is_keras3", "legacy_keras_requested", "needs_fix"]
+__all__ = ["AFFECTED", "apply", "is_keras3", "legacy_keras_requested", "needs_fix",
+           "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -76,6 +84,10 @@ def apply() -> bool:
     trainer.TensorFlowTrainer._maybe_symbolic_build = _wrap_symbolic_build(
         trainer.TensorFlowTrainer._maybe_symbolic_build)
     trainer.reduce_per_replica = _wrap_reduce_per_replica(trainer.reduce_per_replica)
+    trainer.TensorFlowTrainer._make_function = _wrap_make_function(
+        trainer.TensorFlowTrainer._make_function)
+    trainer.TFEpochIterator._enumerate_iterator = _wrap_enumerate(
+        trainer.TFEpochIterator._enumerate_iterator)
     _applied = True
     import keras
 
@@ -126,3 +138,65 @@ def _wrap_reduce_per_replica(original: Any) -> Any:
 
     reduce_per_replica.__wrapped__ = original  # type: ignore[attr-defined]
     return reduce_per_replica
+
+
+# id(distributed iterator) -> (first step of the chunk being run, steps in the epoch or None)
+_chunks: dict[int, tuple[int, int | None]] = {}
+
+
+def _wrap_enumerate(original: Any) -> Any:
+    def _enumerate_iterator(self: Any) -> Any:
+        for begin, end, iterator in original(self):
+            _chunks[id(iterator)] = (begin, self.steps_per_epoch or self._num_batches or None)
+            yield begin, end, iterator
+
+    return _enumerate_iterator
+
+
+def steps_in_chunk(begin: int, epoch_steps: int | None, steps_per_execution: int) -> int:
+    """How many steps one execution runs: ``steps_per_execution``, or what the epoch has left."""
+    if epoch_steps is None:
+        return steps_per_execution
+    return max(0, min(steps_per_execution, epoch_steps - begin))
+
+
+def _wrap_make_function(original: Any) -> Any:
+    def _make_function(self: Any, step_function: Any) -> Any:
+        function = original(self, step_function)
+        strategy = self.distribute_strategy
+        if self.steps_per_execution == 1 or self.run_eagerly or not _is_multi_worker(strategy):
+            return function
+        return _unrolled_steps(self, step_function, function)
+
+    _make_function.__wrapped__ = original  # type: ignore[attr-defined]
+    return _make_function
+
+
+def _unrolled_steps(model: Any, step_function: Any, upstream: Any) -> Any:
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer
+
+    def one_step_on_data(data: Any) -> Any:
+        outputs = model.distribute_strategy.run(step_function, args=(data,))
+        return trainer.reduce_per_replica(outputs, model.distribute_strategy, reduction="auto")
+
+    one_step = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
+
+    def steps(iterator: Any, count: int) -> Any:
+        outputs = None
+        for _ in range(count):  # unrolled: no collective inside a tf.cond or tf.while_loop
+            outputs = one_step(iterator.get_next())
+        return outputs
+
+    traced = tf.function(steps)  # traced once per count: a full chunk and the epoch's last
+
+    def function(iterator: Any) -> Any:
+        if not isinstance(iterator, tf.distribute.DistributedIterator):
+            return upstream(iterator)
+        begin, epoch_steps = _chunks.get(id(iterator), (0, None))
+        count = steps_in_chunk(begin, epoch_steps, model.steps_per_execution)
+        if count == 0:
+            raise StopIteration
+        return traced(iterator, count)
+
+    return function

@@ -16,6 +16,8 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   subclassed one: built lazily, yet every rank must start from rank 0's weights.
 - ``numpy``: ``fit(x, y, batch_size=...)`` on arrays: each rank must train on its share; a layer
   records the rows each rank's replica sees.
+- ``steps_per_execution``: ``compile(steps_per_execution=3)`` over 8 steps an epoch (chunks
+  of 3, 3 and 2) must end with the weights of ``steps_per_execution=1`` from the same start.
 - ``jit_compile`` (Horovod): ``compile(jit_compile=True)`` must be refused with tfdist's message.
 - ``control_chief_only_save`` (MWMS): the old way, the checkpoint on the chief only
   (``ChiefOnly(AtomicCheckpoint)``) with ``fit`` inside the scope, must still break: it shows
@@ -55,6 +57,7 @@ def main(out_dir: str, backend: str) -> None:
         "user_writers": lambda: _user_writers(dist, keras, tf, out_dir),
         "lazy_model": lambda: _lazy_model(dist, keras, tf),
         "numpy": lambda: _numpy(dist, keras),
+        "steps_per_execution": lambda: _steps_per_execution(dist, keras, tf),
         "jit_compile": lambda: _jit_compile(dist, keras),
         # Last: when it shows the old defect, the ranks' collectives are aborted.
         "control_chief_only_save": lambda: _control(dist, keras, tf, out_dir),
@@ -181,6 +184,19 @@ def _numpy(dist: Any, keras: Any) -> dict[str, Any]:
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False,
                         callbacks=dist.callbacks())
     return {"digest": _digest(model), "seen": seen, "epochs": len(history.history["loss"])}
+
+
+def _steps_per_execution(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    digests = {}
+    for steps in (1, 3):
+        keras.utils.set_random_seed(1)
+        with dist.scope():
+            model = _model(keras)
+            _compile(model, keras, steps_per_execution=steps)
+        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+                  callbacks=dist.callbacks())
+        digests[steps] = _digest(model)
+    return {"digest": digests[3], "one_step": digests[1]}
 
 
 def _jit_compile(dist: Any, keras: Any) -> dict[str, Any]:
