@@ -127,12 +127,11 @@ def test_steps_per_execution_trains_as_one_step_at_a_time(run):
     assert found[0]["digest"] == found[0]["one_step"]
 
 
-def test_jit_compile_under_horovod_is_refused_with_the_fix(run):
+def test_jit_compile_trains_without_xla_where_xla_cannot_all_reduce(run):
     found = run.case("jit_compile")
-    if run.backend != "horovod":
-        pytest.skip(found[0]["skipped"])
-    for f in found:
-        assert "jit_compile=False" in f["refused"] and "backend='mwms'" in f["refused"]
+    _same_on_both_ranks(found)
+    assert found[0]["digest"] == found[0]["without_xla"]
+    assert "compile(jit_compile=True) trains without XLA here" in run.job.stdout
 
 
 def test_control_the_old_chief_only_checkpoint_still_breaks(run):

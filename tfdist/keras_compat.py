@@ -26,14 +26,15 @@ moved the patched functions. ``TFDIST_KERAS_FIX=0`` turns the fix off (to reprod
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
 
 from tfdist.settings import resolve
 
-__all__ = ["AFFECTED", "apply", "is_keras3", "legacy_keras_requested", "needs_fix",
-           "steps_in_chunk"]
+__all__ = ["AFFECTED", "apply", "compile_without_xla", "is_keras3", "legacy_keras_requested",
+           "needs_fix", "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -200,3 +201,31 @@ def _unrolled_steps(model: Any, step_function: Any, upstream: Any) -> Any:
         return traced(iterator, count)
 
     return function
+
+
+def compile_without_xla(model_class: Any, reason: str) -> None:
+    """Makes ``compile(jit_compile=True)`` compile without XLA, with one warning saying why.
+
+    For the launches where XLA cannot compile the step's all-reduce: MWMS on CPUs (TensorFlow
+    has no XLA collectives for CPU devices, b/194942685; with NCCL on GPUs it has) and Horovod
+    (its ops are not XLA ops). The script runs unchanged; only the step is not XLA-compiled.
+    """
+    original = model_class.compile
+    if getattr(original, "_tfdist_no_xla", False):
+        return
+
+    @functools.wraps(original)
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("jit_compile") is True:
+            if not _warned:
+                logger.warning("tfdist: compile(jit_compile=True) trains without XLA here: %s",
+                               reason)
+                _warned.append(True)
+            kwargs["jit_compile"] = False
+        return original(self, *args, **kwargs)
+
+    compile._tfdist_no_xla = True  # type: ignore[attr-defined]
+    model_class.compile = compile
+
+
+_warned: list[bool] = []

@@ -148,6 +148,10 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
     from tfdist import failures, keras_compat, timeouts
 
     keras_compat.apply()
+    if not num_gpus and environment.is_distributed:
+        keras_compat.compile_without_xla(tf.keras.Model, (
+            "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
+            "all-reduce cannot be compiled; with NCCL on GPUs it can"))
     failures.install(environment)  # a peer's failure named in one line, after TF's error
     if timeout is not None:
         timeouts.install(environment, timeout)  # and a collective's timeout, after it

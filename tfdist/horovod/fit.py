@@ -9,8 +9,8 @@ all on Horovod's core collective ops (:mod:`tfdist.horovod.ops`).
 :func:`install_hooks` also makes ``Model.fit`` behave as under MultiWorkerMirroredStrategy where
 plain Horovod would not: arrays passed to ``fit`` are split by rank (:func:`shard_arrays`), and
 a model Keras 3 would build lazily in the first step is built before the initial broadcast, so
-that every rank starts from rank 0's weights. ``jit_compile=True`` is refused with the fix:
-Horovod's ops cannot be compiled by XLA.
+that every rank starts from rank 0's weights. ``jit_compile=True`` trains without XLA, with a
+warning: Horovod's ops cannot be compiled by XLA.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.horovod import ops
+from tfdist.keras_compat import compile_without_xla
 
 __all__ = ["DistributedOptimizer", "callbacks", "install_hooks", "is_keras3", "shard_arrays"]
 
@@ -86,6 +87,8 @@ def install_hooks(rank: int, world_size: int) -> None:
     if getattr(model_class.compile, _MARK, False):
         return
     model_class.compile = _compile_hook(model_class.compile)
+    compile_without_xla(model_class, "Horovod's all-reduce cannot be compiled by XLA; "
+                        "backend='mwms' with NCCL on GPUs can")
     model_class.fit = _fit_hook(model_class.fit, rank, world_size)
     if is_keras3():
         from keras.src.backend.tensorflow import trainer
@@ -97,11 +100,6 @@ def install_hooks(rank: int, world_size: int) -> None:
 def _compile_hook(original: Any) -> Any:
     @functools.wraps(original)
     def compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("jit_compile") is True:
-            raise ConfigError(
-                "compile(jit_compile=True) under the Horovod backend: Horovod's all-reduce "
-                "cannot be compiled by XLA, so the first step would fail inside XLA. Pass "
-                "jit_compile=False (or leave it out), or use backend='mwms'")
         if not is_keras3():  # Horovod's wrapper must be in place before compile uses it
             optimizer = DistributedOptimizer(keras.optimizers.get(optimizer))
         else:
