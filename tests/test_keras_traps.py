@@ -127,6 +127,15 @@ def test_steps_per_execution_trains_as_one_step_at_a_time(run):
     assert found[0]["digest"] == found[0]["one_step"]
 
 
+def test_batch_norm_statistics_end_identical_on_every_rank(run):
+    found = run.case("batch_norm")
+    _same_on_both_ranks(found)  # moving statistics included
+    # The control: without the average, Keras leaves each rank its own statistics (tf_keras
+    # under MWMS averages them itself, on read).
+    assert (found[0]["control"] != found[1]["control"]) == found[0]["averaged"], found
+    assert found[0]["averaged"] == (run.combo != "mwms-tf_keras")
+
+
 def test_jit_compile_trains_without_xla_where_xla_cannot_all_reduce(run):
     found = run.case("jit_compile")
     _same_on_both_ranks(found)

@@ -521,7 +521,8 @@ def _tensorboard_installed(dist: Distributed) -> bool:
 def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoint: bool = True,
           tensorboard: bool = True, backup: bool = True, warmup_epochs: float = 0,
           chief_only: tuple[Any, ...] = (), sync_check: bool | None = None,
-          sync_check_every: int | None = None, preempt: bool = True) -> list[Any]:
+          sync_check_every: int | None = None, preempt: bool = True,
+          average_batch_statistics: bool | None = None) -> list[Any]:
     """Callbacks for ``model.fit`` that behave on any number of workers.
 
     Args:
@@ -542,6 +543,10 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
             training, and stop with ReplicaMismatchError naming the ranks that differ
             (:class:`tfdist.sync.ReplicaSyncCheck`); env ``TFDIST_SYNC_CHECK`` (1/0), default on.
         sync_check_every: also check every N steps; env ``TFDIST_SYNC_CHECK_EVERY``.
+        average_batch_statistics: at each epoch's end, replace each rank's BatchNormalization
+            moving statistics by their mean over the ranks, before anything saves or compares
+            (:class:`tfdist.sync.BatchStatisticsAverage`); env
+            ``TFDIST_AVERAGE_BATCH_STATISTICS``, default on.
         preempt: with ``model_dir``, stop every rank at one agreed step after SIGTERM, SIGUSR1
             or ``TFDIST_PREEMPT_SIGNAL``, save the state in ``model_dir/preempted`` and exit
             with code 75 (:class:`PreemptionCheckpoint`).
@@ -553,6 +558,10 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
     # The backend's own first (Horovod: broadcast from rank 0, then metric averaging, which
     # must run before anything reads the epoch's logs).
     callbacks: list[Any] = list(dist.backend_callbacks())
+    averaged = (resolve("batch_statistics", average_batch_statistics)
+                and sync.averages_batch_statistics(dist))
+    if averaged:  # first at an epoch's end: backups, checkpoints and checks see the mean
+        callbacks.append(sync.BatchStatisticsAverage(dist))
     if model_dir and backup:
         callbacks.append(WorkerBackupAndRestore(
             os.path.join(model_dir, "backup"), dist.rank,
@@ -560,7 +569,8 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
     if warmup_epochs:
         callbacks.append(LearningRateWarmup(warmup_epochs, dist.num_replicas))
     callbacks += [route_writer(dist, callback, announce=True) for callback in extra]
-    check = sync.sync_check_callback(dist, sync_check, sync_check_every)
+    check = sync.sync_check_callback(dist, sync_check, sync_check_every,
+                                     batch_statistics_at_end=averaged)
     callbacks += [check] if check is not None else []  # after `extra`: it sees their changes
     writers = [writer if _path_attribute(writer) else ChiefOnly(writer, dist.is_chief)
                for writer in chief_only]

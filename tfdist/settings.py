@@ -174,6 +174,10 @@ SETTINGS: tuple[Setting, ...] = (
             "bug)"),
     Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
             "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
+    Setting("batch_statistics", "TFDIST_AVERAGE_BATCH_STATISTICS", flag, True,
+            "average BatchNormalization's moving statistics over the ranks at each epoch's end, "
+            "so that every rank holds the same model; `0` leaves each rank its own",
+            argument="callbacks(average_batch_statistics=)"),
     Setting("sync_check_every", "TFDIST_SYNC_CHECK_EVERY", _positive_int, None,
             "also compare the ranks' weights every N steps",
             argument="callbacks(sync_check_every=)"),

@@ -35,7 +35,11 @@ if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
 __all__ = [
+    "BatchStatisticsAverage",
     "ReplicaSyncCheck",
+    "average_batch_statistics",
+    "averages_batch_statistics",
+    "batch_statistics",
     "check",
     "digest",
     "fingerprint",
@@ -71,25 +75,76 @@ def digest(values: Iterable[Any]) -> str:
     return hashlib.blake2b(fingerprint(values).tobytes(), digest_size=8).hexdigest()
 
 
-def model_variables(model: Any, *, include_optimizer: bool = False) -> list[Any]:
+def model_variables(model: Any, *, include_optimizer: bool = False,
+                    include_batch_statistics: bool = False) -> list[Any]:
     """The variables of ``model`` that every replica must hold identically.
 
     These are ``model.weights`` (trainable and non-trainable) without the moving statistics of
     BatchNormalization layers that are not ``synchronized``: Keras updates those from each
-    replica's own batches, so they differ between replicas by design.
+    replica's own batches, so they differ between replicas until
+    :func:`average_batch_statistics` evens them out at an epoch's end.
 
     Args:
         model: a Keras model (Keras 3 or tf_keras).
         include_optimizer: also compare the optimizer's variables (step count, moments).
+        include_batch_statistics: also those moving statistics (right after they were
+            averaged).
     """
-    per_replica = {id(v) for layer in _layers(model) if _is_unsynced_batch_norm(layer)
-                   for v in (layer.moving_mean, layer.moving_variance)}
+    per_replica = ({id(v) for v in batch_statistics(model)} if not include_batch_statistics
+                   else set())
     variables = [v for v in model.weights if id(v) not in per_replica]
     optimizer = getattr(model, "optimizer", None)
     if include_optimizer and optimizer is not None:
         extra = optimizer.variables
         variables += list(extra() if callable(extra) else extra)
     return variables
+
+
+def batch_statistics(model: Any) -> list[Any]:
+    """The moving means and variances of the BatchNormalization layers that are not
+    ``synchronized``, which each replica updates from its own batches."""
+    return [v for layer in _layers(model) if _is_unsynced_batch_norm(layer)
+            for v in (layer.moving_mean, layer.moving_variance)]
+
+
+def averages_batch_statistics(dist: Distributed) -> bool:
+    """Whether the ranks' moving statistics need averaging: several ranks, other than tf_keras
+    under MWMS, whose statistics are sync-on-read means already."""
+    if dist.world_size == 1:
+        return False
+    from tfdist.keras_compat import is_keras3
+
+    return dist.backend != "mwms" or is_keras3(keras)
+
+
+def average_batch_statistics(dist: Distributed, model: Any) -> int:
+    """Replaces every rank's BatchNormalization moving statistics by their mean over the ranks,
+    in one collective; returns how many values it averaged. Every rank must call it."""
+    variables = batch_statistics(model)
+    if not variables:
+        return 0
+    local = [_to_numpy(_tf_variable(v)) for v in variables]
+    flat = np.concatenate([value.reshape(-1).astype(np.float64) for value in local])
+    mean = np.asarray(dist.sum_over_ranks(flat.tolist()), dtype=np.float64) / dist.world_size
+    offset = 0
+    for variable, value in zip(variables, local, strict=True):
+        part = mean[offset:offset + value.size].reshape(value.shape).astype(value.dtype)
+        variable.assign(part)
+        offset += value.size
+    return int(flat.size)
+
+
+class BatchStatisticsAverage(keras.callbacks.Callback):
+    """Averages the ranks' BatchNormalization moving statistics at each epoch's end, before
+    anything saves or compares the weights: every rank then holds the same model, and the
+    chief's checkpoint reflects all the data, as tf_keras's sync-on-read statistics do."""
+
+    def __init__(self, dist: Distributed) -> None:
+        super().__init__()
+        self.dist = dist
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        average_batch_statistics(self.dist, self.model)
 
 
 def check(dist: Distributed, variables: Sequence[Any], step: int | None = None, *,
@@ -212,6 +267,7 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
 
     def __init__(self, dist: Distributed, every_n_steps: int | None = None, *,
                  at_train_end: bool = True, include_optimizer: bool = False,
+                 batch_statistics_at_end: bool = False,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__()
         if every_n_steps is not None and every_n_steps < 1:
@@ -219,6 +275,7 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
                               "or None to check after the first step only")
         self.dist, self.every_n_steps, self.at_train_end = dist, every_n_steps, at_train_end
         self.include_optimizer, self.timeout_s = include_optimizer, timeout_s
+        self.batch_statistics_at_end = batch_statistics_at_end
         self.checked_steps: list[int] = []
         self.seconds: list[float] = []
         self._step = 0
@@ -234,12 +291,15 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
             self._check()
 
     def on_train_end(self, logs: Any = None) -> None:
-        if self.at_train_end and self._step and self.checked_steps[-1:] != [self._step]:
-            self._check()
+        if self.at_train_end and self._step and (self.checked_steps[-1:] != [self._step]
+                                                 or self.batch_statistics_at_end):
+            self._check(at_end=True)
 
-    def _check(self) -> None:
+    def _check(self, *, at_end: bool = False) -> None:
         start = time.perf_counter()
-        variables = model_variables(self.model, include_optimizer=self.include_optimizer)
+        variables = model_variables(self.model, include_optimizer=self.include_optimizer,
+                                    include_batch_statistics=at_end
+                                    and self.batch_statistics_at_end)
         check(self.dist, variables, self._step, timeout_s=self.timeout_s)
         self.checked_steps.append(self._step)
         self.seconds.append(time.perf_counter() - start)
@@ -251,7 +311,8 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
 
 def sync_check_callback(dist: Distributed, enabled: bool | None = None,
                         every_n_steps: int | None = None,
-                        environ: Mapping[str, str] | None = None) -> ReplicaSyncCheck | None:
+                        environ: Mapping[str, str] | None = None, *,
+                        batch_statistics_at_end: bool = False) -> ReplicaSyncCheck | None:
     """The :class:`ReplicaSyncCheck` that ``dist.callbacks()`` adds, or None.
 
     Args:
@@ -261,6 +322,8 @@ def sync_check_callback(dist: Distributed, enabled: bool | None = None,
         every_n_steps: also check every N steps; env ``TFDIST_SYNC_CHECK_EVERY``, default
             None (after the first step and at the end only).
         environ: the environment to read (default ``os.environ``).
+        batch_statistics_at_end: compare the BatchNormalization moving statistics too at the
+            end of training (they were averaged at the last epoch's end).
 
     Raises:
         ConfigError: an invalid setting.
@@ -269,7 +332,7 @@ def sync_check_callback(dist: Distributed, enabled: bool | None = None,
     every_n_steps = resolve("sync_check_every", every_n_steps, environ)
     if not enabled or dist.num_replicas == 1:
         return None
-    return ReplicaSyncCheck(dist, every_n_steps)
+    return ReplicaSyncCheck(dist, every_n_steps, batch_statistics_at_end=batch_statistics_at_end)
 
 
 def _digest(array: np.ndarray) -> int:

@@ -18,6 +18,9 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   records the rows each rank's replica sees.
 - ``steps_per_execution``: ``compile(steps_per_execution=3)`` over 8 steps an epoch (chunks
   of 3, 3 and 2) must end with the weights of ``steps_per_execution=1`` from the same start.
+- ``batch_norm``: a model with BatchNormalization; with tfdist's callbacks every rank ends
+  with the same moving statistics, and without the average (the control) they differ where
+  Keras leaves them per rank (all but tf_keras under MWMS).
 - ``jit_compile``: ``compile(jit_compile=True)`` trains (without XLA, which cannot compile the
   all-reduce on CPUs or Horovod's) and ends where ``jit_compile=False`` ends.
 - ``control_chief_only_save`` (MWMS): the old way, the checkpoint on the chief only
@@ -59,6 +62,7 @@ def main(out_dir: str, backend: str) -> None:
         "lazy_model": lambda: _lazy_model(dist, keras, tf),
         "numpy": lambda: _numpy(dist, keras),
         "steps_per_execution": lambda: _steps_per_execution(dist, keras, tf),
+        "batch_norm": lambda: _batch_norm(dist, keras, tf),
         "jit_compile": lambda: _jit_compile(dist, keras, tf),
         # Last: when it shows the old defect, the ranks' collectives are aborted.
         "control_chief_only_save": lambda: _control(dist, keras, tf, out_dir),
@@ -198,6 +202,24 @@ def _steps_per_execution(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
                   callbacks=dist.callbacks())
         digests[steps] = _digest(model)
     return {"digest": digests[3], "one_step": digests[1]}
+
+
+def _batch_norm(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    from tfdist.sync import averages_batch_statistics, digest, model_variables
+
+    found: dict[str, Any] = {"averaged": averages_batch_statistics(dist)}
+    for average in (True, False):
+        keras.utils.set_random_seed(1)
+        with dist.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                      keras.layers.BatchNormalization(),
+                                      keras.layers.Activation("relu"), keras.layers.Dense(2)])
+            _compile(model, keras)
+        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+                  callbacks=dist.callbacks(average_batch_statistics=average))
+        found["digest" if average else "control"] = digest(
+            model_variables(model, include_batch_statistics=True))
+    return found
 
 
 def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
