@@ -29,12 +29,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any
 
 from tfdist.settings import resolve
 
 __all__ = ["AFFECTED", "apply", "compile_without_xla", "is_keras3", "legacy_keras_requested",
-           "needs_fix", "steps_in_chunk"]
+           "needs_fix", "refuse_mixed_keras", "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -229,3 +230,37 @@ def compile_without_xla(model_class: Any, reason: str) -> None:
 
 
 _warned: list[bool] = []
+
+
+MIXED_KERAS = (
+    "this model is a Keras 3 model (`import keras`), but TF_USE_LEGACY_KERAS=1 makes tf.keras, "
+    "and so tfdist's strategy set-up and callbacks, tf_keras (Keras 2): the two do not mix on "
+    "several workers (Keras 3's fit fails on PerReplica values; under Horovod its gradients "
+    "would not be averaged). Build the model with `tf.keras` (or `import tf_keras as keras`), "
+    "or unset TF_USE_LEGACY_KERAS to train with Keras 3")
+
+
+def refuse_mixed_keras() -> bool:
+    """With ``TF_USE_LEGACY_KERAS=1`` and Keras 3 imported too (``import keras``), makes Keras 3
+    models' ``fit``, ``evaluate`` and ``predict`` raise :data:`MIXED_KERAS` instead of failing
+    deep inside TensorFlow (or, under Horovod, training without averaging). Returns whether the
+    guard is in place. A script that imports Keras 3 only after :func:`tfdist.init` is not
+    seen."""
+    module = sys.modules.get("keras")
+    if not legacy_keras_requested() or module is None or not is_keras3(module):
+        return False
+    from keras.src.backend.tensorflow import trainer
+
+    from tfdist.errors import ConfigError
+
+    for name in ("fit", "evaluate", "predict"):
+        original = getattr(trainer.TensorFlowTrainer, name)
+        if getattr(original, "_tfdist_mixed", False):
+            continue
+
+        def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise ConfigError(MIXED_KERAS)
+
+        refuse._tfdist_mixed = True  # type: ignore[attr-defined]
+        setattr(trainer.TensorFlowTrainer, name, functools.wraps(original)(refuse))
+    return True

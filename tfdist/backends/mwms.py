@@ -148,6 +148,8 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
     from tfdist import failures, keras_compat, timeouts
 
     keras_compat.apply()
+    if environment.is_distributed:
+        keras_compat.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
     if not num_gpus and environment.is_distributed:
         keras_compat.compile_without_xla(tf.keras.Model, (
             "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
