@@ -264,7 +264,8 @@ def test_srun_job_meets_at_the_first_node_derived_port_and_trains_in_sync(
     assert ranks_by_task(job) == {rank: [rank] for rank in range(WORLD)}, job.describe()
     digest = check_in_sync(job)
     chief = check_chief(job, digest)
-    # tfdist.torch derived the rendezvous itself: the first node, the port of the job's step 0.
-    port = port_base({"SLURM_JOB_ID": job.job_id, "SLURM_STEP_ID": "0"}, GPUS_PER_NODE)
+    # tfdist.torch derived the rendezvous itself: the first node, the port of the training's
+    # step (1: the doctor's step, 0, ran before it).
+    port = port_base({"SLURM_JOB_ID": job.job_id, "SLURM_STEP_ID": "1"}, GPUS_PER_NODE)
     assert "rendezvous: first node of the step's nodelist at the job's derived port: " \
            f"{TWO_NODES[0]}:{port}" in chief, job.describe()

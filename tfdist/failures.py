@@ -1,95 +1,273 @@
-"""When a peer dies or hangs: which rank it was, said in one line next to TensorFlow's error.
+"""When a peer dies or hangs: which rank it was, said in one line next to the backend's error.
 
-A rank that crashes, is killed or stops responding shows up on every other rank as TensorFlow's
-own error, far from the cause: "Collective ops is aborted by: ... The following tasks are
-unhealthy (stopped sending heartbeats): /job:worker/replica:0/task:1", or a gRPC "Connection
-refused" to the coordination service. :func:`failed_ranks` reads the ranks out of that text
-(pure, tested on messages taken from real runs); :func:`explain` turns them into the line
-tfdist prints after the traceback, with the host, the step this rank stopped at, and where to
-look first: the failed rank's own output, which holds the cause.
+A rank that crashes, is killed or stops responding shows up on every other rank as an error of
+the communication layer, far from the cause:
+
+- MultiWorkerMirroredStrategy: "Collective ops is aborted by: ... The following tasks are
+  unhealthy (stopped sending heartbeats): /job:worker/replica:0/task:1", or a gRPC
+  "Connection refused" to the coordination service;
+- Horovod: "Horovod has been shut down. This was caused by an exception on one of the ranks
+  ...", which names no rank (Horovod logs gloo's "Read error [10.0.0.2]:43457: Connection reset
+  by peer" or "Timed out waiting 120000ms for recv operation to complete" before it, from C++);
+- torch with gloo: "Connection closed by peer [10.0.0.2]:43457", "Read error [10.0.0.2]:43457:
+  Connection reset by peer", or "Timed out waiting 600000ms for recv operation to complete";
+  with NCCL: "Watchdog caught collective operation timeout" (with TORCH_NCCL_DESYNC_DEBUG=1,
+  "ranks [1] are the lagging ranks ...") or "remote process exited or there was a network
+  error ... Connection closed by remote peer n10<57521>" (NCCL's watchdog mostly ends the
+  process itself, before Python sees an error: the heartbeat below speaks first);
+- tfdist's own heartbeat under torch (:mod:`tfdist.torch.heartbeat`): "rank 1 sent no heartbeat
+  for 60 s".
+
+:func:`failed_ranks` reads the ranks out of that text (pure, tested on messages taken from real
+runs); a peer named only by its address (gloo and NCCL give the IP of the peer's own socket,
+whose port is no rank's) is matched to the ranks on that host, and :func:`failed_host` says
+which host that was. :func:`explain` turns them into the line tfdist prints after the
+traceback, with the host, the step this rank stopped at, and where to look first: the failed
+rank's own output, which holds the cause.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
-__all__ = ["explain", "failed_ranks", "install", "progress"]
+__all__ = ["explain", "failed_host", "failed_ranks", "install", "progress", "report",
+           "silent_message"]
 
 _TASK = re.compile(r"/job:worker/(?:replica:\d+/)?task:(\d+)")
 _REMOTE = re.compile(r"remote target (/job:worker/(?:replica:\d+/)?task:\d+)")
-_UNREACHABLE = ("Connection refused", "failed to connect", "Socket closed", "Connection reset")
+# A connection to a peer failed: TensorFlow's gRPC, gloo (torch's and Horovod's), NCCL.
+_UNREACHABLE = ("Connection refused", "failed to connect", "Socket closed", "Connection reset",
+                "Connection closed by", "Read error", "Write error", "Read timeout",
+                "Broken pipe", "Got completion from peer")
+# A peer's socket as gloo writes it, "[10.0.0.2]:43457", and as NCCL does, "n10<57521>".
+_PEER = re.compile(r"\[([0-9A-Za-z.:%_-]+)\]:\d+|([0-9A-Za-z._-]+)<\d+>")
+# tfdist's heartbeat (silent_message) and NCCL's desync report (TORCH_NCCL_DESYNC_DEBUG=1).
+_SILENT = re.compile(r"rank (\d+) sent no heartbeat")
+_LAGGING = re.compile(r"ranks \[([\d, ]+)\] are the lagging ranks")
+_DESYNC = "the lagging/dead/mismatched ranks that caused the desync are:"
+_DESYNC_RANKS = re.compile(r"\[([\d, ]+)\] (?:joined but didn't finish|finished) collective")
+# Errors that mean some peer is gone or late, without saying which.
+_UNNAMED = re.compile(r"Horovod has been shut down|Timed out waiting \d+ms for (?:recv|send) "
+                      r"operation|Watchdog caught collective operation timeout|remote process "
+                      r"exited or there was a network error")
+_CAUSES = "(crashed, killed, out of memory, or hung)"
 
-# Where training was, kept up to date by tfdist's fit callbacks: {"epoch": E, "step": S}.
+# Where training was, kept up to date by tfdist's fit callbacks ({"epoch": E, "step": S}) and
+# by tfdist.torch's DDP wrapper ({"step": S}, counted over all epochs).
 progress: dict[str, int] = {}
 
 
-def failed_ranks(message: str, addresses: Sequence[str] = ()) -> list[int]:
+def silent_message(rank: int, seconds: float) -> str:
+    """The error tfdist's heartbeat reports for a peer that stopped beating (see the module)."""
+    return (f"rank {rank} sent no heartbeat for {seconds:g} s: its process is stopped, frozen or "
+            "cut off from the network")
+
+
+def failed_ranks(message: str, addresses: Sequence[str] = (),
+                 aliases: Mapping[str, str] | None = None) -> list[int]:
     """The ranks an error message names as failed, or [] when it names none.
 
+    A peer named only by its host (gloo and NCCL name a peer's socket, whose port is no rank's)
+    gives every rank on that host, this process's own included when it runs there:
+    :func:`explain` leaves out this rank, and :func:`failed_host` says the match was by host.
+
     Args:
-        message: the text of TensorFlow's error.
-        addresses: every rank's worker address (``host:port``), to recognise a peer named by
-            address in a connection error.
+        message: the text of the backend's error.
+        addresses: every rank's address (``host:port``, or ``host`` where the launcher gives
+            no port), to recognise a peer named by address in a connection error.
+        aliases: IP addresses as errors print them -> the host name ``addresses`` use for it.
     """
+    return _named(message, addresses, aliases or {})[0]
+
+
+def failed_host(message: str, addresses: Sequence[str] = (),
+                aliases: Mapping[str, str] | None = None) -> str | None:
+    """The host a connection error names the failed peer by, when it names no rank exactly:
+    spelled as in ``addresses`` when one of them is that host, else as in the message. None
+    when the message names a rank exactly, or no peer at all. Arguments as
+    :func:`failed_ranks`."""
+    return _named(message, addresses, aliases or {})[1]
+
+
+def _named(message: str, addresses: Sequence[str],
+           aliases: Mapping[str, str]) -> tuple[list[int], str | None]:
     if "unhealthy" in message:  # the coordination service: missed heartbeats
-        return sorted({int(task) for task in _TASK.findall(message.split("unhealthy", 1)[1])})
-    if any(words in message for words in _UNREACHABLE):
-        remote = _REMOTE.search(message)  # the service's host, from a heartbeat that failed
-        if remote:
-            return [int(_TASK.findall(remote.group(1))[0])]
-        return [rank for rank, address in enumerate(addresses) if address in message]
-    return []
+        return sorted({int(task) for task in _TASK.findall(message.split("unhealthy", 1)[1])}), None
+    silent = _SILENT.findall(message)
+    if silent:
+        return sorted({int(rank) for rank in silent}), None
+    lagging = _LAGGING.findall(message) or (
+        _DESYNC_RANKS.findall(message.split(_DESYNC, 1)[1]) if _DESYNC in message else [])
+    if lagging:
+        return sorted({int(r) for group in lagging for r in group.split(",")}), None
+    if not any(words in message for words in _UNREACHABLE):
+        return [], None
+    remote = _REMOTE.search(message)  # the service's host, from a heartbeat that failed
+    if remote:
+        return [int(_TASK.findall(remote.group(1))[0])], None
+    exact = [rank for rank, address in enumerate(addresses)
+             if ":" in address and any(_mentions(message, spelling)
+                                       for spelling in _spellings(address, aliases))]
+    if exact:
+        return exact, None
+    peer = _PEER.search(message)
+    if not peer:
+        return [], None
+    named = peer.group(1) or peer.group(2)
+    spellings = {named, aliases.get(named, named)}
+    ranks = [rank for rank, address in enumerate(addresses)
+             if any(_same_host(_host_of(address), name) for name in spellings)]
+    return ranks, (_host_of(addresses[ranks[0]]) if ranks else named)
 
 
-def explain(message: str, environment: ClusterEnvironment,
-            where: dict[str, int] | None = None) -> str | None:
+def _host_of(address: str) -> str:
+    return address.rsplit(":", 1)[0] if ":" in address else address
+
+
+def _spellings(address: str, aliases: Mapping[str, str]) -> set[str]:
+    """``host:port`` and ``ip:port`` for every IP that ``aliases`` gives the host."""
+    host, port = address.rsplit(":", 1)
+    return {address} | {f"{ip}:{port}" for ip, name in aliases.items() if name == host}
+
+
+def _mentions(message: str, address: str) -> bool:
+    # As a whole word: "n1:2222" is not in "n1:22220", nor "n1:2222" in "xn1:2222".
+    return re.search(rf"(?<![\w.-]){re.escape(address)}(?!\d)", message) is not None
+
+
+def _same_host(one: str, other: str) -> bool:
+    if one == other:
+        return True
+    if _is_ip(one) or _is_ip(other):
+        return False
+    return one.split(".", 1)[0] == other.split(".", 1)[0]  # "n10" and "n10.cluster"
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def explain(message: str, environment: ClusterEnvironment, where: dict[str, int] | None = None,
+            aliases: Mapping[str, str] | None = None) -> str | None:
     """The line tfdist prints for an error that names failed peers, or None.
+
+    Three forms: the failed ranks with their hosts; "a rank on host H" when the error names the
+    peer by host only and several ranks other than this one run there (or none tfdist knows
+    of); "another rank" when the error is about a peer but names none (Horovod's, a gloo or NCCL
+    timeout), except with two ranks, where it can only be the other one.
 
     Args:
         message: the text of the error.
         environment: this process's launch (rank, hosts, addresses).
-        where: ``{"epoch": E, "step": S}`` (0-based epoch, steps done in it), when known.
+        where: ``{"epoch": E, "step": S}`` (0-based epoch, steps done in it), or ``{"step": S}``
+            (steps done in all), when known.
+        aliases: IP -> host name, as for :func:`failed_ranks`.
     """
-    ranks = [r for r in failed_ranks(message, environment.worker_addresses)
-             if r != environment.rank and r < environment.world_size]
-    if not ranks:
-        return None
-    names = ", ".join(f"rank {r} ({_host(environment, r)})" for r in ranks)
-    at = (f" after step {where['step']} of epoch {where['epoch'] + 1}"
-          if where and "step" in where and "epoch" in where else "")
+    addresses = _addresses(environment)
+    ranks, host = _named(message, addresses, aliases or {})
+    me, size = environment.rank, environment.world_size
+    ranks = [r for r in ranks if r != me and r < size]
+    at = _at(where)
+    srun = environment.launcher == "slurm"
+    if not ranks and host is None:
+        if not _UNNAMED.search(message) or size < 2:
+            return None
+        if size != 2:
+            return (f"tfdist: another rank failed or stopped responding {_CAUSES}; rank {me} "
+                    f"stops here{at}. The error above names none: look first at the rank whose "
+                    "output ends with an error of its own, or stops early; it holds the cause.")
+        ranks = [1 - me]  # two ranks: the one this rank was waiting for is the other one
+    if host is not None and len(ranks) != 1:
+        among = (f" (rank {ranks[0]} or {ranks[1]})" if len(ranks) == 2 else
+                 f" (one of ranks {', '.join(str(r) for r in ranks)})" if ranks else "")
+        return (f"tfdist: a rank on host {host}{among} failed or stopped responding {_CAUSES}; "
+                f"rank {me} stops here{at}. Look at the output of the ranks on host {host} "
+                f"first: it holds the cause, and the error above only follows from it"
+                + (" (under srun: the files of --output=...%t... of those tasks)" if srun else "")
+                + ".")
+    names = ", ".join(f"rank {r} ({_host(addresses, r)})" for r in ranks)
     first = ranks[0]
-    return (f"tfdist: {names} failed or stopped responding (crashed, killed, out of memory, or "
-            f"hung); rank {environment.rank} stops here{at}. Look at rank {first}'s own output "
-            f"first: it holds the cause, and the error above only follows from it"
-            + (f" (under srun: the task {first} file of --output=...%t...)"
-               if environment.launcher == "slurm" else "") + ".")
+    return (f"tfdist: {names} failed or stopped responding {_CAUSES}; rank {me} stops here{at}. "
+            f"Look at rank {first}'s own output first: it holds the cause, and the error above "
+            "only follows from it"
+            + (f" (under srun: the task {first} file of --output=...%t...)" if srun else "") + ".")
 
 
-def _host(environment: ClusterEnvironment, rank: int) -> str:
-    if rank < len(environment.worker_addresses):
-        return f"host {environment.worker_addresses[rank].rsplit(':', 1)[0]}"
+def _at(where: dict[str, int] | None) -> str:
+    if not where or "step" not in where:
+        return ""
+    if "epoch" in where:
+        return f" after step {where['step']} of epoch {where['epoch'] + 1}"
+    return f" after step {where['step']}"
+
+
+def _addresses(environment: ClusterEnvironment) -> Sequence[str]:
+    """Every rank's ``host:port``, or its host: on one node without addresses (``tfdist launch
+    --backend horovod``, horovodrun or torchrun on one host) every rank is on this machine."""
+    if environment.worker_addresses:
+        return environment.worker_addresses
+    if environment.num_nodes == 1 and environment.world_size > 1:
+        return ("localhost",) * environment.world_size
+    return ()
+
+
+def _host(addresses: Sequence[str], rank: int) -> str:
+    if rank < len(addresses):
+        return f"host {_host_of(addresses[rank])}"
     return "host unknown"
 
 
+def _aliases(message: str, environment: ClusterEnvironment) -> dict[str, str]:
+    """IP -> host name for the hosts of ``environment``'s ranks, resolved now, when
+    ``message`` names a peer by IP (otherwise nothing is looked up)."""
+    peer = _PEER.search(message)
+    if not peer or not _is_ip(peer.group(1) or peer.group(2)):
+        return {}
+    found: dict[str, str] = {}
+    for host in dict.fromkeys(_host_of(a) for a in _addresses(environment)):
+        try:
+            found.update((ip, host) for ip in socket.gethostbyname_ex(host)[2])
+        except OSError:
+            continue
+    return found
+
+
+def report(message: str, environment: ClusterEnvironment) -> str | None:
+    """:func:`explain` for ``message`` with this process's aliases and :data:`progress`."""
+    return explain(message, environment, progress, _aliases(message, environment))
+
+
 def install(environment: ClusterEnvironment) -> None:
-    """Adds the line to uncaught errors of this process (``sys.excepthook``), once."""
-    previous = sys.excepthook
-    if getattr(previous, "_tfdist", False):
+    """Adds the line to uncaught errors of this process (``sys.excepthook``), once; a later call
+    (a process group created again) only replaces the environment the line describes."""
+    global _environment
+    first = _environment is None
+    _environment = environment
+    if not first:
         return
+    previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException,
              traceback: TracebackType | None) -> None:
         previous(kind, value, traceback)
-        line = explain(str(value), environment, progress)
+        line = report(str(value), _environment) if _environment is not None else None
         if line:
             print(line, file=sys.stderr, flush=True)
 
-    hook._tfdist = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+_environment: ClusterEnvironment | None = None  # the launch install() describes

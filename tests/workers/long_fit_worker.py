@@ -1,4 +1,5 @@
-"""A 2-worker MWMS fit long enough to stop one rank in the middle (tests/test_failures.py).
+"""A 2-worker fit long enough to stop or kill one rank in the middle (tests/test_failures.py):
+MWMS, or Horovod with ``TFDIST_BACKEND=horovod``.
 
 Prints ``long-fit: pid PID training`` once its fit has run 20 steps.
 """

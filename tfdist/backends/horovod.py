@@ -177,9 +177,12 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
 
     configure_threads(settings["threads"])
     num_gpus = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()))
+    from tfdist import failures
     from tfdist.horovod import fit
 
     fit.install_hooks(int(hvd.rank()), int(hvd.size()))
+    # Horovod's error for a peer that died or hung names no rank: the line does, after it.
+    failures.install(environment)
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     handle = HorovodDistributed(environment, hvd, controller, num_gpus)
     if handle.is_chief:

@@ -24,11 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
-from tfdist import devices
+from tfdist import devices, failures
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.replicas import HandleCache, ReplicaMath
 from tfdist.settings import resolve
+from tfdist.torch import heartbeat
 from tfdist.torch.rendezvous import Rendezvous, plan
 from tfdist.torch.sampler import EpochSampler
 
@@ -91,8 +92,10 @@ class TorchDistributed(ReplicaMath):
         every backward pass. ``ddp_options`` go to DDP (e.g. ``find_unused_parameters=True``).
         """
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model.to(self.device), device_ids=device_ids,
-                                       **ddp_options)
+        wrapped = DistributedDataParallel(model.to(self.device), device_ids=device_ids,
+                                          **ddp_options)
+        wrapped.register_forward_pre_hook(_count_step)
+        return wrapped
 
     def sampler(self, dataset: Dataset[Any], *, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False) -> EpochSampler[Any]:
@@ -240,6 +243,17 @@ class TorchDistributed(ReplicaMath):
                 f"device={str(self.device)!r}, launcher={self.environment.launcher!r})")
 
 
+def _count_step(module: torch.nn.Module, _: Any) -> None:
+    # Training steps done, for the line naming a failed peer: a forward in training mode starts
+    # the next one (about a microsecond a step).
+    if module.training:
+        failures.progress["step"] = _steps[0]
+        _steps[0] += 1
+
+
+_steps = [0]  # forwards of DDP-wrapped models in training mode, in this process
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a ``DistributedDataParallel`` wrapper, or ``model`` itself."""
     return model.module if isinstance(model, DistributedDataParallel) else model
@@ -258,7 +272,9 @@ def init(collective: str | None = None, *, timeout: float | timedelta | None = N
             gloo on CPU. NCCL without CUDA falls back to gloo, with a warning (as TensorFlow's
             NCCL request falls back to the ring).
         timeout: seconds (or a ``timedelta``) that the rendezvous and every collective may wait
-            for the other ranks before raising; env ``TFDIST_TORCH_TIMEOUT``; default 600.
+            for the other ranks before raising; env ``TFDIST_TORCH_TIMEOUT``; default 600. A
+            peer whose process stops (no heartbeat: :mod:`tfdist.torch.heartbeat`) ends every
+            rank sooner: after half of it, at most 60 s.
 
     Returns:
         The :class:`TorchDistributed` handle.
@@ -281,6 +297,10 @@ def init(collective: str | None = None, *, timeout: float | timedelta | None = N
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL creates its communicator on "the" device
     _create_group(rendezvous, chosen, settings[1])
+    # A peer that dies is named after the collective's error; one that stops, by the heartbeat.
+    failures.install(environment)
+    heartbeat.start(environment, rendezvous.rank, rendezvous.world_size, settings[1],
+                    store_rank=0 if (rendezvous.init_method or "").startswith("tcp://") else None)
     handle = _cache.put(TorchDistributed(environment, rendezvous, chosen, device), settings)
     _register_atexit()
     handle.log("tfdist: torch process group, %d process(es), DDP over %s, device %s; "
@@ -329,11 +349,14 @@ def shutdown(*, barrier: bool = True) -> None:
         try:
             if handle.world_size > 1:
                 handle.barrier()
+            heartbeat.stop(leave=False)  # every rank stops its own after the barrier
             _drain_gloo_workers()
         finally:
+            heartbeat.stop()
             torch_dist.destroy_process_group()
         return
     try:
+        heartbeat.stop()
         _drain_gloo_workers()
         torch_dist.destroy_process_group()
     except Exception as error:  # the caller is already handling an error: keep it visible
