@@ -346,7 +346,7 @@ def test_a_killed_torch_peer_is_named_by_the_others_at_once():
 @pytest.mark.multiprocess
 def test_a_stopped_torch_peer_is_named_by_the_heartbeat():
     # Without the heartbeat gloo waits the whole collective timeout (600 s by default). With a
-    # 20 s timeout the heartbeat declares rank 1 stopped after 10 s of silence (60 s by default).
+    # 20 s timeout the heartbeat declares rank 1 stopped after 10 s of silence (30 s by default).
     output, took, code = _launch_and_signal(
         [sys.executable, "-m", "tfdist", "launch", "-n", "2", "--grace-period", "2",
          str(WORKERS / "long_torch_worker.py")], signal.SIGSTOP,

@@ -196,7 +196,8 @@ SETTINGS: tuple[Setting, ...] = (
             "falls back to gloo with a warning", "tfdist.torch.init(collective=)",
             aliases=("TFDIST_TORCH_BACKEND",)),
     Setting("torch_timeout", "TFDIST_TORCH_TIMEOUT", _positive_seconds, 600.0,
-            "seconds the torch rendezvous and each collective wait for the other ranks",
+            "seconds the torch rendezvous and each collective wait for the other ranks; a "
+            "stopped rank is named sooner, by tfdist's heartbeat, after half of it (at most 30 s)",
             argument="tfdist.torch.init(timeout=)"),
     Setting("preempt_signal", "TFDIST_PREEMPT_SIGNAL", _text, None,
             "one more signal that asks for a checkpoint and a stop, besides SIGTERM and SIGUSR1 "

@@ -274,7 +274,7 @@ def init(collective: str | None = None, *, timeout: float | timedelta | None = N
         timeout: seconds (or a ``timedelta``) that the rendezvous and every collective may wait
             for the other ranks before raising; env ``TFDIST_TORCH_TIMEOUT``; default 600. A
             peer whose process stops (no heartbeat: :mod:`tfdist.torch.heartbeat`) ends every
-            rank sooner: after half of it, at most 60 s.
+            rank sooner: after half of it, at most 30 s.
 
     Returns:
         The :class:`TorchDistributed` handle.
