@@ -359,3 +359,14 @@ def test_a_stopped_torch_peer_is_named_by_the_heartbeat():
     assert "tfdist launch: worker 0 exited with code 1" in output, output[-3000:]
     assert code != 0
     assert took < 30, f"rank 0 noticed the stop after {took:.0f} s"
+
+
+def test_a_rank_that_was_stopped_and_continued_blames_itself_not_its_peers():
+    # What a stopped srun task prints when the step continues it (SIGCONT) before killing it.
+    from tfdist.failures import continued_line
+
+    assert continued_line(1, 2.4) == (
+        "tfdist: rank 1 was stopped (SIGSTOP, a debugger, or a frozen node) and continued 2 s "
+        "ago; the other ranks gave up on it meanwhile, so the error above follows from this "
+        "rank's own stop, not from theirs.")
+    assert continued_line(1, 600) is None

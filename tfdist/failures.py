@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -39,8 +42,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
-__all__ = ["explain", "failed_host", "failed_ranks", "install", "progress", "report",
-           "silent_message"]
+__all__ = ["continued_line", "explain", "failed_host", "failed_ranks", "install", "progress",
+           "report", "silent_message"]
 
 _TASK = re.compile(r"/job:worker/(?:replica:\d+/)?task:(\d+)")
 _REMOTE = re.compile(r"remote target (/job:worker/(?:replica:\d+/)?task:\d+)")
@@ -246,8 +249,36 @@ def _aliases(message: str, environment: ClusterEnvironment) -> dict[str, str]:
 
 
 def report(message: str, environment: ClusterEnvironment) -> str | None:
-    """:func:`explain` for ``message`` with this process's aliases and :data:`progress`."""
-    return explain(message, environment, progress, _aliases(message, environment))
+    """:func:`explain` for ``message`` with this process's aliases and :data:`progress`; or,
+    when this process was itself stopped and continued just before (:func:`continued_line`),
+    that: the peers it would blame only gave up on it."""
+    line = explain(message, environment, progress, _aliases(message, environment))
+    if line is None or _continued_at is None:
+        return line
+    return continued_line(environment.rank, time.monotonic() - _continued_at)
+
+
+def continued_line(rank: int, seconds_ago: float) -> str | None:
+    """The line for a rank that got SIGCONT ``seconds_ago`` (it had been stopped: SIGSTOP, a
+    debugger, a frozen node), or None when that was too long ago to explain this error.
+
+    Under srun, a step whose other tasks ended continues a stopped task (SIGCONT) before it
+    kills it: for the moment in between, the stopped rank runs, finds its peers gone and would
+    name them as the failed ones."""
+    if seconds_ago > CONTINUED_RECENTLY_S:
+        return None
+    return (f"tfdist: rank {rank} was stopped (SIGSTOP, a debugger, or a frozen node) and "
+            f"continued {seconds_ago:.0f} s ago; the other ranks gave up on it meanwhile, so the "
+            "error above follows from this rank's own stop, not from theirs.")
+
+
+CONTINUED_RECENTLY_S = 60.0
+_continued_at: float | None = None
+
+
+def _continued(signum: int, frame: object) -> None:
+    global _continued_at
+    _continued_at = time.monotonic()
 
 
 def install(environment: ClusterEnvironment) -> None:
@@ -259,6 +290,9 @@ def install(environment: ClusterEnvironment) -> None:
     if not first:
         return
     previous = sys.excepthook
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGCONT) == signal.SIG_DFL):
+        signal.signal(signal.SIGCONT, _continued)  # the process continues all the same
 
     def hook(kind: type[BaseException], value: BaseException,
              traceback: TracebackType | None) -> None:
