@@ -370,3 +370,28 @@ def test_a_rank_that_was_stopped_and_continued_blames_itself_not_its_peers():
         "ago; the other ranks gave up on it meanwhile, so the error above follows from this "
         "rank's own stop, not from theirs.")
     assert continued_line(1, 600) is None
+
+
+@pytest.mark.multiprocess
+def test_a_killed_worker_under_tfdist_launch_ends_the_run_and_is_no_preemption(tmp_path):
+    # Rank 1 of a 2-worker fit with the preemption callbacks sends itself SIGKILL at step 20.
+    # The launcher names it and stops rank 0 (SIGTERM, which rank 0 records as a preemption
+    # request): the run must still end as a failure, without a preempted state or exit 75.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TFDIST_", "OMPI_", "PMI", "HOROVOD_", "TF_CONFIG"))}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    model_dir = tmp_path / "model"
+    done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2",
+                           "--grace-period", "15", str(WORKERS / "fault_fit_worker.py"), "kill",
+                           "1", str(model_dir)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180, check=False)
+    out = done.stdout + done.stderr
+    ended = time.time()
+    fault = re.search(r"fault-fit: rank 1 kill at (\S+)", out)
+    assert fault, out[-3000:]
+    took = ended - float(fault.group(1))
+    print(f"the launcher ended {took:.1f} s after the kill")
+    assert "tfdist launch: worker 1 was killed by signal 9" in out, out[-3000:]
+    assert done.returncode not in (0, 75), out[-3000:]
+    assert not (model_dir / "preempted").exists()
+    assert took < 60, took
