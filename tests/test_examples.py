@@ -106,3 +106,35 @@ def test_the_custom_loop_example_resumes_after_a_preemption(tmp_path):
         output[-3000:])
     assert "[0] epoch 8/8" in output and _accuracy(output) > 0.8, output[-3000:]
     assert "could not be found in the restored object" not in output, output[-3000:]
+
+
+HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+BENCHMARK = [str(ROOT / "examples" / "synthetic_benchmark.py"), "--model", "MobileNetV2",
+             "--image-size", "32", "--batch-size", "8", "--num-warmup-batches", "1",
+             "--num-batches-per-iter", "2", "--num-iters", "2", "--no-cuda"]
+
+
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_horovods_synthetic_benchmark_runs_with_its_own_flags(backend):
+    # Horovod's tensorflow2_synthetic_benchmark.py flags, a small model and images for CPUs.
+    if backend == "horovod":
+        if not HVD_PY.exists():
+            pytest.skip("needs .venv-horovod (make venv-horovod)")
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "TFDIST_", "OMPI_", "PMI", "HOROVOD_", "TF_CONFIG"))}
+        run = subprocess.run([str(HVD_PY), "-m", "tfdist", "launch", "--backend", "horovod",
+                              "-n", "2", *BENCHMARK, "--fp16-allreduce"], cwd=ROOT,
+                             env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True,
+                             text=True, timeout=300, check=False)
+    else:
+        run = launch(BENCHMARK)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    for line in ("[0] Model: MobileNetV2", "[0] Batch size: 8", "[0] Number of CPUs: 2",
+                 "[0] Iter #1: "):
+        assert line in out, out[-3000:]
+    assert re.search(r"\[0\] Img/sec per CPU: \d+\.\d \+-\d+\.\d", out), out[-3000:]
+    assert re.search(r"\[0\] Total img/sec on 2 CPU\(s\): \d+\.\d \+-\d+\.\d", out), out[-3000:]
+    assert "[1] Iter" not in out  # rank 0 reports, as in the original
+    weights = final_weights([out])
+    assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights

@@ -168,14 +168,17 @@ class Distributed(ReplicaMath):
 
         preemption.exit_preempted(self)
 
-    def gradient_tape(self, persistent: bool = False) -> Any:
+    def gradient_tape(self, persistent: bool = False, compression: str | None = None) -> Any:
         """A ``tf.GradientTape`` for custom loops whose gradients are summed across replicas.
 
         Scale the loss by the GLOBAL batch (``tf.nn.compute_average_loss``). The default is a
         plain tape: inside ``strategy.run``, ``optimizer.apply_gradients`` sums.
+        ``compression="fp16"`` applies under Horovod only (its ``Compression.fp16``); MWMS sums
+        in the gradients' own type.
         """
         import tensorflow as tf
 
+        del compression
         return tf.GradientTape(persistent=persistent)
 
     def reduce(self, op: str, value: Any) -> Any:

@@ -90,13 +90,15 @@ class HorovodDistributed(Distributed):
 
         return fit.callbacks()
 
-    def gradient_tape(self, persistent: bool = False) -> Any:
-        """A tape whose ``gradient()`` sums the gradients across ranks, like tf.distribute."""
+    def gradient_tape(self, persistent: bool = False, compression: str | None = None) -> Any:
+        """A tape whose ``gradient()`` sums the gradients across ranks, like tf.distribute;
+        ``compression="fp16"`` all-reduces them as float16 (Horovod's ``Compression.fp16``)."""
         import tensorflow as tf
 
         from tfdist.horovod.ops import DistributedGradientTape
 
-        return DistributedGradientTape(tf.GradientTape(persistent=persistent), op="sum")
+        return DistributedGradientTape(tf.GradientTape(persistent=persistent), op="sum",
+                                       compression=compression)
 
     def reduce(self, op: str, value: Any) -> Any:
         from tfdist.horovod.ops import reduce
