@@ -136,6 +136,31 @@ def test_batch_norm_statistics_end_identical_on_every_rank(run):
     assert found[0]["averaged"] == (run.combo != "mwms-tf_keras")
 
 
+FEATURES = ["validation", "weights", "dropout", "callbacks", "initial_epoch",
+            "custom_train_step", "mixed_precision", "evaluate_predict"]
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_keras_features_end_with_identical_weights_on_every_rank(run, feature):
+    found = run.case(feature)
+    _same_on_both_ranks(found)
+    check = {
+        "validation": lambda f: (_same_on_both_ranks(f, "val_loss"), len(f[0]["val_loss"]) == 4),
+        "callbacks": lambda f: (_same_on_both_ranks(f, "epochs"),
+                                _same_on_both_ranks(f, "learning_rate"),
+                                f[0]["epochs"] < 8 and f[0]["learning_rate"] < 0.01),
+        "initial_epoch": lambda f: f[0]["epochs"] == 2,
+        "mixed_precision": lambda f: f[0]["compute_dtype"] == "bfloat16",
+        "evaluate_predict": lambda f: (
+            _same_on_both_ranks(f, "loss"),
+            abs(f[0]["loss"] - f[0]["direct"]) < 1e-5 and f[0]["rows"] == 100
+            and f[0]["predict_error"] < 1e-5),
+    }.get(feature)
+    if check is not None:
+        result = check(found)
+        assert (result[-1] if isinstance(result, tuple) else result), found
+
+
 def test_jit_compile_trains_without_xla_where_xla_cannot_all_reduce(run):
     found = run.case("jit_compile")
     _same_on_both_ranks(found)

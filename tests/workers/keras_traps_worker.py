@@ -21,6 +21,14 @@ them all), and writes ``result-RANK.json``: per case either its observations or
 - ``batch_norm``: a model with BatchNormalization; with tfdist's callbacks every rank ends
   with the same moving statistics, and without the average (the control) they differ where
   Keras leaves them per rank (all but tf_keras under MWMS).
+- The feature matrix, each a short ``fit`` whose weights must be equal on both ranks:
+  ``validation`` (``validation_data`` and ``validation_split``: equal validation losses too),
+  ``weights`` (``class_weight`` and ``sample_weight``), ``dropout``, ``callbacks``
+  (EarlyStopping and ReduceLROnPlateau stop and lower the rate at the same epoch on every rank),
+  ``initial_epoch``, ``custom_train_step`` (a subclassed model with its own ``train_step``),
+  ``mixed_precision`` (``mixed_bfloat16``), ``evaluate_predict`` (an uneven last batch: the
+  same loss on every rank, equal to the loss computed directly over all rows; ``predict``
+  returns every row).
 - ``jit_compile``: ``compile(jit_compile=True)`` trains (without XLA, which cannot compile the
   all-reduce on CPUs or Horovod's) and ends where ``jit_compile=False`` ends.
 - ``control_chief_only_save`` (MWMS): the old way, the checkpoint on the chief only
@@ -63,6 +71,14 @@ def main(out_dir: str, backend: str) -> None:
         "numpy": lambda: _numpy(dist, keras),
         "steps_per_execution": lambda: _steps_per_execution(dist, keras, tf),
         "batch_norm": lambda: _batch_norm(dist, keras, tf),
+        "validation": lambda: _validation(dist, keras, tf),
+        "weights": lambda: _weights(dist, keras, tf),
+        "dropout": lambda: _dropout(dist, keras, tf),
+        "callbacks": lambda: _callbacks(dist, keras, tf),
+        "initial_epoch": lambda: _initial_epoch(dist, keras, tf),
+        "custom_train_step": lambda: _custom_train_step(dist, keras, tf),
+        "mixed_precision": lambda: _mixed_precision(dist, keras, tf),
+        "evaluate_predict": lambda: _evaluate_predict(dist, keras, tf),
         "jit_compile": lambda: _jit_compile(dist, keras, tf),
         # Last: when it shows the old defect, the ranks' collectives are aborted.
         "control_chief_only_save": lambda: _control(dist, keras, tf, out_dir),
@@ -220,6 +236,123 @@ def _batch_norm(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
         found["digest" if average else "control"] = digest(
             model_variables(model, include_batch_statistics=True))
     return found
+
+
+def _fresh(dist: Any, keras: Any, layers: list[Any] | None = None, **options: Any) -> Any:
+    keras.utils.set_random_seed(1)
+    with dist.scope():
+        model = keras.Sequential([keras.Input((8,)), *(layers or [
+            keras.layers.Dense(16, activation="relu")]), keras.layers.Dense(2)])
+        _compile(model, keras, **options)
+    return model
+
+
+def _history(history: Any) -> dict[str, list[float]]:
+    return {key: [float(v) for v in values] for key, values in history.history.items()}
+
+
+def _validation(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    dataset, x, y = _data(tf)
+    model = _fresh(dist, keras)
+    given = model.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+                      validation_data=dist.shard(dataset.take(96).batch(GLOBAL_BATCH)),
+                      callbacks=dist.callbacks())
+    split = _fresh(dist, keras)
+    held = split.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False,
+                     validation_split=0.25, callbacks=dist.callbacks())
+    return {"digest": _digest(model) + _digest(split),
+            "val_loss": _history(given)["val_loss"] + _history(held)["val_loss"]}
+
+
+def _weights(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    _, x, y = _data(tf)
+    by_class = _fresh(dist, keras)
+    by_class.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False,
+                 class_weight={0: 1.0, 1: 3.0}, callbacks=dist.callbacks())
+    by_row = _fresh(dist, keras)
+    rows = np.linspace(0.5, 2.0, len(x)).astype("float32")
+    by_row.fit(x, y, sample_weight=rows, batch_size=GLOBAL_BATCH, epochs=2, verbose=0,
+               shuffle=False, callbacks=dist.callbacks())
+    return {"digest": _digest(by_class) + _digest(by_row)}
+
+
+def _dropout(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    model = _fresh(dist, keras, [keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dropout(0.5)])
+    model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+              callbacks=dist.callbacks())
+    return {"digest": _digest(model)}
+
+
+def _callbacks(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    model = _fresh(dist, keras)
+    # The loss of this tiny problem falls for a few epochs, then creeps: min_delta makes both
+    # callbacks act within 8 epochs.
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=0.05)
+    lower = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, factor=0.5,
+                                              min_delta=0.05)
+    history = model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=8, verbose=0,
+                        callbacks=dist.callbacks(stop, lower))
+    rate = model.optimizer.learning_rate
+    return {"digest": _digest(model), "epochs": len(history.history["loss"]),
+            "learning_rate": float(rate.numpy() if hasattr(rate, "numpy") else rate)}
+
+
+def _initial_epoch(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    model = _fresh(dist, keras)
+    history = model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=3,
+                        initial_epoch=1, verbose=0, callbacks=dist.callbacks())
+    return {"digest": _digest(model), "epochs": len(history.history["loss"])}
+
+
+def _custom_train_step(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    class OwnStep(keras.Model):
+        def train_step(self, data: Any) -> Any:
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            variables = self.trainable_variables
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables,
+                                               strict=True))
+            return {"loss": loss}
+
+    keras.utils.set_random_seed(1)
+    with dist.scope():
+        inputs = keras.Input((8,))
+        outputs = keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inputs))
+        model = OwnStep(inputs, outputs)
+        _compile(model, keras)
+    model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+              callbacks=dist.callbacks())
+    return {"digest": _digest(model)}
+
+
+def _mixed_precision(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = _fresh(dist, keras)
+        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+                  callbacks=dist.callbacks())
+        compute = str(model.layers[0].compute_dtype)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return {"digest": _digest(model), "compute_dtype": compute}
+
+
+def _evaluate_predict(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    dataset, x, y = _data(tf)
+    model = _fresh(dist, keras)
+    model.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=1, verbose=0,
+              callbacks=dist.callbacks())
+    rows = 100  # 3 global batches of 32 and one of 4: uneven on every rank
+    loss, _ = model.evaluate(dist.shard(dataset.take(rows).batch(GLOBAL_BATCH)), verbose=0,
+                             callbacks=dist.callbacks())
+    direct = model(x[:rows], training=False)
+    expected = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y[:rows], direct)
+    predicted = model.predict(x[:rows], batch_size=GLOBAL_BATCH, verbose=0)
+    return {"digest": _digest(model), "loss": float(loss), "direct": float(expected),
+            "rows": len(predicted),
+            "predict_error": float(np.max(np.abs(np.asarray(predicted) - np.asarray(direct))))}
 
 
 def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:

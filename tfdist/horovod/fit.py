@@ -50,9 +50,11 @@ def is_stock_horovod(optimizer: Any) -> bool:
 def DistributedOptimizer(optimizer: Any) -> Any:  # noqa: N802 (Horovod's name)
     """Makes ``optimizer`` average its gradients across ranks before applying them.
 
-    Keras 3: patches this optimizer's ``apply`` (the instance keeps its class, so saved models
-    load without tfdist) and returns it. tf_keras: returns Horovod's ``DistributedOptimizer``.
-    An optimizer already wrapped by tfdist is returned as it is.
+    Patches this optimizer's ``apply`` (Keras 3) or ``apply_gradients`` (tf_keras) and returns
+    it: the instance keeps its class, so saved models load without tfdist, and a custom
+    ``train_step`` that calls ``apply_gradients`` itself is averaged too (Horovod's own tf_keras
+    wrapper averages only in ``minimize``). An optimizer already wrapped by tfdist is returned
+    as it is.
     """
     if getattr(optimizer, _MARK, False):
         return optimizer
@@ -64,11 +66,18 @@ def DistributedOptimizer(optimizer: Any) -> Any:  # noqa: N802 (Horovod's name)
                 "the plain optimizer; tfdist averages its gradients.")
         return optimizer
     if not is_keras3():
-        from tfdist.horovod.install import import_horovod_keras
+        apply_gradients = optimizer.apply_gradients
 
-        wrapped = import_horovod_keras().DistributedOptimizer(optimizer)
-        object.__setattr__(wrapped, _MARK, True)
-        return wrapped
+        @functools.wraps(apply_gradients)
+        def averaged_apply_gradients(grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+            pairs = list(grads_and_vars)
+            grads = ops.allreduce_gradients([g for g, _ in pairs], "average")
+            return apply_gradients(list(zip(grads, [v for _, v in pairs], strict=True)),
+                                   *args, **kwargs)
+
+        object.__setattr__(optimizer, "apply_gradients", averaged_apply_gradients)
+        object.__setattr__(optimizer, _MARK, True)
+        return optimizer
     apply = optimizer.apply
 
     @functools.wraps(apply)
@@ -90,11 +99,47 @@ def install_hooks(rank: int, world_size: int) -> None:
     compile_without_xla(model_class, "Horovod's all-reduce cannot be compiled by XLA; "
                         "backend='mwms' with NCCL on GPUs can")
     model_class.fit = _fit_hook(model_class.fit, rank, world_size)
+    if world_size > 1:
+        model_class.evaluate = _evaluate_hook(model_class.evaluate)
     if is_keras3():
         from keras.src.backend.tensorflow import trainer
 
         trainer.TensorFlowTrainer._maybe_symbolic_build = _build_hook(
             trainer.TensorFlowTrainer._maybe_symbolic_build)
+
+
+def _evaluate_hook(original: Any) -> Any:
+    """``evaluate`` returns the metrics over every rank's examples, as under MWMS: each rank
+    evaluates its shard, then the metrics' states (totals and counts) are summed over the
+    ranks, so uneven shards weigh by their examples."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        return_dict = bool(bound.arguments.get("return_dict", False))
+        bound.arguments["return_dict"] = True
+        original(*bound.args, **bound.kwargs)
+        variables = [v for metric in self.metrics for v in metric.variables]
+        if variables:
+            summed = ops.reduce([tf.convert_to_tensor(v) for v in variables], "sum")
+            for variable, value in zip(variables, summed, strict=True):
+                variable.assign(value)
+        logs = {name: float(value) for name, value in self.get_metrics_result().items()}
+        if return_dict:
+            return logs
+        return _in_order(self, logs)
+
+    return evaluate
+
+
+def _in_order(model: Any, logs: dict[str, float]) -> Any:
+    """``evaluate``'s list result (a scalar for one metric), in Keras's order."""
+    if hasattr(model, "_flatten_metrics_in_order"):  # Keras 3
+        return model._flatten_metrics_in_order(logs)
+    from tf_keras.src.engine.training import flatten_metrics_in_order
+
+    return flatten_metrics_in_order(logs, model.metrics_names)
 
 
 def _compile_hook(original: Any) -> Any:
