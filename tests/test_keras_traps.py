@@ -173,3 +173,15 @@ def test_control_the_old_chief_only_checkpoint_still_breaks(run):
     if run.backend != "mwms":
         pytest.skip(found[0]["skipped"])
     assert any(f["failed"] and "Collective" in f["failed"] for f in found), found
+
+
+def test_the_readme_table_names_every_case_the_worker_runs():
+    import re
+
+    worker = (ROOT / "tests" / "workers" / "keras_traps_worker.py").read_text()
+    cases = set(re.findall(r'^        "(\w+)": lambda', worker, re.M)) - {"control_chief_only_save"}
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- keras features table")[1].split("<!-- end of keras features")[0]
+    named = set(re.findall(r"^\| `(\w+)`", table, re.M)) | set(
+        re.findall(r"`(\w+)` and `(\w+)`", table)[0])
+    assert cases <= named, sorted(cases - named)
