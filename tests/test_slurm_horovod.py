@@ -116,6 +116,9 @@ def horovod_job(cluster: SlurmCluster, data_dir: Path, *, workdir: Path | None =
     each) and runs it; returns it and its rendering. ``keys`` go to :func:`cluster_config`;
     without a ``venv``, ``python`` is the :func:`host_python` wrapper."""
     workdir = workdir or cluster.new_workdir()
+    # The doctor's step would run the wrapper and Horovod's start-up once more: the checks
+    # below count their lines. The MWMS jobs of test_slurm_jobs.py run the doctor.
+    keys.setdefault("doctor", False)
     if "venv" not in keys:
         keys["python"] = host_python(workdir)
     config = cluster_config(cluster, backend="horovod", script=script,
