@@ -521,14 +521,16 @@ def _is_doctor(call: dict[str, Any]) -> bool:
     return "doctor" in call["argv"] and call["argv"][call["argv"].index("doctor") - 1] == "tfdist"
 
 
+def _apptainer_argv(c: JobConfig) -> list[str]:
+    if c.runtime != "apptainer":
+        return []
+    return ["apptainer", "exec", "--nv", *(part for bind in c.binds for part in ("-B", bind)),
+            c.image or ""]
+
+
 def _expected_doctor_argv(config: JobConfig) -> list[str]:
     c, launcher = config, config.effective_launcher
-    container: list[str] = []
-    if c.runtime == "apptainer":
-        container = ["apptainer", "exec", "--nv"]
-        for bind in c.binds:
-            container += ["-B", bind]
-        container.append(c.image or "")
+    container = _apptainer_argv(c)
     bind = [f"--cpu-bind={c.cpu_bind}"] if c.cpu_bind else []
     own = list(c.launcher_args) if launcher == "srun" else []
     flags = {"torch": ["--framework", "torch"]}.get(
@@ -540,12 +542,7 @@ def _expected_doctor_argv(config: JobConfig) -> list[str]:
 def _expected_argv(config: JobConfig) -> list[str]:
     c, launcher = config, config.effective_launcher
     task_output = [f"--output={c.task_output}"] if c.task_output else []
-    container: list[str] = []
-    if c.runtime == "apptainer":
-        container = ["apptainer", "exec", "--nv"]
-        for bind in c.binds:
-            container += ["-B", bind]
-        container.append(c.image or "")
+    container = _apptainer_argv(c)
     python = [c.python or "python"]
     program = [c.script or "", *c.args]
     bind = [f"--cpu-bind={c.cpu_bind}"] if c.cpu_bind else []

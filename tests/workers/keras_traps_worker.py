@@ -208,16 +208,16 @@ def _numpy(dist: Any, keras: Any) -> dict[str, Any]:
 
 
 def _steps_per_execution(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
-    digests = {}
-    for steps in (1, 3):
-        keras.utils.set_random_seed(1)
-        with dist.scope():
-            model = _model(keras)
-            _compile(model, keras, steps_per_execution=steps)
-        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
-                  callbacks=dist.callbacks())
-        digests[steps] = _digest(model)
-    return {"digest": digests[3], "one_step": digests[1]}
+    return {"digest": _trained(dist, keras, tf, steps_per_execution=3),
+            "one_step": _trained(dist, keras, tf, steps_per_execution=1)}
+
+
+def _trained(dist: Any, keras: Any, tf: Any, **options: Any) -> str:
+    """The digest of a fresh model compiled with ``options`` after 2 epochs of ``fit``."""
+    model = _fresh(dist, keras, **options)
+    model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+              callbacks=dist.callbacks())
+    return _digest(model)
 
 
 def _batch_norm(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
@@ -358,16 +358,8 @@ def _evaluate_predict(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
 def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     # XLA cannot compile the all-reduce on CPUs or under Horovod: the script runs unchanged,
     # compiled without XLA, and ends where jit_compile=False ends.
-    digests = {}
-    for jit in (False, True):
-        keras.utils.set_random_seed(1)
-        with dist.scope():
-            model = _model(keras)
-            _compile(model, keras, jit_compile=jit)
-        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
-                  callbacks=dist.callbacks())
-        digests[jit] = _digest(model)
-    return {"digest": digests[True], "without_xla": digests[False]}
+    return {"digest": _trained(dist, keras, tf, jit_compile=True),
+            "without_xla": _trained(dist, keras, tf, jit_compile=False)}
 
 
 def _control(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
