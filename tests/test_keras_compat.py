@@ -65,13 +65,3 @@ def test_without_the_fix_two_worker_fit_still_fails_upstream(tmp_path):
     assert "Attempt to convert a value (PerReplica" in run.stdout + run.stderr, (
         "Keras 3 multi-worker fit no longer fails without tfdist's fix: keras#20585 may be "
         "fixed upstream; narrow tfdist.keras_compat.AFFECTED")
-
-
-@pytest.mark.multiprocess
-def test_a_keras_3_model_under_legacy_keras_is_refused_with_the_fix():
-    run = launch([str(WORKERS / "mixed_keras_worker.py")], env={"TF_USE_LEGACY_KERAS": "1"})
-    assert run.returncode != 0
-    out = run.stdout + run.stderr
-    assert "ConfigError: this model is a Keras 3 model (`import keras`), but " \
-           "TF_USE_LEGACY_KERAS=1" in out, out[-3000:]
-    assert "Build the model with `tf.keras`" in out

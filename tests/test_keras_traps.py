@@ -168,6 +168,16 @@ def test_jit_compile_trains_without_xla_where_xla_cannot_all_reduce(run):
     assert "compile(jit_compile=True) trains without XLA here" in run.job.stdout
 
 
+def test_a_keras3_model_under_tf_use_legacy_keras_is_refused_with_the_fix(run):
+    found = run.case("mixed_keras")
+    if run.combo.endswith("keras3"):
+        pytest.skip(found[0]["skipped"])
+    for f in found:
+        assert f["refused"] and f["refused"].startswith("ConfigError: this model is a Keras 3"), f
+        assert "Build the model with `tf.keras`" in f["refused"], f
+        assert "unset TF_USE_LEGACY_KERAS" in f["refused"], f
+
+
 def test_control_the_old_chief_only_checkpoint_still_breaks(run):
     found = run.case("control_chief_only_save")
     if run.backend != "mwms":

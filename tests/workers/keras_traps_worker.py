@@ -31,6 +31,10 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   returns every row).
 - ``jit_compile``: ``compile(jit_compile=True)`` trains (without XLA, which cannot compile the
   all-reduce on CPUs or Horovod's) and ends where ``jit_compile=False`` ends.
+- ``mixed_keras`` (tf_keras lanes): a Keras 3 model (``import keras``) while
+  ``TF_USE_LEGACY_KERAS=1`` makes tf.keras tf_keras: ``fit`` must refuse with tfdist's
+  message on every rank, before any collective, rather than fail inside TensorFlow or (under
+  Horovod) train without averaging.
 - ``control_chief_only_save`` (MWMS): the old way, the checkpoint on the chief only
   (``ChiefOnly(AtomicCheckpoint)``) with ``fit`` inside the scope, must still break: it shows
   that the cases above exercise the defect.
@@ -56,6 +60,9 @@ GLOBAL_BATCH = 32
 
 
 def main(out_dir: str, backend: str) -> None:
+    keras3 = None
+    if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        import keras as keras3  # the mix: Keras 3 imported beside tf.keras = tf_keras
     dist = tfdist.init(backend=backend)
     import tensorflow as tf
 
@@ -80,6 +87,7 @@ def main(out_dir: str, backend: str) -> None:
         "mixed_precision": lambda: _mixed_precision(dist, keras, tf),
         "evaluate_predict": lambda: _evaluate_predict(dist, keras, tf),
         "jit_compile": lambda: _jit_compile(dist, keras, tf),
+        "mixed_keras": lambda: _mixed_keras(dist, keras3),
         # Last: when it shows the old defect, the ranks' collectives are aborted.
         "control_chief_only_save": lambda: _control(dist, keras, tf, out_dir),
     }
@@ -360,6 +368,18 @@ def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     # compiled without XLA, and ends where jit_compile=False ends.
     return {"digest": _trained(dist, keras, tf, jit_compile=True),
             "without_xla": _trained(dist, keras, tf, jit_compile=False)}
+
+
+def _mixed_keras(dist: Any, keras3: Any) -> dict[str, Any]:
+    if keras3 is None:
+        return {"skipped": "tf.keras is Keras 3 here: nothing to mix"}
+    model = keras3.Sequential([keras3.Input((8,)), keras3.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(np.zeros((8, 8), "float32"), np.zeros((8, 2), "float32"), verbose=0)
+    except Exception as error:
+        return {"refused": f"{type(error).__name__}: {error}"}
+    return {"refused": None}
 
 
 def _control(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:

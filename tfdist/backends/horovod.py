@@ -179,10 +179,12 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
 
     configure_threads(settings["threads"])
     num_gpus = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()))
-    from tfdist import failures
+    from tfdist import failures, keras_compat
     from tfdist.horovod import fit
 
     fit.install_hooks(int(hvd.rank()), int(hvd.size()))
+    if environment.is_distributed:
+        keras_compat.refuse_mixed_keras()  # a Keras 3 model would train without averaging
     # Horovod's error for a peer that died or hung names no rank: the line does, after it.
     failures.install(environment)
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
