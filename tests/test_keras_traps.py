@@ -161,6 +161,14 @@ def test_keras_features_end_with_identical_weights_on_every_rank(run, feature):
         assert (result[-1] if isinstance(result, tuple) else result), found
 
 
+def test_two_workers_train_as_one_process_with_the_global_batch(run):
+    found = run.case("one_process")
+    _same_on_both_ranks(found)
+    # Equal up to summation order; summed (not averaged) gradients or a rank's half batch
+    # alone would differ by about as much as the weights moved.
+    assert found[0]["max_difference"] < 1e-5 < found[0]["moved"], found
+
+
 def test_jit_compile_trains_without_xla_where_xla_cannot_all_reduce(run):
     found = run.case("jit_compile")
     _same_on_both_ranks(found)

@@ -29,6 +29,11 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   ``mixed_precision`` (``mixed_bfloat16``), ``evaluate_predict`` (an uneven last batch: the
   same loss on every rank, equal to the loss computed directly over all rows; ``predict``
   returns every row).
+- ``one_process``: 2 epochs on 2 workers against the same 2 epochs run here without any
+  strategy (the whole global batch in one replica, as one process would): equal up to float
+  summation order, which is the one exact comparison (the mean of two half-batch gradients is
+  the full batch's gradient, summed in another order). This proves the gradients are averaged
+  over the global batch, not summed or left per rank.
 - ``jit_compile``: ``compile(jit_compile=True)`` trains (without XLA, which cannot compile the
   all-reduce on CPUs or Horovod's) and ends where ``jit_compile=False`` ends.
 - ``mixed_keras`` (tf_keras lanes): a Keras 3 model (``import keras``) while
@@ -86,6 +91,7 @@ def main(out_dir: str, backend: str) -> None:
         "custom_train_step": lambda: _custom_train_step(dist, keras, tf),
         "mixed_precision": lambda: _mixed_precision(dist, keras, tf),
         "evaluate_predict": lambda: _evaluate_predict(dist, keras, tf),
+        "one_process": lambda: _one_process(dist, keras, tf),
         "jit_compile": lambda: _jit_compile(dist, keras, tf),
         "mixed_keras": lambda: _mixed_keras(dist, keras3),
         # Last: when it shows the old defect, the ranks' collectives are aborted.
@@ -246,9 +252,13 @@ def _batch_norm(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     return found
 
 
-def _fresh(dist: Any, keras: Any, layers: list[Any] | None = None, **options: Any) -> Any:
+def _fresh(dist: Any, keras: Any, layers: list[Any] | None = None, *, alone: bool = False,
+           **options: Any) -> Any:
+    """A model from seed 1, in the strategy's scope, or outside any (``alone``)."""
+    import contextlib
+
     keras.utils.set_random_seed(1)
-    with dist.scope():
+    with contextlib.nullcontext() if alone else dist.scope():
         model = keras.Sequential([keras.Input((8,)), *(layers or [
             keras.layers.Dense(16, activation="relu")]), keras.layers.Dense(2)])
         _compile(model, keras, **options)
@@ -361,6 +371,19 @@ def _evaluate_predict(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     return {"digest": _digest(model), "loss": float(loss), "direct": float(expected),
             "rows": len(predicted),
             "predict_error": float(np.max(np.abs(np.asarray(predicted) - np.asarray(direct))))}
+
+
+def _one_process(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    distributed = _fresh(dist, keras)
+    alone = _fresh(dist, keras, alone=True)
+    dataset = _data(tf)[0].batch(GLOBAL_BATCH)
+    distributed.fit(dist.shard(dataset), epochs=2, verbose=0, callbacks=dist.callbacks())
+    alone.fit(dataset, epochs=2, verbose=0)
+    pairs = zip(distributed.get_weights(), alone.get_weights(), strict=True)
+    return {"digest": _digest(distributed),
+            "max_difference": max(float(np.max(np.abs(a - b))) for a, b in pairs),
+            "moved": float(np.max(np.abs(distributed.get_weights()[0]
+                                         - _fresh(dist, keras, alone=True).get_weights()[0])))}
 
 
 def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
