@@ -26,6 +26,8 @@ from tfdist.strategy import resolve_settings
 ENV = {
     "one process": ClusterEnvironment("single"),
     "tfdist launch": ClusterEnvironment("local", rank=1, world_size=2),
+    "tfdist launch --backend horovod": ClusterEnvironment("local", rank=1, world_size=2,
+                                                          launched_for="horovod"),
     "TF_CONFIG": ClusterEnvironment("tf_config", rank=0, world_size=4),
     "srun step": ClusterEnvironment("slurm", rank=3, world_size=8),
     "torchrun": ClusterEnvironment("torchrun", rank=0, world_size=2),
@@ -37,6 +39,7 @@ ENV = {
 AUTO = {
     "one process": "single",
     "tfdist launch": "mwms",
+    "tfdist launch --backend horovod": "horovod",
     "TF_CONFIG": "mwms",
     "srun step": "mwms",
     "torchrun": "mwms",

@@ -42,6 +42,8 @@ def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
     if environment.launcher in HOROVOD_LAUNCHERS and environment.is_distributed:
         return "horovod", (f"auto: {environment.launcher} started the processes "
                            f"({environment.reason})")
+    if environment.launched_for == "horovod" and environment.is_distributed:
+        return "horovod", f"auto: `tfdist launch --backend horovod` ({environment.reason})"
     if environment.is_distributed:
         return "mwms", f"auto: {environment.world_size} processes ({environment.reason})"
     return "single", f"auto: one process ({environment.reason})"
