@@ -65,3 +65,77 @@ def test_without_the_fix_two_worker_fit_still_fails_upstream(tmp_path):
     assert "Attempt to convert a value (PerReplica" in run.stdout + run.stderr, (
         "Keras 3 multi-worker fit no longer fails without tfdist's fix: keras#20585 may be "
         "fixed upstream; narrow tfdist.keras_compat.AFFECTED")
+
+
+def _callbacks() -> dict[str, object]:
+    import keras
+
+    from tfdist.callbacks import AtomicCheckpoint, ChiefOnly, ChiefWrites
+
+    class StopOnLoss(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):  # type: ignore[no-untyped-def]
+            self.model.stop_training = logs["loss"] < 0.1
+
+    class EpochsOnly(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):  # type: ignore[no-untyped-def]
+            pass
+
+    class EarlierStopping(keras.callbacks.EarlyStopping):
+        def on_train_batch_end(self, batch, logs=None):  # type: ignore[no-untyped-def]
+            self.model.stop_training = bool(logs)
+
+    return {
+        "none": None,
+        "Keras's epoch callbacks": [keras.callbacks.EarlyStopping(), keras.callbacks.History(),
+                                    keras.callbacks.ReduceLROnPlateau(),
+                                    keras.callbacks.CSVLogger("/tmp/x.csv")],
+        "progress bar and TensorBoard": [keras.callbacks.ProgbarLogger(),
+                                         keras.callbacks.TensorBoard("/tmp/tb")],
+        "ModelCheckpoint per epoch": [keras.callbacks.ModelCheckpoint("/tmp/m.keras")],
+        "ModelCheckpoint every 5 steps": [keras.callbacks.ModelCheckpoint("/tmp/m.keras",
+                                                                          save_freq=5)],
+        "TerminateOnNaN": [keras.callbacks.TerminateOnNaN()],
+        "LambdaCallback": [keras.callbacks.LambdaCallback(on_train_batch_end=print)],
+        "yours, on batches": [StopOnLoss()],
+        "yours, on epochs": [EpochsOnly()],
+        "a subclass of a safe one, on batches": [EarlierStopping()],
+        "tfdist's own": [AtomicCheckpoint("/tmp/a.keras")],
+        "yours, behind ChiefOnly": [ChiefOnly(StopOnLoss(), True)],
+        "per-step ModelCheckpoint behind ChiefWrites": [
+            ChiefWrites(keras.callbacks.ModelCheckpoint("/tmp/m.keras", save_freq=5), 0)],
+        "a CallbackList": keras.callbacks.CallbackList([StopOnLoss()]),
+    }
+
+
+STEP_LOGS = {  # callbacks -> (global under "auto", the callback named in the reason)
+    "none": (False, None),
+    "Keras's epoch callbacks": (False, None),
+    "progress bar and TensorBoard": (False, None),
+    "ModelCheckpoint per epoch": (False, None),
+    "ModelCheckpoint every 5 steps": (True, "ModelCheckpoint"),
+    "TerminateOnNaN": (True, "TerminateOnNaN"),
+    "LambdaCallback": (True, "LambdaCallback"),
+    "yours, on batches": (True, "StopOnLoss"),
+    "yours, on epochs": (False, None),
+    "a subclass of a safe one, on batches": (True, "EarlierStopping"),
+    "tfdist's own": (False, None),
+    "yours, behind ChiefOnly": (True, "StopOnLoss"),
+    "per-step ModelCheckpoint behind ChiefWrites": (True, "ModelCheckpoint"),
+    "a CallbackList": (True, "StopOnLoss"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STEP_LOGS))
+def test_step_logs_are_global_only_when_a_callback_reads_them(case):
+    expected, named = STEP_LOGS[case]
+    is_global, why = keras_compat.step_logs_global("auto", _callbacks()[case])
+    assert is_global is expected, why
+    if named:
+        assert f"the callback {named} reads each step's logs" == why
+
+
+@pytest.mark.parametrize("mode", ["global", "local"])
+def test_step_logs_setting_overrides_the_callbacks(mode):
+    for callbacks in _callbacks().values():
+        assert keras_compat.step_logs_global(mode, callbacks) == (
+            mode == "global", f"TFDIST_STEP_LOGS={mode}")

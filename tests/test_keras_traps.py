@@ -169,6 +169,18 @@ def test_two_workers_train_as_one_process_with_the_global_batch(run):
     assert found[0]["max_difference"] < 1e-5 < found[0]["moved"], found
 
 
+def test_each_steps_logs_are_global_when_a_callback_reads_them(run):
+    found = run.case("step_logs")
+    _same_on_both_ranks(found)
+    auto, local = [f["auto"] for f in found], [f["local"] for f in found]
+    assert auto[0]["epoch"] == auto[1]["epoch"] and local[0]["epoch"] == local[1]["epoch"]
+    assert auto[0]["digest"] == local[0]["digest"]  # the logs change nothing else
+    if run.backend == "mwms":  # Horovod's step logs are each rank's own, as upstream
+        assert auto[0]["steps"] == auto[1]["steps"]
+        # Keras 3 keeps each rank's own on request; tf_keras has no such mode
+        assert (local[0]["steps"] != local[1]["steps"]) == run.combo.endswith("keras3"), found
+
+
 def test_jit_compile_trains_without_xla_where_xla_cannot_all_reduce(run):
     found = run.case("jit_compile")
     _same_on_both_ranks(found)

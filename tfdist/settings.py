@@ -172,6 +172,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("keras_fix", "TFDIST_KERAS_FIX", flag, True,
             "the Keras 3 multi-worker `fit` fix; `0` turns it off (to reproduce the upstream "
             "bug)"),
+    _choice("step_logs", "TFDIST_STEP_LOGS", ("auto", "global", "local"),
+            "Keras 3 on several MWMS workers: what each step's logs hold. `global` averages "
+            "them over the workers every step (a collective per step, as Keras does), `local` "
+            "keeps each worker's own until the epoch's end, which is always global; `auto`: "
+            "local unless a callback of yours reads per-step logs"),
     Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
             "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
     Setting("batch_statistics", "TFDIST_AVERAGE_BATCH_STATISTICS", flag, True,

@@ -34,6 +34,9 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   summation order, which is the one exact comparison (the mean of two half-batch gradients is
   the full batch's gradient, summed in another order). This proves the gradients are averaged
   over the global batch, not summed or left per rank.
+- ``step_logs``: one epoch with a callback that reads each step's logs (so they must be the
+  same on every rank), then one with ``TFDIST_STEP_LOGS=local`` (Keras 3 on MWMS then keeps
+  each rank's own, without a collective per step); the epoch's logs are global both times.
 - ``jit_compile``: ``compile(jit_compile=True)`` trains (without XLA, which cannot compile the
   all-reduce on CPUs or Horovod's) and ends where ``jit_compile=False`` ends.
 - ``mixed_keras`` (tf_keras lanes): a Keras 3 model (``import keras``) while
@@ -92,6 +95,7 @@ def main(out_dir: str, backend: str) -> None:
         "mixed_precision": lambda: _mixed_precision(dist, keras, tf),
         "evaluate_predict": lambda: _evaluate_predict(dist, keras, tf),
         "one_process": lambda: _one_process(dist, keras, tf),
+        "step_logs": lambda: _step_logs(dist, keras, tf),
         "jit_compile": lambda: _jit_compile(dist, keras, tf),
         "mixed_keras": lambda: _mixed_keras(dist, keras3),
         # Last: when it shows the old defect, the ranks' collectives are aborted.
@@ -384,6 +388,32 @@ def _one_process(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
             "max_difference": max(float(np.max(np.abs(a - b))) for a, b in pairs),
             "moved": float(np.max(np.abs(distributed.get_weights()[0]
                                          - _fresh(dist, keras, alone=True).get_weights()[0])))}
+
+
+def _step_logs(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    class Record(keras.callbacks.Callback):  # reads each step's logs
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[float] = []
+            self.epoch: float | None = None
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.steps.append(float(logs["loss"]))
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            self.epoch = float(logs["loss"])
+
+    found: dict[str, Any] = {}
+    for mode in ("auto", "local"):
+        os.environ["TFDIST_STEP_LOGS"] = mode
+        try:
+            model, record = _fresh(dist, keras), Record()
+            model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=1, verbose=0,
+                      callbacks=[*dist.callbacks(), record])
+        finally:
+            del os.environ["TFDIST_STEP_LOGS"]
+        found[mode] = {"steps": record.steps, "epoch": record.epoch, "digest": _digest(model)}
+    return {"digest": found["local"]["digest"], **found}
 
 
 def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
