@@ -36,7 +36,11 @@ def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
     # Only the chief reports, and only the chief's files exist.
     assert "[1] test loss" not in run.stdout and "[1] Epoch" not in run.stdout
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
-        "checkpoint.keras", "final.keras", "logs"]
+        "checkpoint.keras", "final.keras", "logs", "throughput.jsonl"]
+    # The throughput meter: a line per epoch from the chief, and the same in its file
+    meter = [line for line in run.stdout.splitlines() if "examples/s (" in line]
+    assert len(meter) == 6 and all(line.startswith("[0] ") for line in meter), meter
+    assert len((tmp_path / "m" / "throughput.jsonl").read_text().splitlines()) == 6
 
 
 def test_tf_keras_with_a_model_dir_saves_from_the_chief_without_breaking_the_others(tmp_path):
@@ -48,7 +52,7 @@ def test_tf_keras_with_a_model_dir_saves_from_the_chief_without_breaking_the_oth
     weights = final_weights([run.stdout])
     assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
-        "checkpoint.keras", "final.keras", "logs"]
+        "checkpoint.keras", "final.keras", "logs", "throughput.jsonl"]
 
 
 def test_one_plain_process_runs_the_same_script(tmp_path):

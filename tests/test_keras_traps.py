@@ -84,9 +84,19 @@ def test_model_dir_saves_once_from_the_chief_with_fit_outside_or_inside_the_scop
     assert [f["wrote_final"] for f in found] == [True, False]
     model_dir = run.out / where
     assert sorted(p.name for p in model_dir.iterdir()) == ["checkpoint.keras", "final.keras",
-                                                           "logs"]
+                                                           "logs", "throughput.jsonl"]
     for name in ("checkpoint.keras", "final.keras"):
         _valid_zip(model_dir / name)
+    # The meter: one line per epoch, from the chief only, with the global batch dist.shard saw
+    records = [json.loads(line) for line in (model_dir / "throughput.jsonl").read_text()
+               .splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1], records
+    for record in records:
+        assert (record["workers"], record["global_batch"], record["steps"]) == (2, 32, 8)
+        assert record["timed_steps"] == 7 and record["step_time_s"]["median"] > 0
+        assert record["examples_per_s"]["total"] == pytest.approx(
+            32 / record["step_time_s"]["median"], rel=1e-3)
+        assert record["backend"] == run.backend
 
 
 def test_the_other_ranks_scratch_directories_are_gone(run):

@@ -522,7 +522,8 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
           tensorboard: bool = True, backup: bool = True, warmup_epochs: float = 0,
           chief_only: tuple[Any, ...] = (), sync_check: bool | None = None,
           sync_check_every: int | None = None, preempt: bool = True,
-          average_batch_statistics: bool | None = None) -> list[Any]:
+          average_batch_statistics: bool | None = None, throughput: bool = True,
+          global_batch: int | None = None) -> list[Any]:
     """Callbacks for ``model.fit`` that behave on any number of workers.
 
     Args:
@@ -547,6 +548,11 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
             moving statistics by their mean over the ranks, before anything saves or compares
             (:class:`tfdist.sync.BatchStatisticsAverage`); env
             ``TFDIST_AVERAGE_BATCH_STATISTICS``, default on.
+        throughput: measure examples per second and step time
+            (:class:`tfdist.throughput.ThroughputMeter`): one log line per epoch on the chief,
+            and one JSON line in ``TFDIST_THROUGHPUT_FILE`` or ``model_dir/throughput.jsonl``.
+        global_batch: examples per step over all workers, for the meter; default: the batch
+            size of the dataset given to ``dist.shard``.
         preempt: with ``model_dir``, stop every rank at one agreed step after SIGTERM, SIGUSR1
             or ``TFDIST_PREEMPT_SIGNAL``, save the state in ``model_dir/preempted`` and exit
             with code 75 (:class:`PreemptionCheckpoint`).
@@ -583,6 +589,10 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
         callbacks.append(PreemptionCheckpoint(dist, model_dir, logs=[
             callback for callback in callbacks if _keeps_logs_open(callback)]))
     callbacks.append(_Progress())
+    if throughput:
+        from tfdist.throughput import ThroughputMeter, throughput_file
+
+        callbacks.append(ThroughputMeter(dist, global_batch, throughput_file(model_dir)))
     if not dist.is_chief:
         callbacks.append(_SilentProgbar())
     return callbacks

@@ -177,6 +177,10 @@ SETTINGS: tuple[Setting, ...] = (
             "them over the workers every step (a collective per step, as Keras does), `local` "
             "keeps each worker's own until the epoch's end, which is always global; `auto`: "
             "local unless a callback of yours reads per-step logs"),
+    Setting("throughput_file", "TFDIST_THROUGHPUT_FILE", _text, None,
+            "the file the chief appends one JSON line per epoch to (throughput, step time); "
+            "default: `model_dir/throughput.jsonl` with a model_dir, else none (the log line "
+            "stays)"),
     Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
             "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
     Setting("batch_statistics", "TFDIST_AVERAGE_BATCH_STATISTICS", flag, True,

@@ -43,6 +43,8 @@ class Distributed(ReplicaMath):
         collective: ``"nccl"`` or ``"ring"`` (MWMS), ``"gloo"`` or ``"mpi"`` (Horovod's
             controller), ``"none"`` (one process).
         num_gpus: GPUs this process drives (0 on CPU).
+        sharded_batch_size: the batch size of the last dataset given to :meth:`shard`, when it
+            is a constant (the throughput meter's examples per step), else None.
     """
 
     backend = "?"
@@ -56,6 +58,7 @@ class Distributed(ReplicaMath):
         self.strategy = strategy
         self.collective = collective
         self.num_gpus = num_gpus
+        self.sharded_batch_size: int | None = None
 
     # --- place in the job --------------------------------------------------------------------
 
@@ -101,8 +104,9 @@ class Distributed(ReplicaMath):
         Raises:
             ConfigError: an unknown policy, or fewer files than workers.
         """
-        from tfdist import sharding
+        from tfdist import sharding, throughput
 
+        self.sharded_batch_size = throughput.batch_size_of(dataset)
         return sharding.shard(dataset, self, policy, num_files=num_files)
 
     def shard_files(self, files: list[str]) -> list[str]:
