@@ -29,13 +29,14 @@ import tensorflow as tf
 from tfdist import failures, keras_compat, keras_input, preemption, sync
 from tfdist.files import scratch_dir
 from tfdist.settings import resolve
+from tfdist.throughput import StepMeter, throughput_file
 
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
 __all__ = ["AtomicCheckpoint", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
-           "PreemptionCheckpoint", "WorkerBackupAndRestore", "build", "route_writer", "save",
-           "scratch_dir"]
+           "PreemptionCheckpoint", "ThroughputMeter", "WorkerBackupAndRestore", "build",
+           "route_writer", "save", "scratch_dir"]
 
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
@@ -590,12 +591,34 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
             callback for callback in callbacks if _keeps_logs_open(callback)]))
     callbacks.append(_Progress())
     if throughput:
-        from tfdist.throughput import ThroughputMeter, throughput_file
-
         callbacks.append(ThroughputMeter(dist, global_batch, throughput_file(model_dir)))
     if not dist.is_chief:
         callbacks.append(_SilentProgbar())
     return callbacks
+
+
+class ThroughputMeter(keras.callbacks.Callback):
+    """Times every training step of ``fit``: :class:`tfdist.throughput.StepMeter`'s callback.
+
+    Args:
+        dist: the handle from :func:`tfdist.init`.
+        global_batch: examples per step over all workers; default: what ``dist.shard`` saw.
+        path: the JSON lines file; default: :func:`tfdist.throughput.throughput_file`.
+    """
+
+    def __init__(self, dist: Distributed, global_batch: int | None = None,
+                 path: str | None = None) -> None:
+        super().__init__()
+        self.meter = StepMeter(dist, global_batch, path)
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.meter._begin()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.meter.steps_done(batch)  # Keras gives an execution's last step: one stamp each
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.meter.epoch_end(epoch)
 
 
 class _Progress(keras.callbacks.Callback):

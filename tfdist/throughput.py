@@ -1,6 +1,7 @@
 """Throughput meter: examples per second per worker and in total, and step time with spread.
 
-``dist.callbacks()`` includes :class:`ThroughputMeter`; custom loops use :class:`StepMeter`.
+``dist.callbacks()`` includes :class:`tfdist.callbacks.ThroughputMeter`; custom loops use
+:class:`StepMeter`. This module imports no framework.
 Each epoch the chief logs one line and, when a file is set, appends one JSON object to it:
 
     {"event": "epoch", "epoch": 3, "workers": 2, "replicas": 2, "backend": "mwms",
@@ -37,7 +38,7 @@ from typing import Any
 
 from tfdist.settings import resolve
 
-__all__ = ["StepMeter", "ThroughputMeter", "batch_size_of", "summarise", "throughput_file"]
+__all__ = ["StepMeter", "batch_size_of", "describe", "summarise", "throughput_file"]
 
 logger = logging.getLogger("tfdist")
 
@@ -132,6 +133,7 @@ class StepMeter:
         self._begin()
 
     def _begin(self) -> None:
+        """Starts an epoch: no stamps yet, the clocks read now."""
         self._stamps: list[tuple[int, float]] = []
         self._steps = 0
         self._wall, self._cpu = time.perf_counter(), time.process_time()
@@ -140,6 +142,11 @@ class StepMeter:
         """Marks the end of ``steps`` more steps (several for one multi-step execution)."""
         self._steps += steps
         self._stamps.append((self._steps - 1, time.perf_counter()))
+
+    def steps_done(self, last: int) -> None:
+        """Marks the end of the epoch's step ``last`` (0-based), as Keras reports it."""
+        self._steps = last + 1
+        self._stamps.append((last, time.perf_counter()))
 
     def epoch_end(self, epoch: int) -> dict[str, Any] | None:
         """Summarises the epoch, logs and writes it on the chief, and starts the next one.
@@ -197,35 +204,3 @@ def _append(path: str, record: dict[str, Any]) -> None:
         os.makedirs(folder, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _callback_base() -> Any:
-    import tensorflow as tf
-
-    return tf.keras.callbacks.Callback
-
-
-class ThroughputMeter(_callback_base()):  # type: ignore[misc]
-    """The Keras callback of :class:`StepMeter`: times every training step of ``fit``.
-
-    Args:
-        dist: the handle from :func:`tfdist.init`.
-        global_batch: examples per step over all workers; default: what ``dist.shard`` saw.
-        path: the JSON lines file; default: :func:`throughput_file`.
-    """
-
-    def __init__(self, dist: Any, global_batch: int | None = None,
-                 path: str | None = None) -> None:
-        super().__init__()
-        self.meter = StepMeter(dist, global_batch, path)
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self.meter._begin()
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        # Keras gives the index of the execution's last step: one stamp per execution.
-        self.meter._stamps.append((batch, time.perf_counter()))
-        self.meter._steps = batch + 1
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.meter.epoch_end(epoch)
