@@ -99,6 +99,14 @@ MATRIX: dict[str, dict[str, Any]] = {
                         script="examples/keras_train.py"),
     "two-gpus-per-task": dict(_COMMON, tasks_per_node=2, sbatch_args=("--exclusive",
                                                                         "--qos=high")),
+    # The training on 1, 2, 4 and 6 nodes (the default sizes), then the report.
+    "scaling-gpu": dict(_COMMON, kind="scaling", nodes=6, venv="/sw/venvs/tf",
+                        task_output="%x-%j-%s-%t.out"),
+    "scaling-cpu-apptainer": dict(kind="scaling", nodes=3, scaling_nodes=(1, 3), gpus_per_node=0,
+                                  tasks_per_node=2, runtime="apptainer", image="/images/tf.sif",
+                                  binds=("/scratch:/scratch",), output="/scratch/logs/%x-%j.out",
+                                  doctor=False, script="examples/keras_train.py",
+                                  args=("--epochs=3",)),
     "build-venv": dict(kind="build-venv", gpus_per_node=1, gpu_type="a100", time="00:30:00",
                        modules=("Python/3.11.5",), venv="${HOME}/venvs/tf", python="python3",
                        packages=("tensorflow[and-cuda]==2.21.0", ".[examples]"),
@@ -350,7 +358,24 @@ ERRORS: list[tuple[dict[str, Any], list[str]]] = [
     ({"kind": "build-venv", "venv": "/v"}, ["needs packages:"]),
     ({"kind": "build-venv", "venv": "/v", "packages": ["x"], "nodes": 2}, ["one node"]),
     ({"kind": "build-venv", "venv": "/v", "packages": ["x"], "launcher": "srun"},
-     ["launcher applies to kind train only"]),
+     ["launcher applies to kinds train and scaling only, not to kind build-venv"]),
+    ({"scaling_nodes": [1, 2]}, ["scaling_nodes applies to kind scaling only, not to kind train"]),
+    ({"kind": "scaling", "nodes": 2, "scaling_nodes": [1, 4]},
+     ["scaling_nodes 4 is more than the job's nodes 2", "allowed: 1 to 2"]),
+    ({"kind": "scaling", "nodes": 2, "scaling_nodes": "1,x"},
+     ["'x' is not a whole number", "e.g. [1, 2, 4] (flag: --scaling-nodes 1,2,4)"]),
+    ({"kind": "scaling", "nodes": 4, "scaling_nodes": [2, 2]}, ["size 2 is given twice"]),
+    ({"kind": "scaling", "nodes": 2, "scaling_nodes": [0]}, ["at least 1, got 0"]),
+    ({"kind": "scaling", "nodes": 2, "scaling_nodes": {"a": 1}}, ["must be a list of node counts"]),
+    ({"kind": "scaling"}, ["kind scaling with nodes 1 and scaling_nodes [1] measures one "
+                           "size only", "e.g. --nodes 4 measures 1, 2 and 4"]),
+    ({"kind": "scaling", "nodes": 4, "scaling_nodes": [2]}, ["measures one size only"]),
+    ({"kind": "scaling", "nodes": 2, "backend": "torch"}, ["use backend mwms or horovod"]),
+    ({"kind": "scaling", "nodes": 2, "backend": "horovod", "launcher": "mpirun"},
+     ["needs launcher srun, not mpirun"]),
+    ({"kind": "scaling", "nodes": 2, "task_output": "%x-%j-%t.out"}, ["add %s (the step)"]),
+    ({"kind": "scaling", "nodes": 2, "requeue": True}, ["remove requeue"]),
+    ({"kind": "scaling", "script": None}, ["kind scaling needs the training script"]),
 ]
 
 
@@ -588,6 +613,25 @@ def test_hostile_values_arrive_byte_for_byte(launcher: str, runtime: str,
         assert launch["env"]["ACTIVATED_VENV"] == "yes"
     module_calls = [call["argv"] for call in calls if call["prog"] == "module"]
     assert module_calls == [["purge"], ["load", *config.modules]]
+
+
+def test_scaling_job_runs_one_step_per_size_then_the_report(tmp_path: Path) -> None:
+    # ${workers} in an argument is the batch shell's: each size can have its own model_dir.
+    config = JobConfig(kind="scaling", nodes=3, gpus_per_node=0, tasks_per_node=2,
+                       python="/opt/py/bin/python3", doctor=False, script="train.py",
+                       args=("--model_dir=runs/${SLURM_JOB_ID}-n${workers}",))
+    calls = _run_script(render(config), tmp_path)
+    steps = [call for call in calls if call["prog"] == "srun"]
+    folder = (tmp_path / "work").resolve() / "scaling-4242"
+    assert [(call["argv"], call["env"]["TFDIST_THROUGHPUT_FILE"]) for call in steps[:-1]] == [
+        (["--kill-on-bad-exit=1", "--cpu-bind=cores", f"--nodes={n}", f"--ntasks={2 * n}",
+          "--ntasks-per-node=2", "/opt/py/bin/python3", "train.py",
+          f"--model_dir=runs/4242-n{2 * n}"], str(folder / "runs" / f"n{2 * n}-r1.jsonl"))
+        for n in (1, 2, 3)]
+    assert steps[-1]["argv"] == ["--kill-on-bad-exit=1", "--cpu-bind=cores", "--nodes=1",
+                                 "--ntasks=1", "--ntasks-per-node=1", "/opt/py/bin/python3",
+                                 "-m", "tfdist", "scaling", "--report", str(folder)]
+    assert (folder / "runs").is_dir()
 
 
 @pytest.mark.parametrize("with_python", [False, True])
@@ -850,5 +894,5 @@ def test_the_doctor_step_runs_before_training_unless_turned_off(
     assert code == 0 and "tfdist doctor" not in out
     code, out, _ = _cli(["t.py"], capsys)
     assert code == 0 and "tfdist doctor" in out
-    with pytest.raises(ConfigError, match="doctor applies to kind train only"):
+    with pytest.raises(ConfigError, match="doctor applies to kinds train and scaling only"):
         JobConfig(kind="build-venv", venv="v", packages=("tfdist",), doctor=False)

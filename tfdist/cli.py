@@ -1,6 +1,7 @@
 """The ``tfdist`` command: ``tfdist launch`` runs local workers, ``tfdist env`` shows the
 cluster environment tfdist detects, ``tfdist settings`` every setting and its value here,
-``tfdist job`` renders and submits Slurm job scripts, ``tfdist doctor`` checks a launch.
+``tfdist job`` renders and submits Slurm job scripts, ``tfdist doctor`` checks a launch,
+``tfdist scaling`` measures the scaling efficiency of a script.
 
 Each subcommand has one small function adding its flags and one running it. Nothing here imports
 TensorFlow, so ``tfdist --help`` stays fast.
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(commands)
     _add_settings(commands)
     _add_job(commands)
+    _add_scaling(commands)
     return parser
 
 
@@ -259,6 +261,65 @@ def _add_job(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     from tfdist.jobs.cli import add_parser  # `tfdist job`: flag groups and handler live there
 
     add_parser(commands)
+
+
+def _add_scaling(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "scaling",
+        help="measure a script's scaling efficiency: throughput on N workers against N x one",
+        description="Run SCRIPT under `tfdist launch -n N` for each size N, in increasing order "
+        "(with --repeat K the sizes take turns K times), each with TFDIST_THROUGHPUT_FILE set to "
+        "OUT/runs/n<N>-r<K>.jsonl, where the chief's throughput meter (dist.callbacks()) writes "
+        "one line per epoch. Then write OUT/scaling.md, scaling.csv and, with matplotlib "
+        "(tfdist[plot]), scaling.png: throughput, speed-up, efficiency and step time per size. "
+        "A run's throughput is the median over its epochs after the first. The first run that "
+        "fails ends it, showing its last lines. --report DIR only builds the report from "
+        "DIR/runs (the Slurm job of `tfdist job --kind scaling` does that).",
+        usage="tfdist scaling -n SIZES [options] (SCRIPT.py | -m MODULE) [ARGS ...]\n"
+        "       tfdist scaling --report DIR",
+    )
+    parser.add_argument("-n", "--num-workers", metavar="SIZES",
+                        help="the numbers of workers to measure, e.g. 1,2,4")
+    parser.add_argument("--repeat", type=_at_least(1), default=1, metavar="K",
+                        help="run every size K times, taking turns (1,2,1,2,...); the report "
+                        "shows the median and the range (default: 1)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="folder of the runs and the report (default: scaling-DATE-TIME)")
+    parser.add_argument("--timeout", type=_positive_float, default=3600.0, metavar="SECONDS",
+                        help="stop a run that takes longer, and end there (default: 3600)")
+    parser.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
+                        help="one more option for tfdist launch, e.g. --launch-arg=--no-pin "
+                        "(repeat)")
+    parser.add_argument("--report", metavar="DIR",
+                        help="run nothing: write the report of the runs in DIR/runs")
+    parser.add_argument(
+        "-m", dest="module", action="store_true", help="run SCRIPT as a module, like python -m"
+    )
+    parser.add_argument("script", metavar="SCRIPT", nargs="?",
+                        help="a .py script, module or executable")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="script arguments")
+    parser.set_defaults(handler=_run_scaling)
+
+
+def _run_scaling(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from tfdist import scaling
+
+    if args.report is not None:
+        if args.script or args.num_workers:
+            raise TfdistError("--report DIR builds the report from DIR/runs and runs nothing; "
+                              "leave out -n and SCRIPT, or leave out --report to measure")
+        return scaling.report_only(Path(args.report))
+    if not args.num_workers or not args.script:
+        raise TfdistError("give the sizes and the script: tfdist scaling -n 1,2,4 SCRIPT.py "
+                          "[ARGS ...] (or --report DIR to report earlier runs)")
+    out = args.out or time.strftime("scaling-%Y%m%d-%H%M%S")
+    return scaling.run(scaling.Options(
+        sizes=scaling.parse_sizes(args.num_workers), target=args.script, args=tuple(args.args),
+        out_dir=Path(out), repeat=args.repeat, timeout_s=args.timeout,
+        launch_args=tuple(args.launch_arg), module=args.module))
 
 
 def _positive_float(text: str) -> float:

@@ -30,10 +30,14 @@ TIME_FORMATS = ("MINUTES", "MINUTES:SECONDS", "HOURS:MINUTES:SECONDS", "DAYS-HOU
                 "DAYS-HOURS:MINUTES", "DAYS-HOURS:MINUTES:SECONDS", "UNLIMITED")
 _TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Keys that belong to one kind of job only.
-_TRAIN_ONLY = ("backend", "launcher", "launcher_args", "script", "args", "runtime", "image",
+# Keys that belong to some kinds of job only; the others apply to every kind.
+_TRAIN_KEYS = ("backend", "launcher", "launcher_args", "script", "args", "runtime", "image",
                "binds", "gpus_per_task", "tasks_per_node", "task_output", "doctor")
-_BUILD_ONLY = ("packages", "system_site_packages")
+_KEY_KINDS: dict[str, tuple[str, ...]] = {
+    **{key: ("train", "scaling") for key in _TRAIN_KEYS},
+    "packages": ("build-venv",), "system_site_packages": ("build-venv",),
+    "scaling_nodes": ("scaling",),
+}
 # sbatch options that have their own key: setting them twice would leave the winner to the order.
 _OWN_KEYS = {
     "--job-name": "job_name", "-J": "job_name", "--nodes": "nodes", "-N": "nodes",
@@ -57,10 +61,12 @@ def validate(config: JobConfig) -> None:
     _check_choices(config)
     _check_counts(config)
     _check_kind_keys(config)
-    if config.kind == "train":
-        _check_train(config)
-    else:
+    if config.kind == "build-venv":
         _check_build(config)
+    else:
+        _check_train(config)
+    if config.kind == "scaling":
+        _check_scaling(config)
     _check_sbatch_values(config)
     _check_software(config)
     _check_env(config)
@@ -90,19 +96,21 @@ def _check_counts(c: JobConfig) -> None:
 
 def _check_kind_keys(c: JobConfig) -> None:
     defaults = type(c).__dataclass_fields__
-    foreign = _BUILD_ONLY if c.kind == "train" else _TRAIN_ONLY
+    foreign = [key for key, kinds in _KEY_KINDS.items() if c.kind not in kinds]
     for key in foreign:
         if getattr(c, key) != defaults[key].default:
-            other = "build-venv" if c.kind == "train" else "train"
-            raise ConfigError(f"{key} applies to kind {other} only, not to kind {c.kind}; "
-                              f"remove it (keys of kind {other} only: {', '.join(foreign)})")
+            kinds = _KEY_KINDS[key]
+            which = f"kind {kinds[0]}" if len(kinds) == 1 else f"kinds {' and '.join(kinds)}"
+            raise ConfigError(f"{key} applies to {which} only, not to kind {c.kind}; remove it "
+                              f"(keys that kind {c.kind} does not take: {', '.join(foreign)})")
 
 
 def _check_train(c: JobConfig) -> None:
     launcher = c.effective_launcher
     if not c.script:
-        raise ConfigError("kind train needs the training script: give SCRIPT [ARGS ...] after "
-                          "the flags of `tfdist job`, or set script: (and args:) in the config")
+        raise ConfigError(f"kind {c.kind} needs the training script: give SCRIPT [ARGS ...] "
+                          "after the flags of `tfdist job`, or set script: (and args:) in the "
+                          "config")
     allowed = BACKEND_LAUNCHERS[c.backend]
     if launcher not in allowed:
         raise ConfigError(f"launcher {launcher} cannot start backend {c.backend}; allowed with "
@@ -151,6 +159,34 @@ def _check_tasks(c: JobConfig) -> None:
         raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus}: each task drives "
                           f"gpus_per_node / tasks_per_node GPUs, so tasks_per_node must divide "
                           f"{gpus}; allowed: {', '.join(divisors)}")
+
+
+def _check_scaling(c: JobConfig) -> None:
+    if c.backend == "torch":
+        raise ConfigError("kind scaling reads the throughput that tfdist's Keras callbacks "
+                          "(dist.callbacks()) write per epoch, which backend torch does not "
+                          "have; use backend mwms or horovod")
+    if c.effective_launcher != "srun":
+        raise ConfigError(f"kind scaling runs one srun step per size (srun --nodes=K), so it "
+                          f"needs launcher srun, not {c.effective_launcher}; remove launcher or "
+                          "set it to srun")
+    if len(c.effective_scaling_nodes) < 2:
+        raise ConfigError(f"kind scaling with nodes {c.nodes} and scaling_nodes "
+                          f"{list(c.effective_scaling_nodes)} measures one size only: set nodes "
+                          "to the most nodes to measure (e.g. --nodes 4 measures 1, 2 and 4), "
+                          "or give two sizes or more in scaling_nodes")
+    too_many = [n for n in c.effective_scaling_nodes if n > c.nodes]
+    if too_many:
+        raise ConfigError(f"scaling_nodes {too_many[0]} is more than the job's nodes {c.nodes}; "
+                          f"allowed: 1 to {c.nodes} (or raise nodes to {max(too_many)})")
+    if c.task_output is not None and "%s" not in c.task_output:
+        raise ConfigError(f"task_output {c.task_output!r} with kind scaling: each size runs as "
+                          "an srun step of its own, and the steps would overwrite each other's "
+                          "files; add %s (the step), e.g. %x-%j-%s-%t.out, or remove "
+                          "task_output")
+    if c.requeue:
+        raise ConfigError("requeue with kind scaling: a requeued job would measure every size "
+                          "again from the first; remove requeue (submit the job again instead)")
 
 
 def _check_build(c: JobConfig) -> None:
@@ -203,7 +239,7 @@ def _check_signal(signal: str | None) -> None:
 
 
 def _check_software(c: JobConfig) -> None:
-    if c.venv is not None and c.python is not None and c.kind == "train":
+    if c.venv is not None and c.python is not None and c.kind != "build-venv":
         raise ConfigError("venv and python both say which Python runs the script; set one: "
                           "venv (activated) or python (an interpreter path)")
     if c.runtime == "venv":

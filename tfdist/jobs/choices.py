@@ -7,7 +7,9 @@ from __future__ import annotations
 __all__ = ["BACKENDS", "BACKEND_LAUNCHERS", "KINDS", "LAUNCHERS", "RUNTIMES",
            "RUNTIME_LAUNCHERS"]
 
-KINDS = ("train", "build-venv")
+# train: one training run; scaling: the same training on 1..nodes nodes, one srun step each,
+# and the report of `tfdist scaling`; build-venv: a venv built on a compute node.
+KINDS = ("train", "build-venv", "scaling")
 BACKENDS = ("mwms", "horovod", "torch")
 LAUNCHERS = ("srun", "mpirun", "horovodrun", "torchrun")
 RUNTIMES = ("venv", "apptainer", "enroot")

@@ -26,8 +26,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = commands.add_parser(
         "job",
         help="render a Slurm job script from a YAML config and flags; print, save or submit it",
-        description="Render an sbatch script for multi-node training (or a venv build) from "
-        "CONFIG.yaml and flags; flags beat the file, which beats the defaults. YAML keys are the "
+        description="Render an sbatch script for multi-node training (or a venv build, or a "
+        "scaling measurement) from CONFIG.yaml and flags; flags beat the file, which beats the "
+        "defaults. YAML keys are the "
         "flag names in snake_case (--gpus-per-node is gpus_per_node). Values in the script body "
         "are shell-quoted; ${NAME} is left for the job's shell to expand. Prints the script "
         "unless --save or --submit is given. Everything after SCRIPT goes to the script; "
@@ -40,6 +41,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_software(parser.add_argument_group("software"))
     _add_launch(parser.add_argument_group("launch"))
     _add_build(parser.add_argument_group("venv build"))
+    _add_scaling(parser.add_argument_group("scaling efficiency (--kind scaling)"))
     _add_actions(parser.add_argument_group("what to do with the script"))
     parser.add_argument("words", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS ...]",
                         help="the training script and its arguments (config keys script, args)")
@@ -109,11 +111,19 @@ def _add_launch(group: _Group) -> None:
 
 
 def _add_build(group: _Group) -> None:
-    group.add_argument("--kind", choices=KINDS, help="train (default) or build-venv")
+    group.add_argument("--kind", choices=KINDS,
+                       help="train (default), build-venv, or scaling: the training on 1, 2, 4 "
+                       "... nodes, one srun step each, then `tfdist scaling --report`")
     group.add_argument("--package", action="append", metavar="SPEC",
                        help="what pip installs into the venv (repeat)")
     group.add_argument("--system-site-packages", action=argparse.BooleanOptionalAction,
                        help="let the venv see the modules' packages (default: no)")
+
+
+def _add_scaling(group: _Group) -> None:
+    group.add_argument("--scaling-nodes", metavar="SIZES",
+                       help="the node counts to measure, e.g. 1,2,4 (default: the powers of two "
+                       "below --nodes, and --nodes)")
 
 
 def _add_actions(group: _Group) -> None:

@@ -29,6 +29,7 @@ from tfdist.jobs.choices import (
     RUNTIME_LAUNCHERS,
     RUNTIMES,
 )
+from tfdist.scaling import check_sizes, default_sizes, parse_sizes
 
 __all__ = [
     "BACKENDS",
@@ -47,7 +48,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class JobConfig:
-    """One Slurm job: a training run (``kind: train``) or a venv build (``kind: build-venv``).
+    """One Slurm job: a training run (``kind: train``), a venv build (``kind: build-venv``), or
+    the training's scaling efficiency (``kind: scaling``: one srun step on each of
+    ``scaling_nodes`` nodes, then ``tfdist scaling --report``).
 
     Every field is a YAML key and a ``tfdist job`` flag (``gpus_per_node`` is
     ``--gpus-per-node``). Building one checks every value and combination.
@@ -97,6 +100,8 @@ class JobConfig:
     # Venv build
     packages: tuple[str, ...] = ()
     system_site_packages: bool = False
+    # Scaling: the node counts to measure (default: powers of two below nodes, and nodes)
+    scaling_nodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # The same type checks as from_mapping, for Python callers: lists become tuples, env a
@@ -117,9 +122,15 @@ class JobConfig:
         and for CPU-only jobs, else one per GPU."""
         if self.tasks_per_node is not None:
             return self.tasks_per_node
-        if self.kind != "train" or self.effective_launcher == "torchrun":
+        if self.kind == "build-venv" or self.effective_launcher == "torchrun":
             return 1
         return self.gpus_per_node or 1
+
+    @property
+    def effective_scaling_nodes(self) -> tuple[int, ...]:
+        """The node counts a scaling job measures: ``scaling_nodes``, else the powers of two
+        below ``nodes``, and ``nodes`` (:func:`tfdist.scaling.default_sizes`)."""
+        return self.scaling_nodes or default_sizes(self.nodes)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, origin: str = "config") -> JobConfig:
@@ -156,6 +167,7 @@ KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig))
 _LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packages")
 _INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task")
 _BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue", "doctor")
+_SIZES_KEYS = ("scaling_nodes",)
 _OPTIONAL_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig) if "None" in str(f.type))
 
 
@@ -242,6 +254,8 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
+    if key in _SIZES_KEYS:
+        return _sizes(where, value)
     if key in _LIST_KEYS:
         items = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) \
             else value
@@ -259,6 +273,21 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
     if value is None and key in _OPTIONAL_KEYS:
         return None
     return _text(where, value)
+
+
+_SIZES_EXAMPLE = "[1, 2, 4] (flag: --scaling-nodes 1,2,4)"
+
+
+def _sizes(where: str, value: Any) -> tuple[int, ...]:
+    """Node counts: a list of whole numbers, one number, or text like the flag's (``1,2,4``)."""
+    if isinstance(value, str):
+        return parse_sizes(value, where, _SIZES_EXAMPLE)
+    items = [value] if isinstance(value, int) else value
+    if not isinstance(items, (list, tuple)) or not all(
+            isinstance(item, int) and not isinstance(item, bool) for item in items):
+        raise ConfigError(f"{where} must be a list of node counts, e.g. {_SIZES_EXAMPLE}, got "
+                          f"{value!r}")
+    return check_sizes(items, where, _SIZES_EXAMPLE) if items else ()
 
 
 def _text(where: str, value: Any) -> str:

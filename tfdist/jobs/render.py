@@ -8,6 +8,8 @@ config was built. The same function writes ``jobscripts/*.sbatch`` from ``jobscr
 
 from __future__ import annotations
 
+import posixpath
+
 from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
 from tfdist.jobs.config import JobConfig
 from tfdist.jobs.shell import word, words
@@ -67,6 +69,9 @@ def render(config: JobConfig, *, source: str | None = None) -> str:
     if config.kind == "train":
         blocks += [_venv(config), _environment(config), _network(config), _doctor(config),
                    _launch(config)]
+    elif config.kind == "scaling":
+        blocks += [_venv(config), _environment(config), _network(config), _doctor(config),
+                   _scaling(config)]
     else:
         blocks += [_environment(config), _build(config)]
     return "\n\n".join(block for block in blocks if block) + "\n"
@@ -88,6 +93,9 @@ def _header(c: JobConfig, source: str | None) -> str:
             title = title.replace("MPI started through PMIx", "Gloo rendezvous started by tfdist")
         title += _RUNTIME_TITLES[c.runtime]
     lines = ["#!/bin/bash", f"# {title}."]
+    if c.kind == "scaling":
+        lines[1:1] = [f"# Scaling efficiency: the training on {_listing(c.effective_scaling_nodes)}"
+                      " node(s), one srun step each, then the report."]
     if source is not None:
         printable = "".join(ch if " " <= ch <= "~" else "?" for ch in source)
         lines += [f"# Rendered by `tfdist job {printable}`.",
@@ -197,13 +205,13 @@ def _venv(c: JobConfig) -> str:
 
 def _environment(c: JobConfig) -> str:
     lines = []
-    if c.kind == "train" and c.backend != "torch":
+    if c.kind != "build-venv" and c.backend != "torch":
         lines += ["# tfdist reads TFDIST_* variables (README: Settings and their precedence).",
                   f"export TFDIST_BACKEND={c.backend}"]
-    if c.kind == "train":
+    if c.kind != "build-venv":
         lines += ["# Python prints each line when it is written, not in blocks.",
                   "export PYTHONUNBUFFERED=1"]
-    if c.kind == "train" and c.cpus_per_task and c.effective_launcher in ("srun", "torchrun"):
+    if c.kind != "build-venv" and c.cpus_per_task and c.effective_launcher in ("srun", "torchrun"):
         lines += ["# srun of Slurm 22.05 to 23.02 does not pass the job's --cpus-per-task on to "
                   "its tasks;", "# SRUN_CPUS_PER_TASK does.",
                   'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
@@ -307,11 +315,13 @@ def _program(c: JobConfig) -> str:
     return " ".join([python, word(c.script or ""), words(c.args)]).rstrip()
 
 
-def _srun_segments(c: JobConfig, *, per_node: bool = False, doctor: bool = False) -> list[str]:
+def _srun_segments(c: JobConfig, *, per_node: bool = False, doctor: bool = False,
+                   step: tuple[str, ...] = ()) -> list[str]:
     """``srun`` and its options (binding, PMIx for Horovod, per-task output), then pyxis's.
 
-    ``doctor``: for the doctor's step, which writes to the job's output and takes the launcher's
-    options only when the launcher is srun itself.
+    ``doctor``: for the doctor's step (and the scaling report's), which writes to the job's
+    output and takes the launcher's options only when the launcher is srun itself. ``step``:
+    the step's own size, when it is not the job's.
     """
     own = c.effective_launcher == "srun" or not doctor
     options = ["srun", "--kill-on-bad-exit=1"]  # one failed task ends the step, not a hang
@@ -329,7 +339,7 @@ def _srun_segments(c: JobConfig, *, per_node: bool = False, doctor: bool = False
         if c.binds:
             container.append(word(f"--container-mounts={','.join(c.binds)}"))
     extra = [] if per_node or not own else [word(arg) for arg in c.launcher_args]
-    return [" ".join(options), *container, " ".join(extra)]
+    return [" ".join(options), " ".join(step), *container, " ".join(extra)]
 
 
 def _horovod_mpi(c: JobConfig) -> bool:
@@ -431,6 +441,57 @@ def _torchrun(c: JobConfig) -> str:
                                          _srun_segments(c, per_node=True), _apptainer(c),
                                          per_task, torchrun, rendezvous, words(c.launcher_args),
                                          program)])
+
+
+def _scaling(c: JobConfig) -> str:
+    tasks = c.effective_tasks_per_node
+    sizes = " ".join(map(str, c.effective_scaling_nodes))
+    python = word(c.python) if c.python else "python"
+    train = _lines([], _srun_segments(c, step=('--nodes="$nodes"', '--ntasks="$workers"',
+                                               f"--ntasks-per-node={tasks}")),
+                   _apptainer(c), _program(c))
+    report = _lines([], _srun_segments(c, doctor=True, step=("--nodes=1", "--ntasks=1",
+                                                             "--ntasks-per-node=1")),
+                    _apptainer(c), f'{python} -m tfdist scaling --report "$scaling_dir"')
+    return "\n".join([
+        "# Scaling efficiency: the same training on each number of nodes in turn, one srun step "
+        "each,",
+        f"# {tasks} task(s) per node. The chief of each step writes its throughput per epoch to",
+        "# TFDIST_THROUGHPUT_FILE (the meter of dist.callbacks()), in a folder next to the job's "
+        "output",
+        "# that every node must see. A failed step ends the job here (set -e).",
+        *_container_comment(c),
+        f"scaling_dir={_scaling_dir(c)}",
+        'mkdir -p "$scaling_dir/runs"',
+        f"for nodes in {sizes}; do",
+        f"    workers=$((nodes * {tasks}))",
+        '    echo "tfdist scaling: $nodes node(s), $workers worker(s)"',
+        '    export TFDIST_THROUGHPUT_FILE="$scaling_dir/runs/n${workers}-r1.jsonl"',
+        "\n".join(f"    {line}" for line in train.split("\n")),
+        "done",
+        "",
+        "# The report, from the runs alone: scaling.md, scaling.csv and, with matplotlib "
+        "(tfdist[plot]),",
+        "# scaling.png. `tfdist scaling --report DIR` writes it again anywhere.",
+        report,
+    ])
+
+
+def _listing(sizes: tuple[int, ...]) -> str:
+    """``1, 2 and 4``."""
+    words = [str(size) for size in sizes]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
+
+
+def _scaling_dir(c: JobConfig) -> str:
+    """``scaling-$SLURM_JOB_ID`` next to the job's output file (else in the job's directory),
+    as an absolute path: a task in a container may start in another directory."""
+    directory = posixpath.dirname(c.output)
+    if "%" in directory or not directory:
+        directory = "${PWD}"
+    elif not directory.startswith("/"):
+        directory = "${PWD}/" + directory
+    return word(directory.rstrip("/") + "/scaling-${SLURM_JOB_ID}")
 
 
 def _build(c: JobConfig) -> str:
