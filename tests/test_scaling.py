@@ -426,15 +426,19 @@ def _scaling(args: list[str], cwd: Path, timeout: float = 120
 @multiprocess
 def test_runs_take_turns_and_each_writes_its_own_file(tmp_path: Path, stand_in: Path) -> None:
     order = tmp_path / "order.txt"
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "n4-r1.jsonl").write_text("an earlier measurement's run\n")
     result = _scaling(["-n", "2,1", "--repeat", "2", "--out", "out", "--launch-arg=--no-pin",
                        str(stand_in), "ok", str(order)], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    out = tmp_path / "out"
+    assert not (out / "runs" / "n4-r1.jsonl").exists()
+    assert "removed 1 earlier run(s) of other sizes from out/runs: n4-r1.jsonl" in result.stdout
     runs = [line.split() for line in order.read_text().splitlines()]
     assert runs == [[str(w), str(out.resolve() / "runs" / f"n{w}-r{k}.jsonl")]
                     for w, k in [(1, 1), (2, 1), (1, 2), (2, 2)]]
-    lines = [line for line in result.stdout.splitlines()
-             if not line.startswith("tfdist scaling: note:")]  # on fewer than 2 cores
+    lines = [line for line in result.stdout.splitlines()  # notes: on fewer than 2 cores
+             if not line.startswith(("tfdist scaling: note:", "tfdist scaling: removed"))]
     assert lines[0] == "tfdist scaling: 4 run(s) of 1, 2 worker(s), 2 time(s) each; files in out"
     assert [line.split(":")[1].split(",")[0] for line in lines[1:5]] == [
         " 1 worker(s)", " 2 worker(s)", " 1 worker(s)", " 2 worker(s)"]

@@ -579,6 +579,15 @@ def run(options: Options, out: TextIO | None = None, err: TextIO | None = None,
     runs_dir.mkdir(parents=True, exist_ok=True)
     _say(out, f"{len(order)} run(s) of {', '.join(map(str, options.sizes))} worker(s), "
               f"{options.repeat} time(s) each; files in {options.out_dir}")
+    # An earlier measurement's runs of other sizes would join a later `--report` of this folder.
+    stale = [path for path in runs_dir.glob("n*-r*.jsonl")
+             if parse_run_name(path.name) not in set(order)]
+    for path in stale:
+        path.unlink()
+        path.with_suffix(".log").unlink(missing_ok=True)
+    if stale:
+        _say(out, f"removed {len(stale)} earlier run(s) of other sizes from {runs_dir}: "
+                  f"{', '.join(sorted(path.name for path in stale))}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cores and max(options.sizes) > cores:
         _say(out, f"note: {max(options.sizes)} workers share this machine's {cores} cores, so "
