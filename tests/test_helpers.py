@@ -105,3 +105,44 @@ def test_shard_files_gives_each_worker_its_share(files, rank, size, mine):
 def test_shard_files_refuses_fewer_files_than_workers():
     with pytest.raises(ConfigError, match="3 input file"):
         shard_files(["a", "b", "c"], 0, 4)
+
+
+def _end_check_cases():
+    import tensorflow as tf
+
+    def data(dataset):
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA)
+        return dataset.with_options(options)
+
+    rows = tf.data.Dataset.range(100)
+    policy = tf.data.experimental.AutoShardPolicy
+    other = {name: tf.data.Options() for name in ("FILE", "OFF")}
+    for name, options in other.items():
+        options.experimental_distribute.auto_shard_policy = getattr(policy, name)
+    return {  # dataset -> whether every worker provably gets the same number of batches
+        "DATA, batch": (data(rows.batch(32)), True),
+        "DATA, batch, cache, prefetch": (data(rows.batch(32).cache().prefetch(2)), True),
+        "DATA, filter, then batch": (data(rows.filter(lambda x: x % 3 > 0).batch(32)), True),
+        "DATA, batch with drop_remainder": (data(rows.batch(32, drop_remainder=True)), True),
+        "DATA, map after batch (no constant batch found)": (
+            data(rows.batch(32).map(lambda x: x * 2)), False),
+        "DATA, not batched": (data(rows), False),
+        "AUTO (may shard by file)": (rows.batch(32), False),
+        "FILE": (rows.batch(32).with_options(other["FILE"]), False),
+        "OFF": (rows.batch(32).with_options(other["OFF"]), False),
+        "no dataset (distribute_datasets_from_function)": (None, False),
+    }
+
+
+@pytest.mark.parametrize("case", [
+    "DATA, batch", "DATA, batch, cache, prefetch", "DATA, filter, then batch",
+    "DATA, batch with drop_remainder", "DATA, map after batch (no constant batch found)",
+    "DATA, not batched", "AUTO (may shard by file)", "FILE", "OFF",
+    "no dataset (distribute_datasets_from_function)"])
+def test_the_end_of_data_check_is_dropped_only_where_every_worker_gets_as_many_batches(case):
+    from tfdist.sharding import _same_steps_on_every_worker
+
+    dataset, expected = _end_check_cases()[case]
+    assert _same_steps_on_every_worker(dataset) is expected

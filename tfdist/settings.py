@@ -181,6 +181,10 @@ SETTINGS: tuple[Setting, ...] = (
             "the file the chief appends one JSON line per epoch to (throughput, step time); "
             "default: `model_dir/throughput.jsonl` with a model_dir, else none (the log line "
             "stays)"),
+    _choice("input_end_check", "TFDIST_INPUT_END_CHECK", ("auto", "always"),
+            "MWMS: tf.distribute's per-step check that every worker still has a batch (a "
+            "collective per step); `auto` drops it where every worker provably gets the same "
+            "number of batches (DATA sharding of a dataset with a constant batch size)"),
     Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
             "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
     Setting("batch_statistics", "TFDIST_AVERAGE_BATCH_STATISTICS", flag, True,

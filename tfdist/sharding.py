@@ -17,7 +17,7 @@ from tfdist.errors import ConfigError
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["POLICIES", "check", "shard", "shard_files", "with_policy"]
+__all__ = ["POLICIES", "check", "shard", "shard_files", "skip_end_checks", "with_policy"]
 
 POLICIES = ("data", "file", "off")
 
@@ -88,3 +88,56 @@ def _check_enough_files(num_files: int, world_size: int) -> None:
                           "worker would get no data and the collectives would hang. Split the "
                           f"data into >= {world_size} files, or shard by element with "
                           "policy='data'")
+
+
+def skip_end_checks() -> bool:
+    """Drops tf.distribute's per-step end-of-data check where it cannot matter. Once.
+
+    On several workers a distributed iterator draws each batch with ``get_next_as_optional``
+    and all-reduces whether every worker still has one, so that a worker whose shard ran out
+    does not leave the others in a collective: one collective per step (about 1.2 ms on
+    loopback gRPC, as much as the gradients'). Where the dataset is split by DATA and
+    tf.distribute can rebatch it (``compute_batch_size`` finds its constant batch size), every
+    worker gets exactly one minibatch of every global batch (an empty one past the rows): the
+    same number of steps, so the check is dropped for that dataset. Every other dataset (FILE
+    or AUTO sharding, no constant batch, ``distribute_datasets_from_function``) keeps it.
+    ``TFDIST_INPUT_END_CHECK=always`` keeps it everywhere.
+
+    Returns:
+        Whether the fast path is installed.
+    """
+    from tensorflow.python.distribute import input_lib
+
+    from tfdist.settings import resolve
+
+    build = input_lib.DistributedDataset.build
+    if getattr(build, "_tfdist", False):
+        return True
+    if resolve("input_end_check") == "always":
+        return False
+
+    def build_without_needless_check(self: Any, dataset_to_replace: Any = None) -> Any:
+        result = build(self, dataset_to_replace)
+        dataset = dataset_to_replace or getattr(self, "_original_dataset", None)
+        if self._enable_get_next_as_optional and _same_steps_on_every_worker(dataset):
+            self._enable_get_next_as_optional = False
+        return result
+
+    build_without_needless_check._tfdist = True  # type: ignore[attr-defined]
+    input_lib.DistributedDataset.build = build_without_needless_check
+    return True
+
+
+def _same_steps_on_every_worker(dataset: Any) -> bool:
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops import distribute
+
+    if dataset is None or not tf.executing_eagerly():
+        return False
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if policy != tf.data.experimental.AutoShardPolicy.DATA:
+        return False
+    try:
+        return int(distribute.compute_batch_size(dataset)) > 0
+    except (tf.errors.OpError, ValueError, TypeError, IndexError):  # scalars: no batch
+        return False

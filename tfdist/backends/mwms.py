@@ -145,11 +145,12 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         if "configured at program startup" in str(error):
             raise too_late(environment) from None
         raise
-    from tfdist import failures, keras_compat, timeouts
+    from tfdist import failures, keras_compat, sharding, timeouts
 
     keras_compat.apply()
     if environment.is_distributed:
         keras_compat.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
+        sharding.skip_end_checks()  # one collective fewer per step where it cannot matter
     if not num_gpus and environment.is_distributed:
         keras_compat.compile_without_xla(tf.keras.Model, (
             "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
