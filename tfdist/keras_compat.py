@@ -232,7 +232,10 @@ def _wrap_logs_mode(original: Any) -> Any:
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_multi_worker(self.distribute_strategy):
             return original(self, *args, **kwargs)
-        callbacks = signature.bind_partial(self, *args, **kwargs).arguments.get("callbacks")
+        try:
+            callbacks = signature.bind_partial(self, *args, **kwargs).arguments.get("callbacks")
+        except TypeError:  # a wrong argument: Keras's own call below says which
+            callbacks = kwargs.get("callbacks")
         is_global, why = step_logs_global(resolve("step_logs"), callbacks)
         if getattr(self, "_tfdist_global_step_logs", is_global) != is_global:
             self.train_function = self.test_function = None  # traced for the other mode
