@@ -38,16 +38,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, conv_net, random_images, run_workers
+
 HVD_PYTHON = ROOT / ".venv-horovod" / "bin" / "python"
 PER_REPLICA = 32
 STEPS = 48  # per epoch
-WIDTHS = {"small": (32, 48, None, 64), "large": (64, 128, 192, 128)}
 
 
 def worker(variant: str, model_name: str, epochs: int, out: str) -> None:
-    import numpy as np
-
     if variant == "plain":
         strategy, rank, workers = _hand_written()
         import tensorflow as tf
@@ -63,23 +61,12 @@ def worker(variant: str, model_name: str, epochs: int, out: str) -> None:
         strategy, rank, workers = dist.strategy, dist.rank, dist.world_size
         shard, callbacks = dist.shard, dist.callbacks()
     keras = tf.keras
-    replicas = workers
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(STEPS * PER_REPLICA * replicas, 32, 32, 3)).astype("float32")
-    y = rng.integers(0, 10, size=len(x)).astype("int64")
-    dataset = shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(PER_REPLICA * replicas)
+    x, y = random_images(STEPS * PER_REPLICA * workers)
+    dataset = shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(PER_REPLICA * workers)
                     .cache())
     keras.utils.set_random_seed(0)
-    first, second, third, dense = WIDTHS[model_name]
     with strategy.scope():
-        layers = [keras.Input((32, 32, 3)), keras.layers.Conv2D(first, 3, activation="relu"),
-                  keras.layers.MaxPooling2D(), keras.layers.Conv2D(second, 3, activation="relu")]
-        if third:
-            layers += [keras.layers.MaxPooling2D(),
-                       keras.layers.Conv2D(third, 3, activation="relu")]
-        model = keras.Sequential([*layers, keras.layers.GlobalAveragePooling2D(),
-                                  keras.layers.Dense(dense, activation="relu"),
-                                  keras.layers.Dense(10)])
+        model = conv_net(keras, model_name)
         model.compile(optimizer=keras.optimizers.SGD(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     stamps: list[tuple[int, int, float]] = []
@@ -106,7 +93,7 @@ def worker(variant: str, model_name: str, epochs: int, out: str) -> None:
         step = statistics.median(json.loads(line)["step_time_s"]["median"]
                                  for line in lines[1:])
     result = {"step": step, "digest": digest(model_variables(model)),
-              "params": model.count_params(), "batch": PER_REPLICA * replicas}
+              "params": model.count_params(), "batch": PER_REPLICA * workers}
     Path(out, f"result-{rank}.json").write_text(json.dumps(result))
 
 
@@ -169,13 +156,7 @@ def run(variant: str, model: str, epochs: int) -> dict:
             launch = ["--backend", "horovod"] if variant == "horovod" else []
             cmd = [python, "-m", "tfdist", "launch", *launch, "-n", "2", *own]
             workers = 2
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              check=False)
-        if done.returncode:
-            raise SystemExit(f"{variant} ({model}) failed:\n{done.stdout[-3000:]}"
-                             f"{done.stderr[-3000:]}")
-        results = [json.loads(Path(out, f"result-{rank}.json").read_text())
-                   for rank in range(workers)]
+        results = run_workers(cmd, env, out, workers, f"{variant} ({model})")
     if len({r["digest"] for r in results}) != 1:
         raise SystemExit(f"{variant} ({model}): the workers ended with different weights")
     result = results[0]

@@ -25,20 +25,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import conv_net, random_images, run_workers
+
 PER_REPLICA_BATCH = 32
 STEPS = 64  # per epoch
 
 
 def worker(out_dir: str, spe: int, rounds: int, backend: str) -> None:
-    import numpy as np
-
     import tfdist
 
     dist = tfdist.init(backend=backend)
@@ -48,24 +45,14 @@ def worker(out_dir: str, spe: int, rounds: int, backend: str) -> None:
 
     keras = tf.keras
     global_batch = PER_REPLICA_BATCH * dist.num_replicas
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(STEPS * global_batch, 32, 32, 3)).astype("float32")
-    y = rng.integers(0, 10, size=len(x)).astype("int64")
+    x, y = random_images(STEPS * global_batch)
     dataset = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
                          .cache())
     models = {}
     for setting in (1, spe):
         keras.utils.set_random_seed(0)
         with dist.scope():
-            model = keras.Sequential([
-                keras.Input((32, 32, 3)),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Conv2D(48, 3, activation="relu"),
-                keras.layers.GlobalAveragePooling2D(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10),
-            ])
+            model = conv_net(keras, "small")
             model.compile(optimizer=keras.optimizers.SGD(0.01),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           steps_per_execution=setting)
@@ -107,13 +94,7 @@ def run(workers: int, args: argparse.Namespace) -> dict:
             env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")
             env["OMP_NUM_THREADS"] = "1"  # one core, as each of the launched workers has
             cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), *cmd]
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              check=False)
-        if done.returncode:
-            raise SystemExit(f"{workers} worker(s) failed:\n{done.stdout[-3000:]}"
-                             f"{done.stderr[-3000:]}")
-        results = [json.loads(Path(out, f"result-{rank}.json").read_text())
-                   for rank in range(workers)]
+        results = run_workers(cmd, env, out, workers, f"{workers} worker(s)")
     for setting in ("1", str(args.spe)):
         found = {r["digests"][setting] for r in results}
         if len(found) != 1:

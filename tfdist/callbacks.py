@@ -612,7 +612,7 @@ class ThroughputMeter(keras.callbacks.Callback):
         self.meter = StepMeter(dist, global_batch, path)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self.meter._begin()
+        self.meter.begin_epoch()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.meter.steps_done(batch)  # Keras gives an execution's last step: one stamp each

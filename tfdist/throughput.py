@@ -130,9 +130,9 @@ class StepMeter:
         self.dist, self.global_batch, self.log = dist, global_batch, log
         self.path = path if path is not None else throughput_file(None)
         self.records: list[dict[str, Any]] = []
-        self._begin()
+        self.begin_epoch()
 
-    def _begin(self) -> None:
+    def begin_epoch(self) -> None:
         """Starts an epoch: no stamps yet, the clocks read now."""
         self._stamps: list[tuple[int, float]] = []
         self._steps = 0
@@ -159,7 +159,7 @@ class StepMeter:
         batch = self.global_batch or getattr(self.dist, "sharded_batch_size", None)
         summary = summarise(self._stamps, global_batch=batch, workers=self.dist.world_size)
         steps = self._steps
-        self._begin()
+        self.begin_epoch()
         if summary is None:
             return None
         record = {"event": "epoch", "epoch": epoch, "workers": self.dist.world_size,
