@@ -78,6 +78,8 @@ class Agreeing(Protocol):
 
     def sum_over_ranks(self, values: Sequence[float]) -> list[float]: ...
 
+    def exit_barrier(self) -> None: ...
+
 
 def parse_signal(text: str) -> signal.Signals:
     """``USR2``, ``SIGUSR2`` or ``12`` as a signal.
@@ -250,7 +252,7 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
             signal.signal(sig, signal.SIG_IGN)
     if dist.is_chief:
         requeue(dist.environment)
-    dist.sum_over_ranks([0.0])  # the barrier
+    dist.exit_barrier()
     # Registered last, so it runs first at shutdown, after every finally block: the process
     # ends there, without TensorFlow's teardown, which can wait for seconds on peers that have
     # already exited (the chief holds MWMS's coordination service) while srun's KillWait runs.

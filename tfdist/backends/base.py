@@ -226,6 +226,11 @@ class Distributed(ReplicaMath):
         """
         return [float(v) for v in values]  # one process: its own values are the sum
 
+    def exit_barrier(self) -> None:
+        """Returns once every rank has reached it, after which this process may end at once
+        (``os._exit``): no peer still needs anything from it. Call it on every rank."""
+        self.sum_over_ranks([0.0])
+
     def prepare_gather_rows(self, width: int, timeout_s: float) -> None:
         """Does the one-off work of :meth:`gather_rows` for ``width``-wide rows now (tracing),
         outside any timed step; runs no collective."""

@@ -33,6 +33,10 @@ __all__ = ["MultiWorkerDistributed", "create"]
 
 logger = logging.getLogger("tfdist")
 
+# How long the exit handshake waits for the other ranks, which have already passed the
+# collective barrier before it: a bound for a peer that died there, not a working time.
+_EXIT_HANDSHAKE_S = 60.0
+
 
 class MultiWorkerDistributed(Distributed):
     """The handle for MultiWorkerMirroredStrategy; ``collective`` is ``"ring"`` or ``"nccl"``."""
@@ -63,6 +67,30 @@ class MultiWorkerDistributed(Distributed):
         summed = _sum_function(self.strategy)(
             tf.constant([float(v) / self.local_replicas for v in values], tf.float32))
         return [float(v) for v in self.strategy.experimental_local_results(summed)[0].numpy()]
+
+    def exit_barrier(self) -> None:
+        """A collective, then a handshake through the chief's coordination service.
+
+        The collective alone is no exit barrier: with 2 workers, rank 1 can return from its
+        all-reduce while rank 0 still fetches rank 1's half (``RecvBuf``), and a rank 1 that
+        ends at once fails rank 0's with "Socket closed". So each rank arrives at a
+        coordination-service barrier (every rank's collective is done), the others then tell
+        the chief they have left it, and the chief, which serves the barrier, ends last.
+        A peer lost here only shortens the wait: the state is saved by then.
+        """
+        self.sum_over_ranks([0.0])
+        from tensorflow.python.eager import context
+
+        ctx, timeout_ms = context.context(), int(_EXIT_HANDSHAKE_S * 1000)
+        try:
+            ctx.wait_at_barrier("tfdist-exit", timeout_ms)
+            if self.is_chief:
+                for rank in range(1, self.world_size):
+                    ctx.get_config_key_value(f"tfdist-exit/{rank}", timeout_ms)
+            else:
+                ctx.set_config_key_value(f"tfdist-exit/{self.rank}", "left")
+        except Exception as error:  # noqa: BLE001 - a peer gone at exit ends only the wait
+            logger.debug("the exit handshake ended early: %s", error)
 
     def prepare_gather_rows(self, width: int, timeout_s: float) -> None:
         import tensorflow as tf

@@ -190,6 +190,11 @@ class TorchDistributed(ReplicaMath):
             return None
         return torch.load(path, map_location=self.device, weights_only=False)
 
+    def exit_barrier(self) -> None:
+        """Returns once every rank has reached it: a preempted rank then ends at once
+        (:func:`tfdist.preemption.exit_preempted`)."""
+        self.sum_over_ranks([0.0])
+
     def barrier(self) -> None:
         """Waits until every rank gets here (bounded by the process group's timeout)."""
         if self.collective == "nccl":
