@@ -89,7 +89,7 @@ class MultiWorkerDistributed(Distributed):
                     ctx.get_config_key_value(f"tfdist-exit/{rank}", timeout_ms)
             else:
                 ctx.set_config_key_value(f"tfdist-exit/{self.rank}", "left")
-        except Exception as error:  # noqa: BLE001 - a peer gone at exit ends only the wait
+        except Exception as error:  # a peer gone at exit ends only the wait
             logger.debug("the exit handshake ended early: %s", error)
 
     def prepare_gather_rows(self, width: int, timeout_s: float) -> None:
