@@ -15,14 +15,18 @@ short steps) and ``large`` (about 290k parameters, longer steps). Per model and 
 - ``2 apart``: the 1-process run twice at once, one per core, not talking to each other: what
   this machine gives two workers before any communication (memory and cache are shared), the
   ceiling of any 2-worker efficiency here;
-- with ``.venv-horovod`` present: ``horovod``, 2 workers under ``tfdist launch --backend
-  horovod``, against a 1-process run in that environment (its TensorFlow is 2.18).
+- with ``.venv-horovod`` present (its TensorFlow is 2.18), under tf_keras, which Horovod's
+  own Keras layer needs: ``horovod``, tfdist's defaults on 2 workers under ``tfdist launch
+  --backend horovod``, and ``horovod-plain``, Horovod as its Keras examples use it
+  (``hvd.DistributedOptimizer``, ``BroadcastGlobalVariablesCallback``, ``dataset.shard``), both
+  against a 1-process run in that environment.
 
 Step time is the median time of one training step over epochs 2..N (from one step's end to the
 next, as tfdist's throughput meter measures it), so the first epoch's tracing and each
 epoch's start are left out. Efficiency = 2-worker images/s / (2 x 1-process images/s).
 Prints every run, then per model the median efficiency of each variant with its spread over
-rounds, and the ratio of tfdist's step time to the hand-written one (< 1: tfdist is faster).
+rounds, and the ratio of tfdist's step time to the hand-written one, with MWMS and with Horovod
+(< 1: tfdist is faster).
 Both workers must end with identical weights in every 2-worker run.
 """
 
@@ -46,12 +50,23 @@ STEPS = 48  # per epoch
 
 
 def worker(variant: str, model_name: str, epochs: int, out: str) -> None:
+    hvd = None
     if variant == "plain":
         strategy, rank, workers = _hand_written()
         import tensorflow as tf
 
         shard = _data_sharding
         callbacks: list = []
+    elif variant == "horovod-plain":
+        hvd, rank, workers = _hand_written_horovod()
+        import tensorflow as tf
+
+        strategy = tf.distribute.get_strategy()
+
+        def shard(dataset):  # type: ignore[no-untyped-def]  # Horovod's examples' way
+            return dataset.unbatch().shard(workers, rank).batch(PER_REPLICA)
+
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
     else:
         import tfdist
 
@@ -67,7 +82,10 @@ def worker(variant: str, model_name: str, epochs: int, out: str) -> None:
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = conv_net(keras, model_name)
-        model.compile(optimizer=keras.optimizers.SGD(0.01),
+        optimizer = keras.optimizers.SGD(0.01)
+        if hvd is not None:
+            optimizer = hvd.DistributedOptimizer(optimizer)
+        model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     stamps: list[tuple[int, int, float]] = []
 
@@ -78,8 +96,8 @@ def worker(variant: str, model_name: str, epochs: int, out: str) -> None:
         def on_train_batch_end(self, batch, logs=None):  # type: ignore[no-untyped-def]
             stamps.append((self.epoch, batch, time.perf_counter()))
 
-    if variant == "plain":
-        callbacks = [Stamps()]
+    if variant in ("plain", "horovod-plain"):
+        callbacks.append(Stamps())
     model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks)
     from tfdist.sync import digest, model_variables
     from tfdist.throughput import summarise
@@ -111,6 +129,19 @@ def _hand_written():  # type: ignore[no-untyped-def]
     return strategy, config["task"]["index"], len(config["cluster"]["worker"])
 
 
+def _hand_written_horovod():  # type: ignore[no-untyped-def]
+    """Horovod as its Keras examples use it (tf_keras: Horovod's Keras layer predates Keras
+    3), with the same threads per core as the other variants."""
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    threads = len(os.sched_getaffinity(0))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return hvd, hvd.rank(), hvd.size()
+
+
 def _data_sharding(dataset):  # type: ignore[no-untyped-def]
     import tensorflow as tf
 
@@ -129,6 +160,8 @@ def run(variant: str, model: str, epochs: int) -> dict:
                "TFDIST_THROUGHPUT_FILE": os.path.join(out, "throughput.jsonl")}
         if variant == "plain":
             env["TFDIST_STEP_LOGS"] = "global"  # Keras's own behaviour, for the baseline
+        if variant.startswith("horovod"):  # Horovod's own Keras layer needs tf_keras
+            env["TF_USE_LEGACY_KERAS"] = "1"
         if variant == "apart":  # two 1-process runs at once, one per core
             own[2] = "single"
             cores = sorted(os.sched_getaffinity(0))[:2]
@@ -153,7 +186,7 @@ def run(variant: str, model: str, epochs: int) -> dict:
             cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), python, *own]
             workers = 1
         else:
-            launch = ["--backend", "horovod"] if variant == "horovod" else []
+            launch = ["--backend", "horovod"] if variant.startswith("horovod") else []
             cmd = [python, "-m", "tfdist", "launch", *launch, "-n", "2", *own]
             workers = 2
         results = run_workers(cmd, env, out, workers, f"{variant} ({model})")
@@ -177,13 +210,13 @@ def main() -> None:
         return worker(args.worker, args.model, args.epochs, args.out)
     variants = ["single", "apart", "tfdist", "plain"]
     if HVD_PYTHON.exists():
-        variants += ["horovod-single", "horovod"]
+        variants += ["horovod-single", "horovod", "horovod-plain"]
     print(f"{PER_REPLICA} images per replica, {STEPS} steps an epoch, {args.epochs} epochs, "
           "median step over epochs 2..N; variants in turn every round")
     for model in args.models.split(","):
         efficiency: dict[str, list[float]] = {"apart": [], "tfdist": [], "plain": [],
-                                              "horovod": []}
-        ratios = []
+                                              "horovod": [], "horovod-plain": []}
+        ratios, horovod_ratios = [], []
         for round_ in range(1, args.rounds + 1):
             found = {variant: run(variant, model, args.epochs) for variant in variants}
             line = [f"{model} round {round_} ({found['single']['params']} parameters):"]
@@ -192,11 +225,14 @@ def main() -> None:
                             f"{result['images_per_s']:.0f} img/s")
             print(line[0] + "\n  " + "; ".join(line[1:]), flush=True)
             for variant, base in (("apart", "single"), ("tfdist", "single"), ("plain", "single"),
-                                  ("horovod", "horovod-single")):
+                                  ("horovod", "horovod-single"),
+                                  ("horovod-plain", "horovod-single")):
                 if variant in found:
                     efficiency[variant].append(found[variant]["images_per_s"]
                                                / (2 * found[base]["images_per_s"]))
             ratios.append(found["tfdist"]["step"] / found["plain"]["step"])
+            if "horovod" in found:
+                horovod_ratios.append(found["horovod"]["step"] / found["horovod-plain"]["step"])
         print(f"{model}: 2-worker efficiency, median (min..max over {args.rounds} rounds)")
         for variant, values in efficiency.items():
             if values:
@@ -204,6 +240,10 @@ def main() -> None:
                       f"({min(values):.0%}..{max(values):.0%})")
         print(f"  step time tfdist / hand-written: {statistics.median(ratios):.3f} "
               f"({min(ratios):.3f}..{max(ratios):.3f})")
+        if horovod_ratios:
+            print(f"  step time tfdist / hand-written under Horovod: "
+                  f"{statistics.median(horovod_ratios):.3f} "
+                  f"({min(horovod_ratios):.3f}..{max(horovod_ratios):.3f})")
     print("both workers ended with identical weights in every 2-worker run: yes")
 
 
