@@ -1,7 +1,8 @@
 """Tests of ``tfdist launch`` and the ``tfdist`` command line.
 
 The pure builders are checked as tables; everything else runs real worker processes (small
-Python scripts, no TensorFlow) through ``python -m tfdist`` or :func:`tfdist.launch.launch`.
+Python scripts, no TensorFlow) through ``python -m tfdist`` or :func:`tfdist.launch.launch`;
+``--dry-run`` runs in this process with starting a process made to fail.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -17,19 +19,28 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
-from tfdist.cli import main
+import tfdist.launch
+from tfdist.cli import build_parser, main
+from tfdist.devices import select_gpus, share
 from tfdist.doctor.report import ranges
+from tfdist.env import detect
 from tfdist.errors import ConfigError
 from tfdist.launch import (
     assign_cpus,
     build_command,
+    build_horovod_workers,
     build_workers,
+    check_command,
+    env_changes,
     exit_code,
+    format_plan,
     free_ports,
     launch,
+    log_path,
     port_range,
     split_lines,
     tf_config,
@@ -250,6 +261,96 @@ def test_exit_code(returncode: int, code: int) -> None:
     assert exit_code(returncode) == code
 
 
+def test_log_path_is_one_file_per_rank(tmp_path: Path) -> None:
+    assert log_path(tmp_path, 3) == tmp_path / "rank-3.log"
+    assert log_path("logs", 0) == Path("logs", "rank-0.log")
+
+
+@pytest.mark.parametrize(
+    ("base", "env", "changes"),
+    [
+        ({"A": "1"}, {"A": "1"}, {}),
+        ({"A": "1"}, {"A": "1", "B": "2"}, {"B": "2"}),  # Added.
+        ({"A": "1"}, {"A": "2"}, {"A": "2"}),  # Changed.
+        ({"A": "1", "TF_CONFIG": "{}"}, {"A": "1"}, {"TF_CONFIG": None}),  # Removed.
+        ({}, {"Z": "", "B": "x y"}, {"B": "x y", "Z": ""}),  # Sorted; an empty value is one.
+    ],
+)
+def test_env_changes(
+    base: dict[str, str], env: dict[str, str], changes: dict[str, str | None]
+) -> None:
+    assert env_changes(base, env) == changes
+    assert list(env_changes(base, env)) == sorted(changes)
+
+
+@pytest.mark.parametrize(
+    ("command", "error"),
+    [
+        ([PY, "worker.py", "--x"], None),
+        ([PY, "sub/missing.py"], "script 'sub/missing.py' not found"),
+        ([PY, "-m", "json.tool"], None),
+        ([PY, "-m", "mymod"], None),  # Found in the working folder, as python -m finds it.
+        ([PY, "-m", "no_such_module_tfdist.sub"], "module 'no_such_module_tfdist.sub' not found"),
+        ([PY, "-c", "pass"], None),  # Python's own options: the interpreter is the target.
+        (["sh", "-c", "true"], None),
+        (["no-such-program-tfdist"], "'no-such-program-tfdist' is not an executable on PATH"),
+        (["./run.sh", "--x"], None),
+        (["./data.txt"], "'./data.txt' is not an executable"),
+    ],
+)
+def test_check_command(tmp_path: Path, command: list[str], error: str | None) -> None:
+    for name in ("worker.py", "mymod.py", "run.sh", "data.txt"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    if error is None:
+        check_command(command, cwd=str(tmp_path))
+    else:
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            check_command(command, cwd=str(tmp_path))
+
+
+def test_format_plan_shows_command_cores_gpus_log_and_changed_variables() -> None:
+    base = {"HOME": "/h", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
+    cpus = [frozenset({0, 1}), frozenset({2, 3})]
+    workers = build_workers(2, [PY, "train.py", "--note", "a b"], [7000, 7001], base, cpus)
+    config = '{"cluster":{"worker":["127.0.0.1:7000","127.0.0.1:7001"]},"task":{"type":' \
+        '"worker","index":1}}'
+    assert format_plan(workers, base, log_dir="logs").splitlines()[9:] == [
+        "worker 1:",
+        f"  command: {shlex.quote(PY)} train.py --note 'a b'",
+        "  cores: 2-3",
+        "  gpus: 5 (tfdist.init() keeps these of CUDA_VISIBLE_DEVICES=4,5)",
+        f"  log: {Path('logs', 'rank-1.log')}",
+        "  TFDIST_LAUNCHER=local",
+        "  TFDIST_LOCAL_RANK=1",
+        "  TFDIST_LOCAL_WORLD_SIZE=2",
+        f"  TF_CONFIG='{config}'",
+    ]
+    horovod = build_horovod_workers(1, ["prog"], 29400, {**base, "TF_CONFIG": "{}"})
+    lines = format_plan(horovod, {**base, "TF_CONFIG": "{}"}).splitlines()
+    assert lines[:3] == ["worker 0:", "  command: prog", "  cores: not pinned"]
+    assert "  HOROVOD_GLOO_RENDEZVOUS_PORT=29400" in lines and lines[-1] == "  unset TF_CONFIG"
+
+
+@pytest.mark.parametrize(
+    ("visible", "gpus"),
+    [
+        ("0,1,2,3", ["0,1 (", "2,3 ("]),  # An equal, contiguous share by rank.
+        ("4,5", ["4 (", "5 ("]),  # Physical ids kept.
+        ("0", ["0 (", "0 ("]),  # A single GPU is shared.
+        ("", ["none (", "none ("]),
+        (None, ["its share (local rank 0 of 2)", "its share (local rank 1 of 2)"]),
+        ("0,1,2", ["tfdist.init() would fail: 3 GPUs"] * 2),
+    ],
+)
+def test_format_plan_gpus_are_those_each_worker_keeps(visible: str | None, gpus: list[str]) -> None:
+    base = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    text = format_plan(build_workers(2, ["prog"], [7000, 7001], base), base)
+    shown = [line[len("  gpus: "):] for line in text.splitlines() if line.startswith("  gpus: ")]
+    assert len(shown) == 2
+    assert all(line.startswith(start) for line, start in zip(shown, gpus, strict=True)), shown
+
+
 # -- Real workers ---------------------------------------------------------------------------
 
 
@@ -397,6 +498,74 @@ def test_more_workers_than_cores_share_cores_with_a_warning() -> None:
     assert json.loads(_lines(result.stdout, n - 1)[0]) == [CORES[0]]
 
 
+# Rank 0 prints two lines, then sleeps until stopped; rank 1 waits for them, writes to stdout
+# and stderr, a byte that is not UTF-8 and an unfinished line, and exits 3.
+LOG_SCRIPT = """
+import os, pathlib, sys, time
+rank = os.environ["TFDIST_LOCAL_RANK"]
+ready = pathlib.Path(sys.argv[1], "ready")
+print(f"rank {rank} starts")
+if rank == "0":
+    print("rank 0 line 2", flush=True)
+    ready.write_text("")
+    time.sleep(60)
+deadline = time.monotonic() + 10
+while not ready.exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("rank 1 fails", file=sys.stderr, flush=True)
+sys.stdout.buffer.write(b"bad \\xff byte\\nno newline")
+sys.exit(3)
+"""
+
+
+@multiprocess
+def test_log_dir_gets_each_rank_complete_including_the_failing_worker(tmp_path: Path) -> None:
+    logs = tmp_path / "new" / "logs"  # Created, parents too.
+    result = _tfdist("launch", "-n", "2", "--log-dir", str(logs), _script(tmp_path, LOG_SCRIPT),
+                     str(tmp_path))
+    assert result.returncode == 3, result.stderr
+    assert sorted(path.name for path in logs.iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert (logs / "rank-0.log").read_bytes() == b"rank 0 starts\nrank 0 line 2\n"
+    assert (logs / "rank-1.log").read_bytes() == (
+        b"rank 1 starts\nrank 1 fails\nbad \xff byte\nno newline\n"  # Unprefixed, undecoded.
+    )
+    assert _lines(result.stdout, 0) == ["rank 0 starts", "rank 0 line 2"]  # The terminal too.
+    assert _lines(result.stdout, 1) == ["rank 1 starts", "rank 1 fails", "bad \ufffd byte",
+                                        "no newline"]
+
+
+@multiprocess
+def test_log_dir_is_complete_when_the_launch_is_interrupted(tmp_path: Path) -> None:
+    script = _script(tmp_path, "import os; print('started', os.environ['TFDIST_LOCAL_RANK'])\n"
+                     + SLEEP_SCRIPT)
+    boot = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    boot += "import sys; from tfdist.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = [PY, "-c", boot, "launch", "-n", "2", "--log-dir", str(tmp_path / "logs"), script,
+            str(tmp_path)]
+    launcher = subprocess.Popen(
+        argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    pids = [_wait_for(tmp_path / f"pid{rank}") for rank in (0, 1)]
+    launcher.send_signal(signal.SIGINT)
+    launcher.communicate(timeout=10)
+    assert launcher.returncode == 130
+    assert not any(_alive(pid) for pid in pids)
+    for rank in (0, 1):
+        assert (tmp_path / "logs" / f"rank-{rank}.log").read_text() == f"started {rank}\n"
+
+
+@multiprocess
+def test_log_dir_is_emptied_at_start_and_keeps_every_restart(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-0.log").write_text("an earlier launch\n")
+    script = _script(tmp_path, "import os; print('run', os.environ['TFDIST_RESTART_COUNT']); "
+                     "raise SystemExit(75)")  # Preempted: the launcher waits for both.
+    result = _tfdist("launch", "-n", "2", "--max-restarts", "1", "--log-dir", str(logs), script)
+    assert result.returncode == 75, result.stderr
+    assert [(logs / f"rank-{r}.log").read_text() for r in (0, 1)] == ["run 0\nrun 1\n"] * 2
+
+
 # -- Command line ---------------------------------------------------------------------------
 
 
@@ -407,7 +576,10 @@ def test_more_workers_than_cores_share_cores_with_a_warning() -> None:
         (["-n", "1", "--cpus-per-worker", "99", "x"], "lower --cpus-per-worker or -n"),
         (["-n", "1", "--cpus-per-worker", "1", "--no-pin", "x"], "do not combine it with"),
         (["-n", "1", "--grace-period", "-1", "x"], "--grace-period must be >= 0"),
-        (["-n", "1", "no-such-program-tfdist"], "tfdist: cannot start worker 0"),
+        (["-n", "1", "no-such-program-tfdist"], "tfdist: 'no-such-program-tfdist' is not an exe"),
+        # A missing target is refused before anything starts, also in a dry run.
+        (["-n", "2", "--dry-run", "missing.py"], "tfdist: script 'missing.py' not found"),
+        (["-n", "2", "--dry-run", "-m", "no_such_module_tfdist"], "module 'no_such_module_tfdist'"),
     ],
 )
 def test_launch_errors_print_the_fix_and_exit_2(
@@ -425,6 +597,9 @@ def test_launch_errors_print_the_fix_and_exit_2(
         (["launch", "-n", "0", "x"], "must be at least 1, got 0"),
         (["launch", "x"], "-n/--num-workers"),
         (["launch", "-n", "2"], "SCRIPT"),
+        (["launch", "--nproc-per-node", "gpu", "x"], "expected a whole number, got 'gpu'"),
+        # No torch backend: tfdist.torch meets at rank 0's TF_CONFIG address (the default).
+        (["launch", "-n", "1", "--backend", "torch", "x"], "invalid choice: 'torch'"),
         ([], "COMMAND"),
     ],
 )
@@ -435,6 +610,162 @@ def test_bad_flags_exit_2_with_usage(
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["-n", "2"], {"num_workers": 2}),
+        (["--num-workers", "3"], {"num_workers": 3}),
+        (["--nproc-per-node", "4"], {"num_workers": 4}),  # torchrun's spellings of -n.
+        (["--nproc_per_node=5"], {"num_workers": 5}),
+        (["-n", "1", "--max_restarts", "2"], {"max_restarts": 2}),
+        (["-n", "1", "--max-restarts=3"], {"max_restarts": 3}),
+        (["-n", "1", "--module"], {"module": True}),
+        (["-n", "1", "-m"], {"module": True}),
+        (["-n", "1", "--log-dir", "logs", "--dry-run"], {"log_dir": "logs", "dry_run": True}),
+        (["-n", "1"], {"log_dir": None, "dry_run": False, "module": False, "max_restarts": 0}),
+    ],
+)
+def test_launch_flags_and_torchrun_spellings(argv: list[str], expected: dict[str, object]) -> None:
+    args = build_parser().parse_args(["launch", *argv, "train.py", "--nproc-per-node", "9"])
+    assert {name: getattr(args, name) for name in expected} == expected
+    assert (args.script, args.args) == ("train.py", ["--nproc-per-node", "9"])  # The script's.
+
+
+def test_help_explains_the_gpu_split_with_a_true_example(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    example = ("CUDA_VISIBLE_DEVICES=0,1,2,3 and -n 2: worker 0 gets GPUs 0,1, "
+               "worker 1 gets GPUs 2,3.")
+    assert example in text
+    found = re.search(r"CUDA_VISIBLE_DEVICES=(\S+) and -n (\d+): worker 0 gets GPUs (\S+), "
+                      r"worker 1 gets GPUs (\S+)\.", text)
+    assert found is not None
+    visible, n, *gpus = found.groups()
+    # What each worker's tfdist.init() keeps (tfdist.devices), with the same inputs.
+    assert [select_gpus(visible, rank, int(n), False) for rank in (0, 1)] == [
+        gpus[0].rstrip(","), gpus[1]]
+    assert "A single id (CUDA_VISIBLE_DEVICES=0) is shared by all workers" in text
+    assert [select_gpus("0", rank, 2, False) for rank in (0, 1)] == ["0", "0"]
+    assert "unset each worker takes the same share of the GPUs the framework counts" in text
+    assert select_gpus(None, 1, 2, False) is None and share(4, 1, 2) == range(2, 4)
+    assert "A GPU count that N does not divide is an error" in text
+    with pytest.raises(ConfigError):
+        select_gpus("0,1,2", 0, 2, False)
+    with pytest.raises(ConfigError):
+        share(3, 0, 2)
+
+
+def _parse_plan(text: str) -> dict[int, dict[str, Any]]:
+    """``--dry-run``'s output as ``{rank: {"command": ..., "cores": ..., "env": {NAME: value,
+    or None when unset}}}``."""
+    workers: dict[int, dict[str, Any]] = {}
+    current: dict[str, Any] = {}
+    for line in text.splitlines():
+        if found := re.fullmatch(r"worker (\d+):", line):
+            current = workers[int(found[1])] = {"env": {}}
+        elif found := re.fullmatch(r"  unset (\w+)", line):
+            current["env"][found[1]] = None
+        elif found := re.fullmatch(r"  ([A-Z_][A-Z0-9_]*)=(.*)", line):
+            (current["env"][found[1]],) = shlex.split(found[2])  # One shell word each.
+        elif found := re.fullmatch(r"  (\w+): (.*)", line):
+            current[found[1]] = found[2]
+    return workers
+
+
+def _worker_environ(changes: dict[str, str | None]) -> dict[str, str]:
+    """This environment with a printed worker's changes applied."""
+    environ = {**os.environ, **{name: v for name, v in changes.items() if v is not None}}
+    return {name: v for name, v in environ.items() if changes.get(name, "") is not None}
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a worker or Horovod's rendezvous server fails the test."""
+
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
+        raise AssertionError(f"--dry-run started something: {args}")
+
+    monkeypatch.setattr(tfdist.launch.subprocess, "Popen", refuse)
+    monkeypatch.setattr("tfdist.horovod.rendezvous.RendezvousServer", refuse)
+    monkeypatch.setattr("tfdist.horovod.install.is_installed", lambda: True)
+
+
+@pytest.mark.usefixtures("nothing_starts")
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_dry_run_prints_each_worker_and_starts_nothing(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("TF_CONFIG", '{"inherited": true}')
+    monkeypatch.delenv("TFDIST_RESTART_COUNT", raising=False)
+    script, logs = _script(tmp_path, "raise SystemExit('started')"), tmp_path / "logs"
+    argv = ["launch", "--dry-run", "--backend", backend, "--nproc-per-node", "2", "--log-dir",
+            str(logs), script, "--epochs=3"]
+    assert main(argv) == 0
+    workers = _parse_plan(capsys.readouterr().out)
+    assert sorted(workers) == [0, 1]
+    for rank, worker in workers.items():
+        assert worker["command"] == shlex.join([PY, script, "--epochs=3"])
+        assert worker["cores"] == str(CORES[rank % len(CORES)])
+        assert worker["gpus"].startswith(["0,1 ", "2,3 "][rank])  # The --help example.
+        assert worker["log"] == str(logs / f"rank-{rank}.log")
+        env = worker["env"]
+        assert env["TFDIST_LOCAL_RANK"] == str(rank) and env["TFDIST_RESTART_COUNT"] == "0"
+        assert "CUDA_VISIBLE_DEVICES" not in env and "PATH" not in env  # Only what changes.
+        if backend == "mwms":
+            config = json.loads(env["TF_CONFIG"])
+            assert config["task"] == {"type": "worker", "index": rank}
+            assert len(config["cluster"]["worker"]) == 2
+            assert config == {**json.loads(workers[0]["env"]["TF_CONFIG"]), "task": config["task"]}
+        else:
+            assert env["TF_CONFIG"] is None  # The inherited one is removed.
+            assert (env["HOROVOD_RANK"], env["TFDIST_BACKEND"]) == (str(rank), "horovod")
+        # The printed changes are all a worker needs: it detects its place from them.
+        found = detect(_worker_environ(env))
+        assert (found.rank, found.world_size, found.local_rank) == (rank, 2, rank)
+    assert not logs.exists()
+
+
+@pytest.mark.usefixtures("nothing_starts")
+def test_dry_run_gives_a_torch_script_its_rendezvous(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tfdist.torch.rendezvous import plan  # Imports torch.
+
+    # tfdist.torch needs no backend of its own: it meets at rank 0's TF_CONFIG address.
+    assert main(["launch", "--dry-run", "-n", "2", "--port-base", "29400",
+                 _script(tmp_path, "import torch")]) == 0
+    for rank, worker in _parse_plan(capsys.readouterr().out).items():
+        rendezvous = plan(detect(_worker_environ(worker["env"])))
+        assert (rendezvous.init_method, rendezvous.rank, rendezvous.world_size) == (
+            "tcp://127.0.0.1:29400", rank, 2)
+
+
+def test_dry_run_in_a_real_launcher_runs_no_worker(tmp_path: Path) -> None:
+    marker, logs = tmp_path / "ran", tmp_path / "logs"
+    script = _script(tmp_path, "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('')")
+    result = _tfdist("launch", "-n", "2", "--dry-run", "--log-dir", str(logs), script, str(marker))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("tfdist launch --dry-run: 2 worker(s), --backend mwms; ")
+    assert sorted(_parse_plan(result.stdout)) == [0, 1]
+    time.sleep(0.5)  # A worker, had one started, would have written by now.
+    assert not marker.exists() and not logs.exists()
+
+
+@pytest.mark.usefixtures("nothing_starts")
+def test_log_dir_that_cannot_be_created_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    argv = ["launch", "-n", "1", "--log-dir", str(tmp_path / "file" / "logs"), PY, "-c", "pass"]
+    assert main(argv) == 2
+    assert "cannot write the workers' logs there" in capsys.readouterr().err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,17 @@ __all__ = ["build_parser", "main"]
 
 _Handler = Callable[[argparse.Namespace], int]
 
+# How a launch's workers share the GPUs: tfdist.devices.select_gpus (tested against this text).
+_GPU_SPLIT_HELP = (
+    "tfdist launch gives every worker the CUDA_VISIBLE_DEVICES it inherited; tfdist.init() (or "
+    "tfdist.torch.init()) in each worker then keeps an equal, contiguous share by rank, with the "
+    "physical ids. Example: CUDA_VISIBLE_DEVICES=0,1,2,3 and -n 2: worker 0 gets GPUs 0,1, "
+    "worker 1 gets GPUs 2,3. A single id (CUDA_VISIBLE_DEVICES=0) is shared by all workers; "
+    "with CUDA_VISIBLE_DEVICES unset each worker takes the same share of the GPUs the framework "
+    "counts. A GPU count that N does not divide is an error at init. --dry-run shows each "
+    "worker's GPUs. A script that does not call tfdist.init() sees every GPU."
+)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tfdist`` command line.
@@ -33,9 +44,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: the subcommand's, or 2 for a :class:`TfdistError` (printed as
         ``tfdist: <message>``, without a traceback). Bad flags exit 2 through argparse.
     """
-    args = build_parser().parse_args(argv)
-    handler: _Handler = args.handler
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
+        if words[:1] == ["job"]:  # `--sbatch-arg --qos high`: see tfdist.jobs.cli
+            from tfdist.jobs.cli import join_option_values
+
+            words[1:] = join_option_values(words[1:])
+        args = build_parser().parse_args(words)
+        handler: _Handler = args.handler
         return handler(args)
     except TfdistError as err:
         print(f"tfdist: {err}", file=sys.stderr)
@@ -64,15 +80,21 @@ def _add_launch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="run N workers of a script on this machine",
         description="Run N worker processes of SCRIPT on this machine, each with its own "
         "TF_CONFIG (or, with --backend horovod, Horovod's variables), TFDIST_LOCAL_RANK and CPU "
-        "core. Everything after SCRIPT goes to the script. "
-        "Output lines are prefixed with [rank]; a carriage return (progress bars) ends a line.",
+        "core; torch scripts (tfdist.torch) use the default backend and meet at rank 0's "
+        "TF_CONFIG address. Everything after SCRIPT goes to the script; a SCRIPT, module or "
+        "executable that does not exist is refused before anything starts. "
+        "Output lines are prefixed with [rank]; a carriage return (progress bars) ends a line. "
+        "--dry-run prints each worker's command, variables, cores and GPUs instead of starting "
+        "it. torchrun's --nproc-per-node, --max_restarts and --module are accepted too.",
         usage="tfdist launch -n N [options] (SCRIPT.py | -m MODULE | EXECUTABLE) [ARGS ...]",
     )
     _add_launch_workers(parser.add_argument_group("workers"))
+    parser.add_argument_group("GPUs", _GPU_SPLIT_HELP)
     _add_launch_cpus(parser.add_argument_group("CPU pinning"))
     _add_launch_output(parser.add_argument_group("output and shutdown"))
     parser.add_argument(
-        "-m", dest="module", action="store_true", help="run SCRIPT as a module, like python -m"
+        "-m", "--module", dest="module", action="store_true",
+        help="run SCRIPT as a module, like python -m",
     )
     parser.add_argument("script", metavar="SCRIPT", help="a .py script, module or executable")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="script arguments")
@@ -83,10 +105,13 @@ def _add_launch_workers(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "-n",
         "--num-workers",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="num_workers",
         type=_at_least(1),
         required=True,
         metavar="N",
-        help="number of workers (>= 1)",
+        help="number of workers (>= 1); --nproc-per-node is torchrun's name for it",
     )
     group.add_argument(
         "--port-base",
@@ -120,6 +145,8 @@ def _add_launch_cpus(group: argparse._ArgumentGroup) -> None:
 def _add_launch_output(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
         type=_at_least(0),
         default=0,
         metavar="N",
@@ -139,6 +166,22 @@ def _add_launch_output(group: argparse._ArgumentGroup) -> None:
         action="store_false",
         help="do not prefix output lines with [rank]",
     )
+    group.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="also write each worker's output, unprefixed, to DIR/rank-<R>.log (DIR is created "
+        "if missing; the files are emptied at the start and flushed as lines arrive, so they "
+        "are complete when a worker fails or the launch is interrupted; the runs of "
+        "--max-restarts follow one another)",
+    )
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="start nothing: check the options and SCRIPT, then print for each worker its "
+        "command, the variables the launch sets or unsets (TF_CONFIG, TFDIST_*, HOROVOD_*, "
+        "PYTHONUNBUFFERED, as shell lines), its cores and the GPUs tfdist.init() would keep; "
+        "exit 0",
+    )
 
 
 def _run_launch(args: argparse.Namespace) -> int:
@@ -155,6 +198,8 @@ def _run_launch(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         backend=args.backend,
         max_restarts=args.max_restarts,
+        log_dir=args.log_dir,
+        dry_run=args.dry_run,
     )
 
 

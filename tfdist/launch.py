@@ -1,17 +1,21 @@
 """Run one script as N worker processes on this machine, each with its own ``TF_CONFIG``, or
 with Horovod's Gloo variables (``--backend horovod``, like ``horovodrun --gloo``).
 
-The ``build_*``/``assign_cpus``/``split_lines`` functions are pure and tested as tables;
-:func:`run_workers` is the thin runner: it starts the processes, streams their output with a
-``[rank] `` prefix and stops every worker as soon as one fails. Nothing here imports TensorFlow.
+The ``build_*``/``assign_cpus``/``split_lines``/``env_changes``/``format_plan``/``check_command``
+functions are pure and tested as tables; :func:`run_workers` is the thin runner: it starts the
+processes, streams their output with a ``[rank] `` prefix (and, with ``--log-dir``, unprefixed
+to one file per rank) and stops every worker as soon as one fails. ``--dry-run`` prints
+:func:`format_plan` instead. Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,9 +23,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, NoReturn, TextIO
+from pathlib import Path
+from typing import Any, BinaryIO, NoReturn, TextIO
 
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
@@ -32,10 +37,14 @@ __all__ = [
     "build_command",
     "build_horovod_workers",
     "build_workers",
+    "check_command",
+    "env_changes",
     "exit_code",
+    "format_plan",
     "free_ports",
     "horovod_worker_env",
     "launch",
+    "log_path",
     "port_range",
     "run_workers",
     "split_lines",
@@ -263,6 +272,118 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def log_path(log_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Return the file that holds worker ``rank``'s output with ``--log-dir``."""
+    return Path(log_dir) / f"rank-{rank}.log"
+
+
+def check_command(
+    command: Sequence[str], *, cwd: str | None = None, python: str = sys.executable
+) -> None:
+    """Refuse a :func:`build_command` command that no worker could start.
+
+    When ``command`` runs ``python``, its ``.py`` script must exist (relative to ``cwd``,
+    default: the current folder), or with ``-m`` the module's top-level package must be
+    importable by this Python from ``cwd``, as ``python -m`` finds it; any other executable must
+    be on ``PATH`` or be an executable path.
+
+    Raises:
+        ConfigError: The script, module or executable is missing; the message names it.
+    """
+    cwd = os.getcwd() if cwd is None else cwd
+    if len(command) > 2 and command[0] == python and command[1] == "-m":
+        if not _module_found(command[2].partition(".")[0], cwd):
+            raise ConfigError(
+                f"module {command[2]!r} not found by {python} (from {cwd}): check the name, "
+                "install its package in this Python or run from the folder that holds it; for a "
+                "script give its path ending in .py, without -m."
+            )
+    elif len(command) > 1 and command[0] == python and command[1].endswith(".py"):
+        if not os.path.isfile(os.path.join(cwd, command[1])):
+            raise ConfigError(
+                f"script {command[1]!r} not found (from {cwd}): check the path; for a module use "
+                "-m MODULE."
+            )
+    elif not (_is_executable(os.path.join(cwd, command[0])) if os.sep in command[0]
+              else shutil.which(command[0])):
+        raise ConfigError(
+            f"{command[0]!r} is not an executable on PATH: check the name; scripts must end in "
+            ".py and modules need -m."
+        )
+
+
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _module_found(name: str, cwd: str) -> bool:
+    # python -m searches its working folder first; the launcher's own sys.path may not hold it.
+    if name in sys.modules or name in sys.builtin_module_names:
+        return True
+    saved = sys.path[:]
+    sys.path.insert(0, cwd)
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path[:] = saved
+
+
+def env_changes(base_env: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str | None]:
+    """Return the variables ``env`` adds to or changes in ``base_env`` (name -> new value) and
+    those it removes (name -> None), sorted by name."""
+    names = {name for name in env if base_env.get(name) != env[name]}
+    names |= {name for name in base_env if name not in env}
+    return {name: env.get(name) for name in sorted(names)}
+
+
+def format_plan(
+    workers: Sequence[WorkerSpec],
+    base_env: Mapping[str, str],
+    *,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> str:
+    """Return what ``--dry-run`` prints for each worker: its command, cores, GPUs, log file and
+    the variables the launch sets or removes, against the launcher's ``base_env``.
+
+    Variable lines are shell syntax (``NAME=value`` quoted with :func:`shlex.quote`, ``unset
+    NAME``). The GPUs are those ``tfdist.init()`` (or ``tfdist.torch.init()``) would keep in that
+    worker: the launch itself gives every worker the same ``CUDA_VISIBLE_DEVICES``.
+    """
+    from tfdist.doctor.report import ranges
+
+    blocks = []
+    for spec in workers:
+        lines = [f"worker {spec.rank}:", f"  command: {shlex.join(spec.argv)}",
+                 "  cores: " + ("not pinned" if spec.cpus is None else ranges(spec.cpus)),
+                 f"  gpus: {_gpu_note(spec.env)}"]
+        if log_dir is not None:
+            lines.append(f"  log: {log_path(log_dir, spec.rank)}")
+        for name, value in env_changes(base_env, spec.env).items():
+            lines.append(f"  unset {name}" if value is None else f"  {name}={shlex.quote(value)}")
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks) + "\n"
+
+
+def _gpu_note(env: Mapping[str, str]) -> str:
+    from tfdist.devices import select_gpus
+    from tfdist.env import detect
+
+    try:
+        environment = detect(env)
+        chosen = select_gpus(environment.visible_devices, environment.local_rank,
+                             environment.local_world_size, environment.gpus_per_task is not None)
+    except (ConfigError, LaunchError) as err:
+        return f"tfdist.init() would fail: {err}"
+    if chosen is None:
+        return (f"its share (local rank {environment.local_rank} of "
+                f"{environment.local_world_size}) of the GPUs the framework counts; "
+                "CUDA_VISIBLE_DEVICES is unset")
+    visible = f"CUDA_VISIBLE_DEVICES={environment.visible_devices}"
+    return f"{chosen} (tfdist.init() keeps these of {visible})" if chosen else f"none ({visible})"
+
+
 def launch(
     command: Sequence[str],
     num_workers: int,
@@ -276,6 +397,8 @@ def launch(
     out: TextIO | None = None,
     backend: str = "mwms",
     max_restarts: int = 0,
+    log_dir: str | os.PathLike[str] | None = None,
+    dry_run: bool = False,
 ) -> int:
     """Run ``command`` as ``num_workers`` local workers: ``tfdist launch``.
 
@@ -284,6 +407,15 @@ def launch(
     ``backend="horovod"`` the launcher serves Horovod's Gloo rendezvous (on ``port_base`` when
     given) and gives the workers horovodrun's variables instead of ``TF_CONFIG``.
 
+    With ``log_dir`` (created if missing) each worker's output also goes, unprefixed, to
+    :func:`log_path` (``log_dir/rank-R.log``, emptied at the start, the runs of
+    ``max_restarts`` one after the other), flushed as it arrives.
+
+    The script, module or executable must exist (:func:`check_command`). With ``dry_run`` the
+    options are checked as for a launch, then :func:`format_plan` of the
+    first run's workers is written to ``out`` and nothing is started (no process, no rendezvous
+    server, no ``log_dir``); its free ports are picked again by a real launch.
+
     SIGUSR1 to the launcher goes to every worker (a walltime warning, as srun forwards it), and
     SIGTERM too, before they are stopped. Workers that exit with
     :data:`~tfdist.preemption.EXIT_PREEMPTED` (75) saved their state at an agreed step: the
@@ -291,9 +423,9 @@ def launch(
     requeue would), as it does after a failure; each run's workers see ``TFDIST_RESTART_COUNT``.
 
     Returns:
-        0 if every worker succeeds; 75 if they were preempted; else the first failing worker's
-        exit code (128 + N if killed by signal N); 130 on Ctrl-C and 143 on SIGTERM to the
-        launcher (75 if every worker then saved its state and exited preempted).
+        0 if every worker succeeds (or for a dry run); 75 if they were preempted; else the first
+        failing worker's exit code (128 + N if killed by signal N); 130 on Ctrl-C and 143 on
+        SIGTERM to the launcher (75 if every worker then saved its state and exited preempted).
 
     Raises:
         ConfigError: If an option is impossible; the message says which to change.
@@ -307,6 +439,10 @@ def launch(
         raise ConfigError(f"--backend {backend!r} is not one of {LAUNCH_BACKENDS}.")
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}.")
+    if port_base is not None:  # Checked before anything starts; used per run below.
+        port_range(port_base, 1 if backend == "horovod" else num_workers)
+    if backend == "horovod":
+        _require_horovod()
     cpu_sets = None
     if pin and hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
@@ -316,24 +452,79 @@ def launch(
                 f"{num_workers} workers on {len(cores)} cores {cores}: workers share cores "
                 "(worker i runs on core i mod cores); pass --no-pin to leave it to the OS."
             )
-    options: dict[str, Any] = {"grace_period": grace_period, "prefix": prefix, "out": out}
-    for restart in range(max_restarts + 1):
-        env = {**(os.environ if base_env is None else base_env),
-               "TFDIST_RESTART_COUNT": str(restart)}
+    check_command(command)
+    base = os.environ if base_env is None else base_env
+    if dry_run:
+        env = {**base, "TFDIST_RESTART_COUNT": "0"}
         if backend == "horovod":
-            code = _launch_horovod(command, num_workers, port_base, env, cpu_sets, options)
+            port = free_ports(1)[0] if port_base is None else port_range(port_base, 1)[0]
+            workers = build_horovod_workers(num_workers, command, port, env, cpu_sets)
         else:
-            ports = (free_ports(num_workers) if port_base is None
-                     else port_range(port_base, num_workers))
-            code = run_workers(build_workers(num_workers, command, ports, env, cpu_sets),
-                               **options)
-        if code == 0 or code in (130, 128 + signal.SIGTERM) or restart == max_restarts:
-            break
-        _warn(f"restarting all workers ({restart + 1} of --max-restarts {max_restarts}) after "
-              + ("a preemption" if code == EXIT_PREEMPTED else f"exit code {code}"))
+            workers = build_workers(num_workers, command, _ports(port_base, num_workers), env,
+                                    cpu_sets)
+        (out or sys.stdout).write(_plan_header(backend, num_workers, port_base, max_restarts)
+                                  + format_plan(workers, base, log_dir=log_dir))
+        return 0
+    with ExitStack() as files:
+        logs = None if log_dir is None else _open_logs(log_dir, num_workers, files)
+        options: dict[str, Any] = {"grace_period": grace_period, "prefix": prefix, "out": out,
+                                   "logs": logs}
+        for restart in range(max_restarts + 1):
+            env = {**base, "TFDIST_RESTART_COUNT": str(restart)}
+            if backend == "horovod":
+                code = _launch_horovod(command, num_workers, port_base, env, cpu_sets, options)
+            else:
+                workers = build_workers(num_workers, command, _ports(port_base, num_workers),
+                                        env, cpu_sets)
+                code = run_workers(workers, **options)
+            if code == 0 or code in (130, 128 + signal.SIGTERM) or restart == max_restarts:
+                break
+            _warn(f"restarting all workers ({restart + 1} of --max-restarts {max_restarts}) "
+                  "after " + ("a preemption" if code == EXIT_PREEMPTED else f"exit code {code}"))
     if code and max_restarts and code not in (130, 128 + signal.SIGTERM):
         _warn(f"giving up after {max_restarts} restart(s): the last run ended with code {code}")
     return code
+
+
+def _ports(port_base: int | None, num_workers: int) -> list[int]:
+    return free_ports(num_workers) if port_base is None else port_range(port_base, num_workers)
+
+
+def _plan_header(backend: str, num_workers: int, port_base: int | None, max_restarts: int) -> str:
+    lines = [f"tfdist launch --dry-run: {num_workers} worker(s), --backend {backend}; nothing "
+             "was started."]
+    if port_base is None:
+        lines.append("Ports are free ones picked now; a launch picks them again (--port-base P "
+                     "fixes them).")
+    if max_restarts:
+        lines.append(f"Up to {max_restarts} restart(s): each run's workers get "
+                     "TFDIST_RESTART_COUNT=0, 1, ...")
+    return "\n".join(lines) + "\n"
+
+
+def _open_logs(
+    log_dir: str | os.PathLike[str], num_workers: int, files: ExitStack
+) -> dict[int, BinaryIO]:
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        return {rank: files.enter_context(log_path(log_dir, rank).open("wb"))
+                for rank in range(num_workers)}
+    except OSError as err:
+        raise ConfigError(
+            f"--log-dir {os.fspath(log_dir)!r}: cannot write the workers' logs there ({err}); "
+            "choose a folder you can write to."
+        ) from err
+
+
+def _require_horovod() -> None:
+    from tfdist.horovod.install import is_installed
+
+    if not is_installed():
+        raise ConfigError(
+            f"tfdist launch --backend horovod serves Horovod's rendezvous, and needs horovod "
+            f"in the launcher's Python ({sys.executable}): run the tfdist of the environment "
+            "where Horovod is built (e.g. .venv-horovod/bin/tfdist, see `make venv-horovod`)."
+        )
 
 
 def _launch_horovod(
@@ -344,14 +535,6 @@ def _launch_horovod(
     cpu_sets: Sequence[frozenset[int]] | None,
     options: dict[str, Any],
 ) -> int:
-    from tfdist.horovod.install import is_installed
-
-    if not is_installed():
-        raise ConfigError(
-            f"tfdist launch --backend horovod serves Horovod's rendezvous, and needs horovod "
-            f"in the launcher's Python ({sys.executable}): run the tfdist of the environment "
-            "where Horovod is built (e.g. .venv-horovod/bin/tfdist, see `make venv-horovod`)."
-        )
     from tfdist.horovod.rendezvous import RendezvousServer, slots
 
     port = 0 if port_base is None else port_range(port_base, 1)[0]
@@ -369,11 +552,14 @@ def run_workers(
     grace_period: float = 10.0,
     prefix: bool = True,
     out: TextIO | None = None,
+    logs: Mapping[int, BinaryIO] | None = None,
 ) -> int:
     """Start ``workers``, stream their output to ``out`` and wait; returns as :func:`launch`.
 
-    Each worker runs in its own session (process group). When one fails, or the launcher gets
-    Ctrl-C or SIGTERM, every group gets SIGTERM, then SIGKILL after ``grace_period`` seconds.
+    ``logs`` maps a rank to a binary file that also gets that worker's lines, unprefixed and
+    undecoded, flushed as they arrive; the caller closes it. Each worker runs in its own session
+    (process group). When one fails, or the launcher gets Ctrl-C or SIGTERM, every group gets
+    SIGTERM, then SIGKILL after ``grace_period`` seconds; their output is read to the end.
     """
     procs: list[_Popen] = []
     threads: list[threading.Thread] = []
@@ -390,7 +576,7 @@ def run_workers(
             # Readers start after every fork: preexec_fn is only safe while no thread runs.
             for proc, spec in zip(procs, workers, strict=True):
                 head = f"[{spec.rank}] " if prefix else ""
-                args = (proc, head, lock, out)
+                args = (proc, head, lock, out, (logs or {}).get(spec.rank))
                 threads.append(threading.Thread(target=_pump, args=args, daemon=True))
                 threads[-1].start()
             failure = _wait_first_failure(procs)
@@ -411,10 +597,10 @@ def run_workers(
         # A second Ctrl-C while stopping must not leave workers behind; the stop is bounded.
         with _handle([signal.SIGINT, signal.SIGTERM], signal.SIG_IGN):
             _stop(procs, grace_period)
+        for thread in threads:  # Before returning: the last lines reach the terminal and logs.
+            thread.join(_JOIN_S)  # Bounded: a detached grandchild may still hold the pipe.
         if procs and all(proc.returncode == EXIT_PREEMPTED for proc in procs):
             return EXIT_PREEMPTED  # noqa: B012 (every worker saved its state: say so)
-        for thread in threads:
-            thread.join(_JOIN_S)  # Bounded: a detached grandchild may still hold the pipe.
 
 
 class _SigtermError(Exception):
@@ -461,15 +647,34 @@ def _start(spec: WorkerSpec) -> _Popen:
         ) from err
 
 
-def _pump(proc: _Popen, head: str, lock: threading.Lock, out: TextIO | None) -> None:
+def _pump(
+    proc: _Popen, head: str, lock: threading.Lock, out: TextIO | None, log: BinaryIO | None
+) -> None:
     assert proc.stdout is not None
     fd, rest = proc.stdout.fileno(), b""
     while chunk := os.read(fd, 65536):
         lines, rest = split_lines(rest + chunk)
         _emit(lines, head, lock, out or sys.stdout)
+        log = _log(lines, log)
     rest = rest.rstrip(b"\r")
     _emit([rest] if rest else [], head, lock, out or sys.stdout)
+    _log([rest] if rest else [], log)
     proc.stdout.close()
+
+
+def _log(lines: list[bytes], log: BinaryIO | None) -> BinaryIO | None:
+    """Append ``lines`` to ``log`` and flush; return the file, or None once it failed."""
+    if log is None or not lines:
+        return log
+    try:
+        log.write(b"".join(line + b"\n" for line in lines))
+        log.flush()
+    except ValueError:
+        return None  # Closed: the launch ended while a detached grandchild still writes.
+    except OSError as err:
+        _warn(f"cannot write {log.name} ({err}); this worker's output goes on to the terminal only")
+        return None
+    return log
 
 
 def _emit(lines: list[bytes], head: str, lock: threading.Lock, out: TextIO) -> None:
