@@ -19,9 +19,10 @@ take). Each change for distributed training is marked `tfdist:`.
 from __future__ import annotations
 
 import contextlib
+import logging as std_logging
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import tfdist
 import tfdist.datasets
@@ -59,6 +60,9 @@ def given(name: str) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
+    if not FLAGS["verbosity"].present:  # libraries' INFO logs off, tfdist's on (-v 0: all)
+        logging.set_verbosity(logging.WARNING)
+        std_logging.getLogger("tfdist").setLevel(std_logging.INFO)
     try:
         tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
         train()

@@ -12,10 +12,11 @@ local builder: nothing is downloaded. Each change for distributed training is ma
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import tfdist
 import tfdist.datasets
@@ -55,6 +56,9 @@ def given(name: str) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
+    if not FLAGS["verbosity"].present:  # libraries' INFO logs off, tfdist's on (-v 0: all)
+        logging.set_verbosity(logging.WARNING)
+        std_logging.getLogger("tfdist").setLevel(std_logging.INFO)
     try:
         tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
         train()
@@ -93,7 +97,7 @@ def train() -> None:
     if dist.is_chief:
         print(f"tfdist: {dist.world_size} worker(s), {dist.num_replicas} replica(s), backend "
               f"{dist.backend}, collective {dist.collective}, learning rate {lr:g}", flush=True)
-    model.fit(train, epochs=FLAGS.epochs, verbose=2,
+    model.fit(train, epochs=FLAGS.epochs, verbose=2, shuffle=False,  # shuffled above
               # tfdist: chief-only checkpoints and logs, per-worker backups, LR warmup.
               callbacks=dist.callbacks(model_dir=FLAGS.model_dir,
                                        warmup_epochs=FLAGS.warmup_epochs))

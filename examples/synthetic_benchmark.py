@@ -16,12 +16,13 @@ marked `tfdist:`; it runs under MWMS or Horovod, whichever the launch picks:
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 import timeit
 
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 import tfdist
 
@@ -39,6 +40,9 @@ flags.DEFINE_integer("image-size", 224, "height and width of the images (tfdist:
 
 def main(argv: list[str]) -> None:
     del argv
+    if not FLAGS["verbosity"].present:  # libraries' INFO logs off, tfdist's on (-v 0: all)
+        logging.set_verbosity(logging.WARNING)
+        std_logging.getLogger("tfdist").setLevel(std_logging.INFO)
     if FLAGS["no-cuda"].value:
         os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
     try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TextIO
 
+from tfdist import quiet
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
 
@@ -454,6 +455,8 @@ def launch(
             )
     check_command(command)
     base = os.environ if base_env is None else base_env
+    quiet_output = quiet.wanted(base)  # TensorFlow's start-up noise off (TFDIST_VERBOSE=1: on)
+    base = quiet.quiet_env(base)
     if dry_run:
         env = {**base, "TFDIST_RESTART_COUNT": "0"}
         if backend == "horovod":
@@ -468,7 +471,7 @@ def launch(
     with ExitStack() as files:
         logs = None if log_dir is None else _open_logs(log_dir, num_workers, files)
         options: dict[str, Any] = {"grace_period": grace_period, "prefix": prefix, "out": out,
-                                   "logs": logs}
+                                   "logs": logs, "hide_noise": quiet_output}
         for restart in range(max_restarts + 1):
             env = {**base, "TFDIST_RESTART_COUNT": str(restart)}
             if backend == "horovod":
@@ -553,13 +556,16 @@ def run_workers(
     prefix: bool = True,
     out: TextIO | None = None,
     logs: Mapping[int, BinaryIO] | None = None,
+    hide_noise: bool = False,
 ) -> int:
     """Start ``workers``, stream their output to ``out`` and wait; returns as :func:`launch`.
 
     ``logs`` maps a rank to a binary file that also gets that worker's lines, unprefixed and
-    undecoded, flushed as they arrive; the caller closes it. Each worker runs in its own session
-    (process group). When one fails, or the launcher gets Ctrl-C or SIGTERM, every group gets
-    SIGTERM, then SIGKILL after ``grace_period`` seconds; their output is read to the end.
+    undecoded, flushed as they arrive; the caller closes it. With ``hide_noise``, TensorFlow's
+    start-up lines (:func:`tfdist.quiet.is_noise`) reach the logs only, not ``out``. Each worker
+    runs in its own session (process group). When one fails, or the launcher gets Ctrl-C or
+    SIGTERM, every group gets SIGTERM, then SIGKILL after ``grace_period`` seconds; their output
+    is read to the end.
     """
     procs: list[_Popen] = []
     threads: list[threading.Thread] = []
@@ -576,7 +582,7 @@ def run_workers(
             # Readers start after every fork: preexec_fn is only safe while no thread runs.
             for proc, spec in zip(procs, workers, strict=True):
                 head = f"[{spec.rank}] " if prefix else ""
-                args = (proc, head, lock, out, (logs or {}).get(spec.rank))
+                args = (proc, head, lock, out, (logs or {}).get(spec.rank), hide_noise)
                 threads.append(threading.Thread(target=_pump, args=args, daemon=True))
                 threads[-1].start()
             failure = _wait_first_failure(procs)
@@ -648,18 +654,25 @@ def _start(spec: WorkerSpec) -> _Popen:
 
 
 def _pump(
-    proc: _Popen, head: str, lock: threading.Lock, out: TextIO | None, log: BinaryIO | None
+    proc: _Popen, head: str, lock: threading.Lock, out: TextIO | None, log: BinaryIO | None,
+    quiet_output: bool = False,
 ) -> None:
     assert proc.stdout is not None
     fd, rest = proc.stdout.fileno(), b""
     while chunk := os.read(fd, 65536):
         lines, rest = split_lines(rest + chunk)
-        _emit(lines, head, lock, out or sys.stdout)
+        _emit(_shown(lines, quiet_output), head, lock, out or sys.stdout)
         log = _log(lines, log)
     rest = rest.rstrip(b"\r")
-    _emit([rest] if rest else [], head, lock, out or sys.stdout)
+    _emit(_shown([rest] if rest else [], quiet_output), head, lock, out or sys.stdout)
     _log([rest] if rest else [], log)
     proc.stdout.close()
+
+
+def _shown(lines: list[bytes], quiet_output: bool) -> list[bytes]:
+    if not quiet_output:
+        return lines
+    return [line for line in lines if not quiet.is_noise(line.decode("utf-8", errors="replace"))]
 
 
 def _log(lines: list[bytes], log: BinaryIO | None) -> BinaryIO | None:

@@ -177,6 +177,10 @@ SETTINGS: tuple[Setting, ...] = (
             "them over the workers every step (a collective per step, as Keras does), `local` "
             "keeps each worker's own until the epoch's end, which is always global; `auto`: "
             "local unless a callback of yours reads per-step logs"),
+    Setting("verbose", "TFDIST_VERBOSE", flag, None,
+            "`1` shows TensorFlow's start-up lines and C++ INFO logs on every rank, and every "
+            "rank's Keras/TensorFlow warnings; `0` hides them; default: hidden unless you set "
+            "`TF_CPP_MIN_LOG_LEVEL` yourself"),
     Setting("throughput_file", "TFDIST_THROUGHPUT_FILE", _text, None,
             "the file the chief appends one JSON line per epoch to (throughput, step time); "
             "default: `model_dir/throughput.jsonl` with a model_dir, else none (the log line "

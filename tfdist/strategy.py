@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 
-from tfdist import backends
+from tfdist import backends, quiet
 from tfdist.backends.base import Distributed, Settings
 from tfdist.env import detect
 from tfdist.replicas import HandleCache
@@ -60,7 +60,9 @@ def init(backend: str | None = None, *, collective: str | None = None,
     chosen, why = backends.choose(settings["backend"], environment)
     if environment.is_chief:
         logger.info("tfdist: backend %s: %s", chosen, why)
-    return _cache.put(backends.create(chosen, environment, settings), settings)
+    handle = backends.create(chosen, environment, settings)
+    quiet.quiet_other_ranks(handle.is_chief)
+    return _cache.put(handle, settings)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfdist import devices
+from tfdist import devices, quiet
 from tfdist.backends.base import Distributed, Settings, configure_threads
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError, LaunchError
@@ -164,6 +164,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     _check_launcher(environment)
     _prepare_environment()
     narrowed = devices.narrow_visible_gpus(environment) is not None
+    quiet.import_tensorflow()  # before Horovod's import loads it, with the noise
     hvd = import_horovod()
     if environment.launcher == "slurm":
         _join_srun_step(environment, hvd)

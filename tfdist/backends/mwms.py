@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfdist import devices
+from tfdist import devices, quiet
 from tfdist.backends.base import (
     Distributed,
     Settings,
@@ -151,7 +151,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         ConfigError: the GPUs cannot be shared by the workers on the node.
     """
     chosen = devices.narrow_visible_gpus(environment)
-    import tensorflow as tf
+    tf = quiet.import_tensorflow()
 
     check_not_initialised(environment)
     configure_threads(settings["threads"])

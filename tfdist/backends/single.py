@@ -28,7 +28,9 @@ class SingleDistributed(Distributed):
 
 def create(environment: ClusterEnvironment, settings: Settings) -> SingleDistributed:
     """The handle; TensorFlow picks its devices as it would without tfdist."""
-    import tensorflow as tf
+    from tfdist import quiet
+
+    tf = quiet.import_tensorflow()
 
     del settings  # one process keeps TensorFlow's own thread defaults, as before tfdist
     return SingleDistributed(environment, tf.distribute.get_strategy(), "none",

@@ -131,4 +131,7 @@ def arrays(name: str, split: str) -> tuple[np.ndarray, np.ndarray]:
 def _module(name: str) -> types.ModuleType:
     if name not in _REGISTRY:
         raise ConfigError(f"unknown dataset {name!r}; available datasets: {', '.join(available())}")
+    from tfdist import quiet
+
+    quiet.import_tensorflow()  # tensorflow-datasets loads it: without the start-up noise
     return importlib.import_module(_REGISTRY[name])

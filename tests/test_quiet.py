@@ -1,0 +1,232 @@
+"""Quiet by default: which lines are TensorFlow's start-up noise, when tfdist hides them, and that
+hiding them loses nothing else, not even the output of a process that crashes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tfdist import quiet
+from tfdist.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+NOISE_LINES = {
+    "absl pre-init": "WARNING: All log messages before absl::InitializeLog() is called are "
+                     "written to STDERR",
+    "oneDNN, TF 2.21": "I0000 00:00:1795458084.587548   22181 port.cc:153] oneDNN custom "
+                       "operations are on. You may see slightly different numerical results due "
+                       "to floating-point round-off errors from different computation orders. To "
+                       "turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.",
+    "oneDNN, TF 2.15": "2024-05-01 10:00:00.123456: I tensorflow/core/util/port.cc:113] oneDNN "
+                       "custom operations are on. You may see slightly different numerical "
+                       "results due to floating-point round-off errors.",
+    "cpu feature guard": "I0000 00:00:1795458084.636911   22181 cpu_feature_guard.cc:227] This "
+                         "TensorFlow binary is optimized to use available CPU instructions in "
+                         "performance-critical operations.",
+    "its second line": "To enable the following instructions: AVX2 AVX512F AVX512_VNNI "
+                       "AVX512_BF16 FMA, in other operations, rebuild TensorFlow with the "
+                       "appropriate compiler flags.",
+    "cuDNN factory": "E0000 00:00:1718000000.000000  1234 cuda_dnn.cc:8310] Unable to register "
+                     "cuDNN factory: Attempting to register factory for plugin cuDNN when one has "
+                     "already been registered",
+    "cuBLAS factory": "2024-05-01 10:00:00.1: E external/local_xla/xla/stream_executor/cuda/"
+                      "cuda_blas.cc:1515] Unable to register cuBLAS factory: Attempting to "
+                      "register factory for plugin cuBLAS when one has already been registered",
+    "placer": "W0000 00:00:1.2  1 computation_placer.cc:177] computation placer already "
+              "registered. Please check linkage and avoid linking the same target more than once.",
+    "TensorRT": "2024-05-01 10:00:00.1: W tensorflow/compiler/tf2tensorrt/utils/py_utils.cc:38] "
+                "TF-TRT Warning: Could not find TensorRT",
+    "generator input": "W0000 00:00:1795458253.980453    8971 dataset.cc:997] Input of "
+                       "GeneratorDatasetOp::Dataset will not be optimized because the dataset "
+                       "does not implement the AsGraphDefInternal() method needed to apply "
+                       "optimizations.",
+    "iterator cancelled": "W0000 00:00:1795458262.979389   10642 local_rendezvous.cc:412] Local "
+                          "rendezvous is aborting with status: CANCELLED: GetNextFromShard was "
+                          "cancelled",
+    "its node line": "\t [[{{node MultiDeviceIteratorGetNextFromShard}}]]",
+    "end of sequence": "W0000 00:00:1.0  7 local_rendezvous.cc:412] Local rendezvous is "
+                       "aborting with status: OUT_OF_RANGE: End of sequence",
+    "with a carriage return": "WARNING: All log messages before absl::InitializeLog() is called "
+                              "are written to STDERR\r",
+}
+
+KEPT_LINES = {
+    "a TensorFlow error": "E0000 00:00:1.0  1 collective_ops.cc:1] Collective ops is aborted by: "
+                          "Socket closed",
+    "a failed check": "F0000 00:00:1.0  1 port.cc:153] Check failed: oneDNN init",
+    "an aborting rendezvous that matters": "W0000 00:00:1.0  7 local_rendezvous.cc:412] Local "
+                                           "rendezvous is aborting with status: UNAVAILABLE: "
+                                           "Socket closed",
+    "another node line": "\t [[{{node CollectiveReduceV2}}]]",
+    "a user's oneDNN remark": "my model: oneDNN custom operations are on, fine",
+    "a tfdist line": "tfdist: rank 1 (host n2) failed or stopped responding",
+    "a Keras warning": "UserWarning: `shuffle=True` was passed, but will be ignored",
+    "an empty line": "",
+    "a missing instruction": "The TensorFlow library was compiled to use AVX instructions, but "
+                             "these aren't available on your machine.",
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOISE_LINES))
+def test_start_up_noise_is_recognised(case):
+    assert quiet.is_noise(NOISE_LINES[case])
+
+
+@pytest.mark.parametrize("case", sorted(KEPT_LINES))
+def test_everything_else_is_kept(case):
+    assert not quiet.is_noise(KEPT_LINES[case])
+
+
+WANTED = {
+    # name: (environment, quiet?)
+    "default": ({}, True),
+    "the user's own TF_CPP_MIN_LOG_LEVEL": ({"TF_CPP_MIN_LOG_LEVEL": "0"}, False),
+    "TFDIST_VERBOSE=1": ({"TFDIST_VERBOSE": "1"}, False),
+    "TFDIST_VERBOSE=yes": ({"TFDIST_VERBOSE": "yes"}, False),
+    "TFDIST_VERBOSE=0 beats the level": ({"TFDIST_VERBOSE": "0", "TF_CPP_MIN_LOG_LEVEL": "0"},
+                                         True),
+    "empty TFDIST_VERBOSE is unset": ({"TFDIST_VERBOSE": ""}, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WANTED))
+def test_when_tfdist_quiets(case):
+    env, expected = WANTED[case]
+    assert quiet.wanted(env) is expected
+
+
+QUIET_ENV = {
+    # name: (environment, what quiet_env adds or keeps)
+    "default": ({}, {"TF_CPP_MIN_LOG_LEVEL": "1", "TFDIST_VERBOSE": "0"}),
+    "verbose: untouched": ({"TFDIST_VERBOSE": "1"}, {"TFDIST_VERBOSE": "1"}),
+    "the user's level: untouched": ({"TF_CPP_MIN_LOG_LEVEL": "3"}, {"TF_CPP_MIN_LOG_LEVEL": "3"}),
+    "quiet asked, the user's level kept": (
+        {"TFDIST_VERBOSE": "0", "TF_CPP_MIN_LOG_LEVEL": "2"},
+        {"TFDIST_VERBOSE": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QUIET_ENV))
+def test_the_environment_workers_get(case):
+    env, expected = QUIET_ENV[case]
+    assert quiet.quiet_env({"PATH": "/bin", **env}) == {"PATH": "/bin", **expected}
+    assert quiet.wanted(quiet.quiet_env(env)) is quiet.wanted(env)  # children stay as decided
+
+
+def test_a_wrong_verbose_value_names_the_variable():
+    with pytest.raises(ConfigError, match="TFDIST_VERBOSE"):
+        quiet.wanted({"TFDIST_VERBOSE": "loud"})
+
+
+# --- real processes --------------------------------------------------------------------------
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TF_CPP", "TFDIST_", "TF_CONFIG", "SLURM_", "OMPI_", "PMI",
+                                "HOROVOD_"))}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+_INIT = textwrap.dedent("""
+    import sys, warnings
+    import tfdist
+    dist = tfdist.init()
+    import tensorflow as tf
+    print("sum", int(tf.constant(1) + 1), flush=True)
+    print("a line of mine on stderr", file=sys.stderr, flush=True)
+""")
+
+
+@pytest.mark.multiprocess
+def test_init_hides_tensorflows_start_up_lines_and_keeps_the_rest():
+    quiet_run = subprocess.run([sys.executable, "-c", _INIT], env=_env(), cwd=ROOT,
+                               capture_output=True, text=True, timeout=120, check=True)
+    loud_run = subprocess.run([sys.executable, "-c", _INIT], env=_env(TFDIST_VERBOSE="1"),
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    for run in (quiet_run, loud_run):
+        assert "sum 2" in run.stdout
+        assert "a line of mine on stderr" in run.stderr
+    # The control: TensorFlow does print its start-up lines here, and only tfdist hides them.
+    assert any(quiet.is_noise(line) for line in loud_run.stderr.splitlines()), loud_run.stderr
+    assert not [line for line in quiet_run.stderr.splitlines() if quiet.is_noise(line)], (
+        quiet_run.stderr)
+
+
+@pytest.mark.parametrize("end", ["os._exit(3)", "os.abort()"])
+def test_output_written_just_before_a_crash_still_comes_out(end):
+    code = textwrap.dedent(f"""
+        import os
+        from tfdist import quiet
+        with quiet.filtered_stderr():
+            os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are"
+                        b" written to STDERR\\n")
+            os.write(2, b"the reason this process is about to die\\n")
+            {end}
+    """)
+    run = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode != 0
+    assert "the reason this process is about to die" in run.stderr
+    assert "absl::InitializeLog" not in run.stderr
+
+
+def test_other_ranks_leave_library_warnings_and_info_to_the_chief():
+    code = textwrap.dedent("""
+        import logging, sys, warnings
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+        from tfdist import quiet
+        quiet.quiet_other_ranks(is_chief=sys.argv[1] == "chief")
+        warnings.warn_explicit("keras says", UserWarning, "trainer.py", 1,
+                               module="keras.src.trainers.trainer")
+        warnings.warn_explicit("mine says", UserWarning, "train.py", 1, module="__main__")
+        logging.getLogger("absl").info("tfds info")
+        logging.getLogger("tfdist").info("tfdist info")
+        logging.getLogger("tfdist").warning("tfdist warning")
+    """)
+    found = {}
+    for role in ("chief", "other"):
+        run = subprocess.run([sys.executable, "-c", code, role], env=_env(), cwd=ROOT,
+                             capture_output=True, text=True, timeout=60, check=True)
+        found[role] = run.stdout + run.stderr
+    for line in ("keras says", "mine says", "tfds info", "tfdist info", "tfdist warning"):
+        assert line in found["chief"], found["chief"]
+    for line in ("mine says", "tfdist warning"):
+        assert line in found["other"], found["other"]
+    for line in ("keras says", "tfds info", "tfdist info"):
+        assert line not in found["other"], found["other"]
+
+
+_NOISY_WORKER = textwrap.dedent("""
+    import os, sys
+    print("TF_CPP_MIN_LOG_LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"), flush=True)
+    print("WARNING: All log messages before absl::InitializeLog() is called are written to "
+          "STDERR", file=sys.stderr, flush=True)
+    print("worker says hello", file=sys.stderr, flush=True)
+""")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_launch_hides_the_noise_on_the_terminal_and_keeps_it_in_the_logs(tmp_path, verbose):
+    script = tmp_path / "noisy.py"
+    script.write_text(_NOISY_WORKER)
+    env = _env(**({"TFDIST_VERBOSE": verbose} if verbose else {}))
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", "--log-dir",
+                          str(tmp_path / "logs"), str(script)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True)
+    for rank in (0, 1):
+        assert f"[{rank}] worker says hello" in run.stdout
+        log = (tmp_path / "logs" / f"rank-{rank}.log").read_text()
+        assert "absl::InitializeLog" in log and "worker says hello" in log
+    if verbose:
+        assert run.stdout.count("absl::InitializeLog") == 2
+        assert "TF_CPP_MIN_LOG_LEVEL=unset" in run.stdout
+    else:
+        assert "absl::InitializeLog" not in run.stdout
+        assert run.stdout.count("TF_CPP_MIN_LOG_LEVEL=1") == 2
