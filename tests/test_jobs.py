@@ -12,8 +12,10 @@ mpirun, horovodrun, scontrol, module, sbatch) that record their argv and environ
 from __future__ import annotations
 
 import difflib
+import getpass
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -36,6 +38,16 @@ from tfdist.jobs import (
     load_yaml,
     parse_job_id,
     render,
+)
+from tfdist.jobs.cli import job_options, join_option_values, misplaced_options
+from tfdist.jobs.options import sbatch_option
+from tfdist.jobs.submit import (
+    check_local_paths,
+    expand_pattern,
+    job_workdir,
+    local_paths,
+    script_copy_path,
+    submission_notes,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,12 +291,14 @@ def test_config_file_beats_defaults(config_file: Path,
 def test_flags_beat_the_config_file(config_file: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _cli([str(config_file), "--nodes", "2", "--module", "C/3", "--env",
-                         "OVERRIDE=flag", "--env", "NEW=x", "flag.py", "--nodes", "9"], capsys)
+                         "OVERRIDE=flag", "--env", "NEW=x", "--", "flag.py", "--nodes", "9"],
+                        capsys)
     assert code == 0
     assert _directive(out, "nodes") == "2" and _directive(out, "partition") == "big"
     assert "module load C/3\n" in out  # lists given as flags replace the file's
     assert "export KEEP=file\nexport OVERRIDE=flag\nexport NEW=x" in out  # env merges by name
-    assert "python flag.py --nodes 9" in out  # SCRIPT replaces script and args; ARGS pass through
+    # SCRIPT replaces script and args; after --, ARGS pass through even when named like options
+    assert "python flag.py --nodes 9" in out
 
 
 def test_flags_before_the_config_file_count_too(config_file: Path,
@@ -441,6 +455,160 @@ def test_double_dash_lets_the_script_start_with_a_dash(
     code, out, _ = _cli(["--gpus-per-node", "0", "--", "-m", "tfdist", "env", "--json"], capsys)
     assert code == 0
     assert out.rstrip().endswith("python -m tfdist env --json"), out
+
+
+# --------------------------------------------------------------------------------------------
+# Options of `tfdist job` after SCRIPT are an error, not the script's arguments
+
+JOB_OPTIONS = job_options(cli.build_parser().parse_args(["job", "t.py"]).job_parser)
+
+MISPLACED: list[tuple[list[str], list[str]]] = [
+    (["--nodes", "4", "--time", "01:00:00"], ["--nodes", "--time"]),
+    (["--nodes=4", "--epochs=3"], ["--nodes"]),
+    (["--epochs=3", "--lr", "0.1", "-n", "4"], []),  # the script's own options pass
+    (["--no-doctor", "--gpus-per-node", "2"], ["--no-doctor", "--gpus-per-node"]),
+    (["--time", "1", "--nodes", "2", "--time=3"], ["--time", "--nodes"]),  # each once
+    (["--node", "4", "--nodesx", "--nodes-", "nodes"], []),  # exact names only
+    (["--sbatch-arg=--qos=high"], ["--sbatch-arg"]),  # as join_option_values leaves it
+    (["--help"], ["--help"]),
+    ([], []),
+]
+
+
+@pytest.mark.parametrize(("words", "found"), MISPLACED, ids=[str(i) for i in range(len(MISPLACED))])
+def test_misplaced_options_are_tfdist_job_options_among_the_script_arguments(
+        words: list[str], found: list[str]) -> None:
+    assert misplaced_options(words, JOB_OPTIONS) == found
+
+
+def test_job_options_are_the_long_options_of_tfdist_job() -> None:
+    assert {"--nodes", "--time", "--doctor", "--no-doctor", "--submit", "--sbatch-arg",
+            "--help"} <= set(JOB_OPTIONS)
+    assert not [name for name in JOB_OPTIONS if not name.startswith("--")]
+
+
+AFTER_SCRIPT: list[tuple[list[str], str]] = [
+    # (argv, the launch line's program, or the error's fragments joined by "|")
+    (["t.py", "--nodes", "4", "--time", "01:00:00"],
+     "error: --nodes, --time after SCRIPT t.py|would not apply them|Move --nodes, --time before "
+     "SCRIPT|put -- before SCRIPT|tfdist job [options] -- t.py --nodes ..."),
+    (["--gpus-per-node", "0", "t.py", "--epochs=3", "--no-doctor"],
+     "error: --no-doctor after SCRIPT t.py|would not apply it|if it is t.py's own"),
+    (["--nodes", "4", "--", "t.py", "--nodes", "4"], "python t.py --nodes 4"),
+    (["t.py", "--epochs=3", "--lr", "0.1"], "python t.py --epochs=3 --lr 0.1"),
+    (["--", "-m", "tfdist", "env", "--time"], "python -m tfdist env --time"),
+    (["t.py", "--", "--nodes"], "error: --nodes after SCRIPT t.py"),  # -- comes before SCRIPT
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), AFTER_SCRIPT,
+                         ids=[str(i) for i in range(len(AFTER_SCRIPT))])
+def test_options_after_script_are_an_error_unless_double_dash_comes_first(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(argv, capsys)
+    if expected.startswith("error: "):
+        assert (code, out) == (2, "")
+        for fragment in expected.removeprefix("error: ").split("|"):
+            assert fragment in err
+    else:
+        assert (code, err) == (0, "")
+        assert out.rstrip().endswith(expected), out
+
+
+def test_options_after_script_with_a_config_file(config_file: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli([str(config_file), "t.py", "--partition", "x"], capsys)
+    assert code == 2 and "--partition after SCRIPT t.py" in err
+    code, out, _ = _cli([str(config_file), "--", "t.py", "--partition", "x"], capsys)
+    assert code == 0 and _directive(out, "partition") == "big"
+    assert "python t.py --partition x" in out
+
+
+# --------------------------------------------------------------------------------------------
+# --sbatch-arg and --launcher-arg take values that start with a dash
+
+JOINED: list[tuple[list[str], list[str] | str]] = [
+    (["--sbatch-arg", "--exclusive", "t.py"], ["--sbatch-arg=--exclusive", "t.py"]),
+    (["--sbatch-arg", "--qos", "high", "t.py"], ["--sbatch-arg=--qos=high", "t.py"]),
+    (["--sbatch-arg", "-q", "high", "t.py"], ["--sbatch-arg=--qos=high", "t.py"]),
+    (["--sbatch-arg", "--qos=high", "t.py"], ["--sbatch-arg=--qos=high", "t.py"]),
+    (["--sbatch-arg", "-t30"], ["--sbatch-arg=-t30"]),  # a short option with its value
+    (["--sbatch-arg", "--qos high", "t.py"], ["--sbatch-arg=--qos high", "t.py"]),
+    (["--sbatch-arg", "--hold", "--nodes", "2"], ["--sbatch-arg=--hold", "--nodes", "2"]),
+    (["--sbatch-arg", "--exclusive", "user"], ["--sbatch-arg=--exclusive", "user"]),  # optional
+    (["--sbatch-arg", "--qos"], ["--sbatch-arg=--qos"]),  # no value: the config check refuses
+    (["--sbatch-arg=--qos=high", "--sbatch-arg", "x"], ["--sbatch-arg=--qos=high",
+                                                        "--sbatch-arg", "x"]),
+    (["--sbatch-arg", "--new-option", "--nodes", "2"], ["--sbatch-arg=--new-option", "--nodes",
+                                                        "2"]),
+    (["--sbatch-arg", "--new-option", "v", "t.py"],
+     "cannot tell whether 'v' is the value of --new-option or SCRIPT|--sbatch-arg=--new-option=v"
+     "|--sbatch-arg=--new-option for an option without one"),
+    (["--launcher-arg", "--exact", "t.py"], ["--launcher-arg=--exact", "t.py"]),  # a known flag
+    (["--launcher-arg", "--exact", "--", "t.py"], ["--launcher-arg=--exact", "--", "t.py"]),
+    (["--launcher-arg", "--mpi=pmix", "t.py"], ["--launcher-arg=--mpi=pmix", "t.py"]),
+    (["--launcher-arg", "-np", "4", "t.py"],
+     "cannot tell whether '4' is the value of -np or SCRIPT|--launcher-arg=-np --launcher-arg=4"),
+    (["--launcher-arg", "--nice"], ["--launcher-arg=--nice"]),
+    (["--launcher-arg", "--mpi", "pmix", "t.py"],
+     "--launcher-arg=--mpi=pmix for a value|--launcher-arg=--mpi for an option without one"),
+    (["--nodes", "2", "--", "t.py", "--sbatch-arg", "--qos", "high"],
+     ["--nodes", "2", "--", "t.py", "--sbatch-arg", "--qos", "high"]),  # after --: unchanged
+    (["--sbatch-arg", "--", "t.py"], ["--sbatch-arg", "--", "t.py"]),  # argparse: no value
+]
+
+
+@pytest.mark.parametrize(("words", "expected"), JOINED, ids=[str(i) for i in range(len(JOINED))])
+def test_join_option_values(words: list[str], expected: list[str] | str) -> None:
+    if isinstance(expected, list):
+        assert join_option_values(words) == expected
+        return
+    with pytest.raises(ConfigError) as info:
+        join_option_values(words)
+    for fragment in expected.split("|"):
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("item", "normalized"), [
+    ("--qos high", "--qos=high"), ("-q high", "--qos=high"), ("-w  n[1-2]", "--nodelist=n[1-2]"),
+    ("--new-option v", "--new-option=v"),  # an unknown long option with one value
+    ("--qos=high", "--qos=high"), ("--exclusive", "--exclusive"), ("-t30", "-t30"),
+    ("--exclusive user", "--exclusive user"),  # takes no separate value: the check refuses it
+    ("--qos high low", "--qos high low"), ("--qos --x", "--qos --x"), ("-z v", "-z v"),
+    ("--a=1 b", "--a=1 b"),
+])
+def test_sbatch_option_joins_an_option_and_its_value(item: str, normalized: str) -> None:
+    assert sbatch_option(item) == normalized
+
+
+@pytest.mark.parametrize(("argv", "lines"), [
+    (["--sbatch-arg", "--qos", "high", "t.py"], ["#SBATCH --qos=high"]),
+    (["--sbatch-arg", "--qos high", "t.py"], ["#SBATCH --qos=high"]),
+    (["--sbatch-arg=--qos=high", "t.py"], ["#SBATCH --qos=high"]),
+    (["--sbatch-arg", "-q", "high", "--sbatch-arg", "--exclusive", "t.py"],
+     ["#SBATCH --qos=high", "#SBATCH --exclusive"]),
+    (["--launcher-arg", "--exact", "--launcher-arg", "--mpi=pmix", "t.py"],
+     ["srun --kill-on-bad-exit=1 --cpu-bind=cores \\", "    --exact --mpi=pmix \\"]),
+])
+def test_sbatch_and_launcher_args_render_in_every_spelling(
+        argv: list[str], lines: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(["--no-doctor", *argv], capsys)
+    assert (code, err) == (0, "")
+    text = out.splitlines()
+    assert all(line in text for line in lines), out
+
+
+@pytest.mark.parametrize(("sbatch_args", "fragment"), [
+    (["--qos"], "'--qos' needs a value, and sbatch would refuse the job; write --qos=VALUE"),
+    (["-q"], "write --qos=VALUE"),
+    (["-t30"], "sets what key time sets"),  # a short option with its value attached
+    (["-N 2"], "sets what key nodes sets"),  # normalized to --nodes=2 first
+    (["--exclusive user"], "contains ' '"),
+])
+def test_sbatch_args_without_a_value_or_with_an_own_key_are_refused(
+        sbatch_args: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        JobConfig(script="t.py", sbatch_args=sbatch_args)
 
 
 def test_missing_config_file_is_a_clean_error(tmp_path: Path) -> None:
@@ -712,38 +880,58 @@ def _sbatch_stub(tmp_path: Path, body: str) -> Path:
     return bin_dir
 
 
-def test_submit_prints_the_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.fixture
+def submit_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The directory ``tfdist job --submit`` runs in (the job's), holding the script t.py."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "t.py").write_text("print('training')\n")
+    monkeypatch.chdir(work)
+    return work
+
+
+def test_submit_prints_the_job_id(tmp_path: Path, submit_dir: Path,
+                                  monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('12345')")))
     code, out, err = _cli(["--submit", "t.py"], capsys)
-    assert (code, out, err) == (0, "12345\n", "")
+    assert (code, out) == (0, "12345\n")  # the id alone on stdout: JOB=$(tfdist job --submit ...)
     recorded = json.loads((tmp_path / "sbatch.json").read_text())
     assert recorded == {"argv": ["--parsable"], "stdin": render(JobConfig(script="t.py"))}
+    # Without --save, a copy of what was submitted stays next to the output file.
+    copy = submit_dir / "tfdist-12345.sbatch"
+    assert copy.read_text() == recorded["stdin"]
+    assert err == submission_notes(JobConfig(script="t.py"), "12345", workdir=submit_dir,
+                                   user=getpass.getuser(), copy=str(copy)) + "\n"
 
 
-def test_save_and_submit_submits_the_saved_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_save_and_submit_submits_the_saved_file(tmp_path: Path, submit_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('777;cluster-a')")))
     target = tmp_path / "job.sbatch"
-    code, out, _ = _cli(["--save", str(target), "--submit", "t.py"], capsys)
+    code, out, err = _cli(["--save", str(target), "--submit", "t.py"], capsys)
     assert (code, out) == (0, "777\n")
     recorded = json.loads((tmp_path / "sbatch.json").read_text())
     assert recorded == {"argv": ["--parsable", str(target)], "stdin": ""}
+    assert "tfdist: submitted job 777" in err and "a copy" not in err
+    assert sorted(path.name for path in submit_dir.iterdir()) == ["t.py"]  # --save is the copy
 
 
-def test_failing_sbatch_is_a_clean_error(tmp_path: Path) -> None:
+def test_failing_sbatch_is_a_clean_error(tmp_path: Path, submit_dir: Path) -> None:
     stub = _sbatch_stub(tmp_path, "sys.stderr.write('sbatch: error: Batch job submission "
                                   "failed: Invalid partition name specified\\n'); sys.exit(1)")
     env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}"}
     result = subprocess.run([sys.executable, "-m", "tfdist", "job", "--partition", "nope",
                              "--submit", "t.py"], capture_output=True, text=True, env=env,
-                            cwd=ROOT, timeout=60)
+                            cwd=submit_dir, timeout=60)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == ("tfdist: sbatch failed (exit 1): sbatch: error: Batch job "
                              "submission failed: Invalid partition name specified\n")
 
 
-def test_missing_sbatch_is_a_clean_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_missing_sbatch_is_a_clean_error(tmp_path: Path, submit_dir: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     code, out, err = _cli(["--submit", "t.py"], capsys)
@@ -768,19 +956,201 @@ def test_load_yaml_of_an_empty_file_is_empty(tmp_path: Path) -> None:
     assert load_yaml(path) == {}
 
 
-def test_submit_refuses_a_missing_output_directory(tmp_path: Path,
+def test_submit_refuses_a_missing_output_directory(tmp_path: Path, submit_dir: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('1')")))
-    monkeypatch.chdir(tmp_path)
     code, out, err = _cli(["--output", "logs/%x-%j.out", "--submit", "t.py"], capsys)
     assert (code, out) == (2, "")
     assert "the directory 'logs' does not exist" in err and "mkdir -p logs" in err
     assert not (tmp_path / "sbatch.json").exists()
-    (tmp_path / "logs").mkdir()
+    (submit_dir / "logs").mkdir()
     code, out, _ = _cli(["--output", "logs/%x-%j.out", "--task-output", "%u/%t.out",
                          "--submit", "t.py"], capsys)
     assert (code, out) == (0, "1\n")
+    assert (submit_dir / "logs" / "tfdist-1.sbatch").is_file()  # the copy, next to the log
+
+
+# What --submit checks before sbatch: the files the job reads when it starts
+
+LOCAL_PATHS: list[tuple[dict[str, Any], list[tuple[str, str]]]] = [
+    ({"script": "train.py"}, [("script", "train.py")]),
+    ({"script": "/abs/train.py", "venv": "/sw/venvs/tf/"},
+     [("script", "/abs/train.py"), ("venv", "/sw/venvs/tf/bin/activate")]),
+    ({"script": "-m", "args": ["pkg.train"], "venv": "venvs/tf"},
+     [("venv", "venvs/tf/bin/activate")]),  # -m MODULE: no file
+    ({"script": "${SCRATCH}/train.py", "venv": "${HOME}/venvs/tf"}, []),  # the job expands them
+    ({"script": "$WORK/train.py"}, []),
+    ({"script": "~/train.py"}, [("script", "~/train.py")]),  # not expanded: checked, and missing
+    ({"kind": "scaling", "nodes": 2, "script": "t.py", "venv": "/v"},
+     [("script", "t.py"), ("venv", "/v/bin/activate")]),
+    ({"kind": "build-venv", "venv": "/v", "packages": ["x"]}, []),  # it creates the venv
+    # Containers: the script is read inside the image; a local image is checked.
+    ({"script": "t.py", "runtime": "apptainer", "image": "/images/tf.sif"},
+     [("image", "/images/tf.sif")]),
+    ({"script": "t.py", "runtime": "apptainer", "image": "tf.sif"}, [("image", "tf.sif")]),
+    ({"script": "t.py", "runtime": "apptainer", "image": "docker://tensorflow/tensorflow"}, []),
+    ({"script": "t.py", "runtime": "apptainer", "image": "library://lolcow"}, []),
+    ({"script": "t.py", "runtime": "apptainer", "image": "${IMAGES}/tf.sif"}, []),
+    ({"script": "t.py", "runtime": "enroot", "image": "/images/tf.sqsh"},
+     [("image", "/images/tf.sqsh")]),
+    ({"script": "t.py", "runtime": "enroot", "image": "./tf.sqsh"}, [("image", "./tf.sqsh")]),
+    ({"script": "t.py", "runtime": "enroot", "image": "nvcr.io#nvidia/pytorch:24.01-py3"}, []),
+    ({"script": "t.py", "runtime": "enroot", "image": "docker://ubuntu:22.04"}, []),
+    ({"script": "t.py", "runtime": "enroot", "image": "ubuntu"}, []),  # pyxis: a registry image
+]
+
+
+@pytest.mark.parametrize(("keys", "expected"), LOCAL_PATHS,
+                         ids=[str(i) for i in range(len(LOCAL_PATHS))])
+def test_local_paths_are_the_files_the_job_reads_that_can_be_checked(
+        keys: dict[str, Any], expected: list[tuple[str, str]]) -> None:
+    assert [(entry.key, entry.path) for entry in local_paths(JobConfig(**keys))] == expected
+
+
+@pytest.mark.parametrize(("sbatch_args", "workdir"), [
+    ([], "sub"), (["--chdir=/elsewhere"], "/elsewhere"), (["--chdir=run"], "sub/run"),
+    (["-D run"], "sub/run"), (["-Drun", "--qos=high"], "sub/run"),
+])
+def test_the_job_workdir_is_where_sbatch_runs_or_its_chdir(sbatch_args: list[str],
+                                                           workdir: str) -> None:
+    config = JobConfig(script="t.py", sbatch_args=sbatch_args)
+    assert job_workdir(config, "sub") == Path(workdir)
+
+
+MISSING: list[tuple[dict[str, Any], list[str]]] = [
+    ({"script": "train.py"}, ["script: 'train.py' (WORK/train.py: in the job's directory) does "
+                              "not exist", "fix SCRIPT (script: in the config)"]),
+    ({"script": "t.py", "venv": "/no/venv"}, ["venv: '/no/venv/bin/activate' does not exist",
+                                              "fix --venv (venv: in the config)"]),
+    ({"script": "t.py", "venv": "~/venvs/tf"}, ["write ${HOME}/... instead"]),
+    ({"script": "t.py", "runtime": "apptainer", "image": "tf.sif"},
+     ["image: 'tf.sif' (WORK/tf.sif: in the job's directory) does not exist",
+      "fix --image (image: in the config)",
+      "If it exists on the compute nodes only, --save the script and submit that with sbatch"]),
+    ({"script": "t.py", "sbatch_args": ["--chdir=sub"]}, ["(WORK/sub/t.py: in the job's"]),
+]
+
+
+@pytest.mark.parametrize(("keys", "fragments"), MISSING, ids=[str(i) for i in range(len(MISSING))])
+def test_a_missing_script_venv_or_image_is_an_error_naming_the_flag(
+        keys: dict[str, Any], fragments: list[str], tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("")
+    with pytest.raises(ConfigError) as info:
+        check_local_paths(JobConfig(**keys), tmp_path)
+    for fragment in fragments:
+        assert fragment.replace("WORK", str(tmp_path)) in str(info.value)
+
+
+def test_existing_files_pass_the_submit_checks(tmp_path: Path) -> None:
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "activate").write_text("")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "t.py").write_text("")
+    (tmp_path / "tf.sif").write_text("")
+    check_local_paths(JobConfig(script="t.py", venv=str(tmp_path / "venv"),
+                                sbatch_args=["--chdir=run"]), tmp_path)
+    check_local_paths(JobConfig(script="t.py", venv="../venv", sbatch_args=["-D run"]), tmp_path)
+    check_local_paths(JobConfig(script="/nowhere/t.py", runtime="apptainer", image="tf.sif"),
+                      tmp_path)
+
+
+def test_submit_checks_before_calling_sbatch(tmp_path: Path, submit_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('5')")))
+    code, out, err = _cli(["--venv", "venvs/tf", "--submit", "t.py"], capsys)
+    assert (code, out) == (2, "") and "venv: 'venvs/tf/bin/activate'" in err
+    code, out, err = _cli(["--submit", "absent.py"], capsys)
+    assert (code, out) == (2, "") and "script: 'absent.py'" in err
+    assert not (tmp_path / "sbatch.json").exists()
+    code, out, _ = _cli(["--venv", "${HOME}/venvs/tf", "--submit", "--", "-m", "pkg"], capsys)
+    assert (code, out) == (0, "5\n")
+
+
+# After sbatch: where the logs will be, and how to follow the job
+
+EXPANDED: list[tuple[str, dict[str, Any], tuple[str, tuple[str, ...]]]] = [
+    ("%x-%j.out", {}, ("train-4242.out", ())),
+    ("logs/%x-%j-%t.out", {"step": True}, ("logs/train-4242-*.out", ("%t: the task id",))),
+    ("%x-%5j-%3t.out", {}, ("train-04242-*.out", ("%t: the task id",))),
+    ("%12j", {}, ("0000004242", ())),  # Slurm pads to 10 digits at most
+    ("%N/%n-%s.out", {}, ("*/*-*.out", ("%N: the node's name", "%n: the node's index",
+                                        "%s: the step id"))),
+    ("%J.out", {}, ("4242.out", ())),  # the batch shell's: the job id
+    ("%J.out", {"step": True}, ("4242.*.out", ("%J: the step id after the job id",))),
+    ("/scratch/%u/%x.out", {"user": "ada"}, ("/scratch/ada/train.out", ())),
+    ("/scratch/%u/%x.out", {}, ("/scratch/*/train.out", ("%u: the user name",))),
+    ("%A_%a.out", {"array": True}, ("4242_*.out", ("%a: the array task id",))),
+    ("%x-%j.out", {"array": True}, ("train-*.out", ("%j: each array task's job id",))),
+    ("%A-%b.out", {}, ("4242-*.out", ("%b: the array task id modulo 10",))),
+    ("100%%-%q.out", {}, ("100%-%q.out", ())),  # %% is %; an unknown field stays
+    ("a\\%j.out", {}, ("a%j.out", ())),  # a backslash turns the expansion off
+]
+
+
+@pytest.mark.parametrize(("pattern", "keys", "expected"), EXPANDED,
+                         ids=[str(i) for i in range(len(EXPANDED))])
+def test_expand_pattern_fills_in_what_is_known_at_submission(
+        pattern: str, keys: dict[str, Any], expected: tuple[str, tuple[str, ...]]) -> None:
+    assert expand_pattern(pattern, "4242", "train", **keys) == expected
+
+
+NOTES: list[tuple[dict[str, Any], str | None, str]] = [
+    ({}, "/w/tfdist-7.sbatch", """tfdist: submitted job 7 (tfdist)
+  output:    /w/tfdist-7.out
+  script:    /w/tfdist-7.sbatch  (a copy of what was submitted)
+  follow it: squeue -j 7
+             tail -F /w/tfdist-7.out  # the file appears when the job starts"""),
+    ({"job_name": "train", "output": "logs/%x-%j.out", "task_output": "logs/%x-%j-%t.out"},
+     None, """tfdist: submitted job 7 (train)
+  output:      /w/logs/train-7.out
+  task output: /w/logs/train-7-*.out  (* stands for %t: the task id)
+  follow it:   squeue -j 7
+               tail -F /w/logs/train-7.out  # the file appears when the job starts"""),
+    ({"task_output": "${SCRATCH}/%x/%N-%t.out"}, None, """tfdist: submitted job 7 (tfdist)
+  output:      /w/tfdist-7.out
+  task output: ${SCRATCH}/tfdist/*-*.out  (* stands for %N: the node's name; %t: the task id, \
+the job's shell expands ${NAME})
+  follow it:   squeue -j 7
+               tail -F /w/tfdist-7.out  # the file appears when the job starts"""),
+    ({"array": "0-3", "output": "%A_%a.out", "workdir": "/s p"}, None,
+     """tfdist: submitted job 7 (tfdist)
+  output:    /s p/7_*.out  (* stands for %a: the array task id)
+  follow it: squeue -j 7
+             tail -F '/s p/7_'*.out  # the file appears when the job starts"""),
+]
+
+
+@pytest.mark.parametrize(("keys", "copy", "text"), NOTES, ids=[str(i) for i in range(len(NOTES))])
+def test_submission_notes_say_where_the_logs_will_be(keys: dict[str, Any], copy: str | None,
+                                                      text: str) -> None:
+    workdir = keys.get("workdir", "/w")
+    config = JobConfig(script="t.py", **{k: v for k, v in keys.items() if k != "workdir"})
+    assert submission_notes(config, "7", workdir=workdir, user="ada", copy=copy) == text
+
+
+@pytest.mark.parametrize(("keys", "path"), [
+    ({}, "/w/tfdist-7.sbatch"),
+    ({"job_name": "train", "output": "logs/%x-%j.out"}, "/w/logs/train-7.sbatch"),
+    ({"output": "/scratch/%u/out/%j.out"}, "/scratch/ada/out/tfdist-7.sbatch"),
+    ({"output": "%N/%j.out"}, "/w/tfdist-7.sbatch"),  # one directory per node: the job's own
+    ({"output": "/dev/null"}, "/w/tfdist-7.sbatch"),
+])
+def test_the_script_copy_goes_next_to_the_output_file(keys: dict[str, Any], path: str) -> None:
+    config = JobConfig(script="t.py", **keys)
+    assert script_copy_path(config, "7", workdir="/w", user="ada") == path
+
+
+def test_a_copy_that_cannot_be_written_does_not_hide_the_submitted_job(
+        tmp_path: Path, submit_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(_sbatch_stub(tmp_path, "print('9')")))
+    (submit_dir / "tfdist-9.sbatch").mkdir()  # in the way of the copy
+    code, out, err = _cli(["--submit", "t.py"], capsys)
+    assert (code, out) == (0, "9\n")
+    assert "tfdist: job 9 is submitted, but its copy was not kept" in err
+    assert "tfdist: submitted job 9" in err and "a copy of what" not in err
 
 
 def test_a_flag_equal_to_the_default_still_beats_the_file(

@@ -369,21 +369,39 @@ def test_pyxis_standin_runs_the_rendered_enroot_mwms_job(slurm_cluster: SlurmClu
 
 @pytest.mark.timeout(120)
 def test_tfdist_job_submit_prints_the_job_id_of_a_real_job(slurm_cluster: SlurmCluster) -> None:
-    # The command a user types: render from flags, submit with the real sbatch, print the id.
+    # The command a user types: render from flags, submit with the real sbatch, print the id,
+    # where the logs will be, and keep a copy of the script next to them. The sbatch option
+    # and its value are separate words, as on sbatch's own command line.
     workdir = slurm_cluster.new_workdir()
+    (workdir / "logs").mkdir()
     command = [slurm_cluster.python, "-m", "tfdist", "job", "--submit", "--job-name=submitted",
                "--nodes=2", f"--gpus-per-node={slurm_cluster.gpus_per_node}",
                f"--gpu-type={slurm_cluster.gres_type}", f"--partition={slurm_cluster.partition}",
-               "--time=00:02:00", "--sbatch-arg=--nodelist=n[9-10]", "--cpu-bind=none",
-               f"--python={slurm_cluster.python}", f"--task-output={TASK_OUTPUT}",
-               "--", "-m", "tfdist", "env", "--json"]
+               "--time=00:02:00", "--sbatch-arg", "--nodelist", "n[9-10]", "--cpu-bind=none",
+               f"--python={slurm_cluster.python}", "--output=logs/%x-%j.out",
+               f"--task-output={TASK_OUTPUT}", "--", "-m", "tfdist", "env", "--json"]
     run = subprocess.run(command, cwd=workdir, env=slurm_cluster.env, capture_output=True,
                          text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
-    job_id = run.stdout.strip().splitlines()[-1]
-    assert job_id.isdigit(), run.stdout
+    job_id = run.stdout.strip()
+    assert job_id.isdigit(), run.stdout  # the id alone on stdout
+    notes = dict(re.findall(r"^  (output|task output|script): +(\S+)", run.stderr, re.M))
+    assert notes == {"output": str(workdir / "logs" / f"submitted-{job_id}.out"),
+                     "task output": str(workdir / f"submitted-{job_id}-*.out"),
+                     "script": str(workdir / "logs" / f"submitted-{job_id}.sbatch")}, run.stderr
+    assert f"squeue -j {job_id}\n" in run.stderr and f"tail -F {notes['output']}" in run.stderr
     job = slurm_cluster.wait(job_id, timeout=90)
     assert job.ok, job.describe()
+    # The printed paths are Slurm's: the batch output, and one task file per * (the task id).
+    assert Path(notes["output"]) == job.stdout_path and job.stdout_path.is_file(), job.describe()
+    assert sorted(workdir.glob(Path(notes["task output"]).name)) == [
+        workdir / f"submitted-{job_id}-{task}.out" for task in range(WORLD)], job.describe()
+    copy = Path(notes["script"]).read_text()
+    assert "#SBATCH --nodelist=n[9-10]\n" in copy and "#SBATCH --output=logs/%x-%j.out\n" in copy
+    printed = subprocess.run([arg for arg in command if arg != "--submit"], cwd=workdir,
+                             env=slurm_cluster.env, capture_output=True, text=True, timeout=60,
+                             check=True)
+    assert copy == printed.stdout  # the copy is the script that was submitted
     ranks = sorted(json.loads(job.read(f"submitted-{job_id}-{task}.out"))["rank"]
                    for task in range(WORLD))
     assert ranks == list(range(WORLD)), job.describe()

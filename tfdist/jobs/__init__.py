@@ -29,7 +29,14 @@ from tfdist.jobs.config import (
     merge,
 )
 from tfdist.jobs.render import render, rendezvous_port_expression
-from tfdist.jobs.submit import check_output_dirs, parse_job_id, save, submit
+from tfdist.jobs.submit import (
+    check_local_paths,
+    check_output_dirs,
+    parse_job_id,
+    save,
+    submission_notes,
+    submit,
+)
 
 __all__ = [
     "BACKENDS",
@@ -40,6 +47,7 @@ __all__ = [
     "LAUNCHERS",
     "RUNTIMES",
     "RUNTIME_LAUNCHERS",
+    "check_local_paths",
     "check_output_dirs",
     "load_config",
     "load_yaml",
@@ -48,6 +56,7 @@ __all__ = [
     "render",
     "rendezvous_port_expression",
     "save",
+    "submission_notes",
     "submit",
 ]
 

@@ -17,6 +17,7 @@ from tfdist.jobs.choices import (
     RUNTIME_LAUNCHERS,
     RUNTIMES,
 )
+from tfdist.jobs.options import SBATCH_SHORT, option_name, takes_value
 from tfdist.jobs.shell import check_body_value, check_sbatch_value
 
 if TYPE_CHECKING:
@@ -215,13 +216,17 @@ def _check_sbatch_values(c: JobConfig) -> None:
                           f"{', '.join(TIME_FORMATS)} (e.g. 90, 01:30:00 or 2-00:00:00)")
     for index, option in enumerate(c.sbatch_args):
         check_sbatch_value(f"sbatch_args[{index}]", option)
-        name = option.split("=", 1)[0]
+        name = option_name(option)
         if not option.startswith("-"):
             raise ConfigError(f"sbatch_args[{index}] {option!r} is not an sbatch option; write "
                               "options as --name=value, e.g. --qos=high or --exclusive")
         if name in _OWN_KEYS:
             raise ConfigError(f"sbatch_args[{index}] {option!r} sets what key "
                               f"{_OWN_KEYS[name]} sets; use {_OWN_KEYS[name]} instead")
+        if option == name and takes_value(name):
+            raise ConfigError(f"sbatch_args[{index}] {option!r} needs a value, and sbatch would "
+                              f"refuse the job; write {SBATCH_SHORT.get(name, name)}=VALUE, "
+                              f"e.g. --sbatch-arg={SBATCH_SHORT.get(name, name)}=VALUE")
 
 
 def _check_signal(signal: str | None) -> None:

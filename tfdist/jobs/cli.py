@@ -2,23 +2,34 @@
 
 Flags beat the config file, which beats the defaults. Only flags that were given count (their
 defaults are ``SUPPRESS``), so a flag never overrides the file with a default value.
+
+Everything after SCRIPT goes to the script, so a ``tfdist job`` option there would silently not
+apply: :func:`misplaced_options` finds them, and they are an error unless ``--`` comes before
+SCRIPT. :func:`join_option_values` lets ``--sbatch-arg --qos high`` through argparse, which
+refuses a separate value that starts with a dash.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Collection, Sequence
 from typing import Any
 
-from tfdist.jobs.config import BACKENDS, KEYS, KINDS, LAUNCHERS, RUNTIMES
+from tfdist.errors import ConfigError
+from tfdist.jobs.config import BACKENDS, KEYS, KINDS, LAUNCHERS, RUNTIMES, JobConfig
+from tfdist.jobs.options import LAUNCHER_FLAGS, option_name, sbatch_option, takes_value
 
-__all__ = ["add_parser", "flag_values", "run"]
+__all__ = ["add_parser", "flag_values", "job_options", "join_option_values",
+           "misplaced_options", "run"]
 
 _Group = argparse._ArgumentGroup
 _CONFIG_SUFFIXES = (".yaml", ".yml")
 # Flags whose values are collected per use (--module a --module b); all others are single values.
 _REPEATED = {"module": "modules", "bind": "binds", "sbatch_arg": "sbatch_args",
              "launcher_arg": "launcher_args", "package": "packages"}
+# Flags whose value is often an option itself: `--sbatch-arg --qos high` is joined for argparse.
+_OPTION_VALUED = ("--sbatch-arg", "--launcher-arg")
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -31,8 +42,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "defaults. YAML keys are the "
         "flag names in snake_case (--gpus-per-node is gpus_per_node). Values in the script body "
         "are shell-quoted; ${NAME} is left for the job's shell to expand. Prints the script "
-        "unless --save or --submit is given. Everything after SCRIPT goes to the script; "
-        "put -- before a SCRIPT that starts with a dash (-- -m MODULE ARGS).",
+        "unless --save or --submit is given. Everything after SCRIPT goes to the script, so "
+        "options of `tfdist job` must come before SCRIPT: one after it is an error. Put -- "
+        "before SCRIPT to pass everything after it unchanged, even options named like these "
+        "(-- train.py --nodes 4), and before a SCRIPT that starts with a dash "
+        "(-- -m MODULE ARGS).",
         usage="tfdist job [CONFIG.yaml] [options] [SCRIPT [ARGS ...]]",
         argument_default=argparse.SUPPRESS,
     )
@@ -77,7 +91,9 @@ def _add_scheduling(group: _Group) -> None:
                        help="let the job be requeued, and requeue it when the tasks exit 75 "
                        "(preempted) (default: no)")
     group.add_argument("--sbatch-arg", action="append", metavar="OPTION",
-                       help="one more #SBATCH option, e.g. --sbatch-arg=--qos=high (repeat)")
+                       help="one more #SBATCH option (repeat): --sbatch-arg=--qos=high, "
+                       "--sbatch-arg --qos high and --sbatch-arg '--qos high' all render "
+                       "--qos=high")
     group.add_argument("--output", metavar="PATTERN",
                        help="the batch shell's output file (default: %%x-%%j.out)")
     group.add_argument("--task-output", metavar="PATTERN",
@@ -103,7 +119,9 @@ def _add_launch(group: _Group) -> None:
     group.add_argument("--launcher", choices=LAUNCHERS,
                        help="default: srun, for torch torchrun")
     group.add_argument("--launcher-arg", action="append", metavar="ARG",
-                       help="one more launcher option, e.g. --launcher-arg=--exact (repeat)")
+                       help="one more word for the launcher (repeat), e.g. --launcher-arg "
+                       "--exact; a value is --launcher-arg=--opt=VALUE, or a word of its own: "
+                       "--launcher-arg=-np --launcher-arg=4")
     group.add_argument("--cpu-bind", metavar="TYPE", help="srun --cpu-bind (default: cores)")
     group.add_argument("--doctor", action=argparse.BooleanOptionalAction,
                        help="run `tfdist doctor` as a step of its own before training: every "
@@ -129,7 +147,11 @@ def _add_scaling(group: _Group) -> None:
 def _add_actions(group: _Group) -> None:
     group.add_argument("--save", metavar="PATH", help="write the script to PATH (mode 0755)")
     group.add_argument("--submit", action="store_true",
-                       help="submit with sbatch from PATH and print the job id")
+                       help="submit with sbatch from PATH, after checking that the output "
+                       "directories, the script, the venv and a local image exist; print the "
+                       "job id (alone on stdout), then where its logs will be and how to follow "
+                       "it. Without --save, a copy of the script is kept next to the output "
+                       "file (JOBNAME-JOBID.sbatch)")
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -153,9 +175,98 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     words = list(given.get("words") or [])
     if words[:1] == ["--"]:  # `tfdist job [options] -- -m module ...`: "--" ends the options
         words = words[1:]
+    elif words and "job_parser" in given:
+        _refuse_options_after_script(words, job_options(given["job_parser"]))
     if words:
         values["script"], values["args"] = words[0], words[1:]
     return values
+
+
+def job_options(parser: argparse.ArgumentParser) -> list[str]:
+    """The long options ``parser`` defines (``--nodes``, ``--no-doctor``, ``--help`` ...)."""
+    return [name for action in parser._actions for name in action.option_strings
+            if name.startswith("--")]
+
+
+def misplaced_options(words: Sequence[str], options: Collection[str]) -> list[str]:
+    """The ``options`` among ``words`` (the script's arguments), each once, in order: a word that
+    is one, or starts with ``NAME=`` for one. Other words, the script's own options
+    (``--epochs=3``) among them, are not."""
+    found: list[str] = []
+    for word in words:
+        name = word.split("=", 1)[0]
+        if name in options and name not in found:
+            found.append(name)
+    return found
+
+
+def _refuse_options_after_script(words: list[str], options: Collection[str]) -> None:
+    script, args = words[0], words[1:]
+    misplaced = misplaced_options(args, options)
+    if not misplaced:
+        return
+    names = ", ".join(misplaced)
+    it, they = ("it", "it is") if len(misplaced) == 1 else ("them", "they are")
+    raise ConfigError(
+        f"{names} after SCRIPT {script}: everything after SCRIPT goes to the script, so "
+        f"`tfdist job` would not apply {it} and {script} would get {it} instead. Move {names} "
+        f"before SCRIPT (tfdist job {misplaced[0]} ... {script} ...), or, if {they} "
+        f"{script}'s own, put -- before SCRIPT to pass everything after it unchanged "
+        f"(tfdist job [options] -- {script} {misplaced[0]} ...)")
+
+
+def join_option_values(words: Sequence[str]) -> list[str]:
+    """Join ``--sbatch-arg`` and ``--launcher-arg`` to a value that starts with a dash, which
+    argparse would take for an option of its own (pure).
+
+    ``--sbatch-arg --exclusive`` becomes ``--sbatch-arg=--exclusive``; ``--sbatch-arg --qos
+    high`` and ``--sbatch-arg -q high`` become ``--sbatch-arg=--qos=high``, since sbatch's
+    ``--qos`` takes a value (:mod:`tfdist.jobs.options`); ``--launcher-arg --exact`` becomes
+    ``--launcher-arg=--exact``. Nothing after ``--`` is changed.
+
+    Raises:
+        ConfigError: a bare option (no ``=VALUE``) whose value is unknown here is followed by a
+            word that may be its value or SCRIPT; the message gives both spellings.
+    """
+    joined: list[str] = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word == "--":
+            return joined + list(words[index:])
+        option = words[index + 1] if index + 1 < len(words) else "--"
+        if word not in _OPTION_VALUED or not option.startswith("-") or option == "--":
+            joined.append(word)
+            index += 1
+            continue
+        after = words[index + 2] if index + 2 < len(words) else None
+        sbatch = word == "--sbatch-arg"
+        # A bare option has no value in its word (`--qos`, not `--qos=high` or `--qos high`).
+        bare = not any(ch.isspace() for ch in option) and (
+            option == option_name(option) if sbatch else "=" not in option)
+        if not bare:
+            arity = None
+        elif sbatch:
+            arity = takes_value(option)
+        else:
+            arity = False if option in LAUNCHER_FLAGS else None
+        if bare and arity and after is not None:
+            joined.append(f"{word}={sbatch_option(f'{option} {after}')}")
+            index += 3
+            continue
+        if bare and arity is None and after is not None and not after.startswith("-"):
+            raise ConfigError(_ambiguous_message(word, option, after))
+        joined.append(f"{word}={option}")
+        index += 2
+    return joined
+
+
+def _ambiguous_message(word: str, option: str, after: str) -> str:
+    separate = "" if word == "--sbatch-arg" else (f", or {word}={option} {word}={after} for a "
+                                                  "launcher that takes it as a word of its own")
+    return (f"`{word} {option} {after}`: tfdist cannot tell whether {after!r} is the value of "
+            f"{option} or SCRIPT. Write {word}={option}={after} for a value{separate}; or "
+            f"{word}={option} for an option without one")
 
 
 def _read_config_word(args: argparse.Namespace) -> None:
@@ -165,14 +276,12 @@ def _read_config_word(args: argparse.Namespace) -> None:
         args.config_file, args.words = words[0], []
         args.job_parser.parse_args(words[1:], namespace=args)
         if (getattr(args, "words", None) or [""])[0].endswith(_CONFIG_SUFFIXES):
-            from tfdist.errors import ConfigError
-
             raise ConfigError(f"give one config file, not {words[0]} and {args.words[0]}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``tfdist job``: print the script, or ``--save`` it and/or ``--submit`` it."""
-    from tfdist.jobs import JobConfig, check_output_dirs, load_yaml, merge, render, save, submit
+    from tfdist.jobs import JobConfig, load_yaml, merge, render, save
 
     _read_config_word(args)
     path = getattr(args, "config_file", None)
@@ -184,8 +293,47 @@ def run(args: argparse.Namespace) -> int:
         save(text, saved)
         print(f"tfdist: wrote {saved}", file=sys.stderr)
     if getattr(args, "submit", False):
-        check_output_dirs(config)
-        print(submit(text, script_path=saved))
+        _submit(config, text, saved)
     elif not saved:
         sys.stdout.write(text)
     return 0
+
+
+def _submit(config: JobConfig, text: str, saved: str | None) -> None:
+    """Check, submit, print the job id on stdout; keep a copy (without --save); say where the
+    logs will be on stderr."""
+    from tfdist.jobs.submit import (
+        check_local_paths,
+        check_output_dirs,
+        job_workdir,
+        save,
+        script_copy_path,
+        submission_notes,
+        submit,
+    )
+
+    check_output_dirs(config)
+    check_local_paths(config)
+    job_id = submit(text, script_path=saved)
+    print(job_id, flush=True)
+    workdir, user = job_workdir(config), _user()
+    copy = None
+    if not saved:
+        copy = script_copy_path(config, job_id, workdir=workdir, user=user)
+        try:
+            save(text, copy)
+        except ConfigError as err:  # the job is submitted: say so, and go on
+            print(f"tfdist: job {job_id} is submitted, but its copy was not kept: {err}",
+                  file=sys.stderr)
+            copy = None
+    print(submission_notes(config, job_id, workdir=workdir, user=user, copy=copy),
+          file=sys.stderr)
+
+
+def _user() -> str | None:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        return None

@@ -29,6 +29,7 @@ from tfdist.jobs.choices import (
     RUNTIME_LAUNCHERS,
     RUNTIMES,
 )
+from tfdist.jobs.options import sbatch_option
 from tfdist.scaling import check_sizes, default_sizes, parse_sizes
 
 __all__ = [
@@ -261,7 +262,9 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
             else value
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{where} must be a list of strings, got {value!r}")
-        return tuple(_text(f"{key}[{i}] (in {origin})", item) for i, item in enumerate(items))
+        texts = tuple(_text(f"{key}[{i}] (in {origin})", item) for i, item in enumerate(items))
+        # `--qos high` as one item, as on a command line, is sbatch's `--qos=high`.
+        return tuple(map(sbatch_option, texts)) if key == "sbatch_args" else texts
     if key == "env":
         if value is None:
             return {}
