@@ -1,0 +1,102 @@
+"""The README's commands run as written: every `tfdist job` and `tfdist launch` line of its bash
+blocks whose script is in this repository (not a placeholder such as train.py), except those
+that submit to Slurm (tests/test_slurm_jobs.py submits) or need Horovod's environment
+(tests/test_horovod.py launches it). The install recipes are run by tests/test_install.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"^( *)```bash\n(.*?)^\1```", re.S | re.M)
+
+
+def commands(markdown: str) -> list[str]:
+    """The command lines of the bash blocks of ``markdown``: continuations joined, indentation
+    and trailing comments removed (pure)."""
+    found = []
+    for _, body in BLOCK.findall(markdown):
+        body = re.sub(r"\\\n\s*", " ", body)
+        for line in body.splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                found.append(shlex.join(words))
+    return found
+
+
+COMMANDS = {
+    # name: (markdown, expected command lines)
+    "indented, continued, commented": (
+        "1. step\n\n   ```bash\n   tfdist job --nodes 2 \\\n       train.py --x='${A}'  # note\n"
+        "   ```\n",
+        ["tfdist job --nodes 2 train.py '--x=${A}'"]),
+    "two blocks, python ignored": (
+        "```bash\na b\n```\n\n```python\nprint(1)\n```\n```bash\nc\n```\n", ["a b", "c"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMMANDS))
+def test_commands_of_a_markdown_text(case):
+    markdown, expected = COMMANDS[case]
+    assert commands(markdown) == expected
+
+
+def _runnable(command: str) -> bool:
+    words = shlex.split(command)
+    if words[:2] not in (["tfdist", "job"], ["tfdist", "launch"]):
+        return False
+    if "--submit" in words or "horovod" in words:
+        return False
+    scripts = [w for w in words if w.endswith((".py", ".yaml"))]
+    return all((ROOT / w).exists() for w in scripts)
+
+
+README_COMMANDS = [c for c in commands((ROOT / "README.md").read_text()) if _runnable(c)]
+
+
+def test_the_five_steps_are_among_them():
+    assert "tfdist launch -n 2 examples/keras_train.py --epochs=1" in README_COMMANDS
+    assert any(c.startswith("tfdist job --nodes 2 --gpus-per-node 4 --time 02:00:00")
+               for c in README_COMMANDS), README_COMMANDS
+    assert len(README_COMMANDS) >= 4, README_COMMANDS
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A folder with the repository's examples/ and jobscripts/, so that commands which write
+    (`--save run.sbatch`) leave the checkout alone."""
+    folder = tmp_path_factory.mktemp("readme")
+    for name in ("examples", "jobscripts"):
+        (folder / name).symlink_to(ROOT / name)
+    return folder
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("command", README_COMMANDS)
+def test_the_readme_command_runs(command, workdir):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TF_CONFIG", "SLURM_", "OMPI_", "PMI", "HOROVOD_", "TFDIST_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["TFDS_DATA_DIR"] = str(workdir / "data")  # the example's digits, written locally
+    run = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    words = shlex.split(command)
+    if words[1] == "job":
+        script = (workdir / words[words.index("--save") + 1]).read_text() \
+            if "--save" in words else run.stdout
+        assert script.startswith("#!/bin/bash") and "#SBATCH --nodes=" in script, script
+        assert "srun" in script
+    elif "doctor" in words:
+        assert "tfdist doctor: ready: 2 rank(s)" in run.stdout, run.stdout[-3000:]
+    else:  # a launch trains: every rank ends with the same weights
+        digests = re.findall(r"^\[(\d)\] tfdist: rank \d of 2: final weights (\w+)$",
+                             run.stdout, re.M)
+        assert len(digests) == 2 and len({d for _, d in digests}) == 1, run.stdout[-3000:]
