@@ -230,3 +230,17 @@ def test_launch_hides_the_noise_on_the_terminal_and_keeps_it_in_the_logs(tmp_pat
     else:
         assert "absl::InitializeLog" not in run.stdout
         assert run.stdout.count("TF_CPP_MIN_LOG_LEVEL=1") == 2
+
+
+def test_a_process_without_stderr_still_imports():
+    code = textwrap.dedent("""
+        import os, sys
+        os.close(2)
+        from tfdist import quiet
+        with quiet.filtered_stderr():
+            print("inside", flush=True)
+        print("after", flush=True)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.split() == ["inside", "after"]

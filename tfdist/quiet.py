@@ -111,7 +111,11 @@ def filtered_stderr() -> Iterator[None]:
     """
     with contextlib.suppress(Exception):
         sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to filter
+        yield
+        return
     try:
         child = subprocess.Popen([sys.executable, "-c", _FILTER, *(p.pattern for p in NOISE)],
                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=saved,
