@@ -37,7 +37,9 @@ ENV = {
 }
 
 AUTO = {
-    "one process": "single",
+    # one process: MirroredStrategy when it sees several GPUs, decided when it starts
+    # (tfdist.backends.mirrored), else the single-process backend
+    "one process": "mirrored",
     "tfdist launch": "mwms",
     "tfdist launch --backend horovod": "horovod",
     "TF_CONFIG": "mwms",
@@ -45,7 +47,7 @@ AUTO = {
     "torchrun": "mwms",
     "horovodrun": "horovod",
     "mpirun": "horovod",
-    "horovodrun -np 1": "single",
+    "horovodrun -np 1": "mirrored",
 }
 
 

@@ -52,8 +52,9 @@ def test_argument_then_variable_then_default(name, argument, environ, expected):
 
 
 @pytest.mark.parametrize(("name", "argument", "environ", "message"), [
-    ("backend", "mwm", {}, r"backend 'mwm' is not one of \('auto', 'mwms', 'horovod', 'single'\) "
-                           r"\(argument `init\(backend=\)` or TFDIST_BACKEND\)"),
+    ("backend", "mwm", {}, r"backend 'mwm' is not one of \('auto', 'mwms', 'horovod', "
+                           r"'mirrored', 'single'\) \(argument `init\(backend=\)` or "
+                           r"TFDIST_BACKEND\)"),
     ("backend", None, {"TFDIST_BACKEND": "mwm"}, r"'mwm' is not one of .*TFDIST_BACKEND"),
     ("threads", 0, {}, r"threads=0 must be a positive integer"),
     ("threads", None, {"TFDIST_NUM_THREADS": "many"}, r"TFDIST_NUM_THREADS='many' is not an int"),

@@ -151,9 +151,11 @@ def _choice(name: str, variable: str, choices: tuple[str, ...], doc: str,
 
 
 SETTINGS: tuple[Setting, ...] = (
-    _choice("backend", "TFDIST_BACKEND", ("auto", "mwms", "horovod", "single"),
+    _choice("backend", "TFDIST_BACKEND", ("auto", "mwms", "horovod", "mirrored", "single"),
             "the data-parallel engine; `auto`: Horovod under horovodrun/mpirun, else MWMS when "
-            "several processes were launched, else one process", "init(backend=)"),
+            "several processes were launched, else one process: MirroredStrategy over its GPUs "
+            "when it sees several (`mirrored`), else TensorFlow's default strategy (`single`)",
+            "init(backend=)"),
     _choice("collective", "TFDIST_COLLECTIVE", ("auto", "ring", "nccl"),
             "MWMS all-reduce; `auto`: NCCL with GPUs, ring on CPU", "init(collective=)"),
     Setting("collective_timeout", "TFDIST_COLLECTIVE_TIMEOUT", _positive_seconds, None,
@@ -195,6 +197,10 @@ SETTINGS: tuple[Setting, ...] = (
             "average BatchNormalization's moving statistics over the ranks at each epoch's end, "
             "so that every rank holds the same model; `0` leaves each rank its own",
             argument="callbacks(average_batch_statistics=)"),
+    Setting("cpu_replicas", "TFDIST_CPU_REPLICAS", _positive_int, None,
+            "split each process's CPU into N logical devices and train one replica on each, "
+            "as on N GPUs: the CPU stand-in for several GPUs per process (tests, a laptop); "
+            "ignored where GPUs are visible"),
     Setting("sync_check_every", "TFDIST_SYNC_CHECK_EVERY", _positive_int, None,
             "also compare the ranks' weights every N steps",
             argument="callbacks(sync_check_every=)"),

@@ -30,10 +30,11 @@ def init(backend: str | None = None, *, collective: str | None = None,
     Calling it again returns the same handle (the strategy can be created once per process).
 
     Args:
-        backend: ``"auto"``, ``"mwms"``, ``"horovod"`` or ``"single"``; env
+        backend: ``"auto"``, ``"mwms"``, ``"horovod"``, ``"mirrored"`` or ``"single"``; env
             ``TFDIST_BACKEND``. Auto picks Horovod when horovodrun or mpirun started the
             processes, MultiWorkerMirroredStrategy when another launcher started several, and
-            ``"single"`` for one process; it logs which and why.
+            for one process MirroredStrategy over its GPUs when it sees several, else
+            TensorFlow's default strategy (``"single"``); it logs which and why.
         collective: ``"auto"``, ``"ring"`` or ``"nccl"``; env ``TFDIST_COLLECTIVE``. Auto
             picks NCCL when GPUs are visible, ring on CPU.
         threads: TensorFlow intra- and inter-op threads; env ``TFDIST_NUM_THREADS``. By default
@@ -100,4 +101,5 @@ def resolve_settings(backend: str | None = None, collective: str | None = None,
     return {"backend": resolve("backend", backend, environ),
             "collective": resolve("collective", collective, environ),
             "threads": resolve("threads", threads, environ),
-            "collective_timeout": resolve("collective_timeout", collective_timeout, environ)}
+            "collective_timeout": resolve("collective_timeout", collective_timeout, environ),
+            "cpu_replicas": resolve("cpu_replicas", None, environ)}

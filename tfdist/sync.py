@@ -108,22 +108,23 @@ def batch_statistics(model: Any) -> list[Any]:
 
 
 def averages_batch_statistics(dist: Distributed) -> bool:
-    """Whether the ranks' moving statistics need averaging: several ranks, other than tf_keras
-    under MWMS, whose statistics are sync-on-read means already."""
-    if dist.world_size == 1:
+    """Whether the replicas' moving statistics need averaging: several replicas, other than
+    tf_keras under a tf.distribute strategy, whose statistics are sync-on-read means already."""
+    if dist.num_replicas == 1:
         return False
     from tfdist.keras_compat import is_keras3
 
-    return dist.backend != "mwms" or is_keras3(keras)
+    return dist.backend not in ("mwms", "mirrored") or is_keras3(keras)
 
 
 def average_batch_statistics(dist: Distributed, model: Any) -> int:
-    """Replaces every rank's BatchNormalization moving statistics by their mean over the ranks,
-    in one collective; returns how many values it averaged. Every rank must call it."""
+    """Replaces every replica's BatchNormalization moving statistics by their mean over all
+    replicas (the copies this process holds, one per device, then the ranks, in one
+    collective); returns how many values it averaged. Every rank must call it."""
     variables = batch_statistics(model)
     if not variables:
         return 0
-    local = [_to_numpy(_tf_variable(v)) for v in variables]
+    local = [_mean_of_copies(_tf_variable(v)) for v in variables]
     flat = np.concatenate([value.reshape(-1).astype(np.float64) for value in local])
     mean = np.asarray(dist.sum_over_ranks(flat.tolist()), dtype=np.float64) / dist.world_size
     offset = 0
@@ -339,6 +340,15 @@ def _digest(array: np.ndarray) -> int:
     hasher = hashlib.blake2b(f"{array.dtype.name}{array.shape}".encode(), digest_size=8)
     hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     return int.from_bytes(hasher.digest(), "little")
+
+
+def _mean_of_copies(variable: Any) -> np.ndarray:
+    """The mean of a mirrored variable's per-device copies (the value itself for one)."""
+    copies = [_to_numpy(c) for c in getattr(variable, "values", (variable,))]
+    if len(copies) == 1:
+        return copies[0]
+    return (np.sum([c.astype(np.float64) for c in copies], axis=0) / len(copies)).astype(
+        copies[0].dtype)
 
 
 def _to_numpy(value: Any) -> np.ndarray:

@@ -20,6 +20,7 @@ __all__ = ["MODULES", "choose", "create"]
 MODULES = {
     "mwms": "tfdist.backends.mwms",
     "horovod": "tfdist.backends.horovod",
+    "mirrored": "tfdist.backends.mirrored",
     "single": "tfdist.backends.single",
 }
 # Launchers that start MPI/Horovod processes: auto picks Horovod there (MWMS would need an
@@ -46,7 +47,8 @@ def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
         return "horovod", f"auto: `tfdist launch --backend horovod` ({environment.reason})"
     if environment.is_distributed:
         return "mwms", f"auto: {environment.world_size} processes ({environment.reason})"
-    return "single", f"auto: one process ({environment.reason})"
+    return "mirrored", (f"auto: one process ({environment.reason}): MirroredStrategy over its "
+                        "GPUs if it sees several, else TensorFlow's default strategy")
 
 
 def create(backend: str, environment: ClusterEnvironment, settings: Settings) -> Distributed:

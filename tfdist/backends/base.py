@@ -37,7 +37,8 @@ class Distributed(ReplicaMath):
 
     Attributes:
         environment: how the processes were launched (:class:`tfdist.env.ClusterEnvironment`).
-        backend: ``"mwms"`` (MultiWorkerMirroredStrategy), ``"horovod"`` or ``"single"``.
+        backend: ``"mwms"`` (MultiWorkerMirroredStrategy), ``"horovod"``, ``"mirrored"`` (one
+            process, several devices) or ``"single"``.
         strategy: the ``tf.distribute.Strategy`` (TensorFlow's default one with Horovod and for
             one process).
         collective: ``"nccl"`` or ``"ring"`` (MWMS), ``"gloo"`` or ``"mpi"`` (Horovod's

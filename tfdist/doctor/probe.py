@@ -71,7 +71,7 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
     if chosen == "horovod":  # Horovod's controller, decided when it starts unless set
         controller = settings.resolve("horovod_controller", environ=environ)
         collective = "" if controller == "auto" else controller
-    if chosen == "single":
+    if chosen in ("single", "mirrored"):  # one process: nothing crosses processes
         collective = ""
     return RankReport(
         rank=environment.rank, host=socket.gethostname(), local_rank=environment.local_rank,

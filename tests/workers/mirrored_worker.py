@@ -1,0 +1,67 @@
+"""One process training a small model under tfdist; writes what the mirrored tests compare.
+
+    python mirrored_worker.py OUT GLOBAL_BATCH
+
+Writes OUT/result.json (backend, replicas, whether every variable's per-device copies are
+identical, for a dense net and a BatchNormalization net) and OUT/weights.npz (the dense net's
+final weights). The backend and replicas come from TFDIST_* variables, as a user sets them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import tfdist
+
+
+def per_device_copies_equal(model) -> bool:  # type: ignore[no-untyped-def]
+    from tfdist.sync import model_variables
+
+    for variable in model_variables(model, include_optimizer=True,
+                                    include_batch_statistics=True):
+        tf_variable = getattr(variable, "value", variable)  # Keras 3 wraps a tf.Variable
+        copies = [np.asarray(c) for c in getattr(tf_variable, "values", (tf_variable,))]
+        if any(not np.array_equal(copies[0], c) for c in copies[1:]):
+            return False
+    return True
+
+
+def main() -> None:
+    out, global_batch = Path(sys.argv[1]), int(sys.argv[2])
+    dist = tfdist.init()
+    import tensorflow as tf
+
+    keras = tf.keras
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype("float32")
+    y = (x[:, :4].sum(axis=1) > 0).astype("int64")
+    data = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+    nets = {}
+    for name in ("dense", "batch_norm"):
+        keras.utils.set_random_seed(0)
+        with dist.scope():
+            layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
+            if name == "batch_norm":
+                layers.append(keras.layers.BatchNormalization())
+            model = keras.Sequential([*layers, keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        initial = [np.array(w) for w in model.get_weights()]
+        model.fit(data, epochs=3, verbose=0, callbacks=dist.callbacks(throughput=False))
+        nets[name] = (model, initial)
+    dense, initial = nets["dense"]
+    np.savez(out / "weights.npz", **{f"w{i}": w for i, w in enumerate(dense.get_weights())})
+    np.savez(out / "initial.npz", **{f"w{i}": w for i, w in enumerate(initial)})
+    result = {"backend": dist.backend, "num_replicas": dist.num_replicas,
+              "local_replicas": dist.local_replicas, "lr_scaled": dist.scale_lr(1.0),
+              "copies_equal": {name: per_device_copies_equal(model)
+                               for name, (model, _) in nets.items()}}
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
