@@ -278,7 +278,9 @@ def test_the_console_script_runs(venv: Venv):
     assert run.returncode == 0 and "launch" in run.stdout and "doctor" in run.stdout, _out(run)
     run = venv.run([venv.bin / "tfdist", "env"])
     assert run.returncode == 0, _out(run)
-    assert "backend: single" in run.stdout, _out(run)
+    # One process: `auto` plans MirroredStrategy, which init turns into the single-process
+    # backend when the process sees one device (test above).
+    assert "backend: mirrored" in run.stdout, _out(run)
     tensorflow = _dists(venv.module)[_module_tensorflow(venv)]
     assert f"'tensorflow': '{tensorflow}'" in run.stdout, _out(run)
     assert f"'tfdist': '{VERSION}'" in run.stdout, _out(run)
