@@ -15,6 +15,7 @@ from typing import Any
 
 from tfdist import devices, quiet
 from tfdist.backends.base import Distributed, Settings, configure_threads, too_late
+from tfdist.backends.single import SingleDistributed
 from tfdist.env import ClusterEnvironment
 
 __all__ = ["MirroredDistributed", "create", "local_devices"]
@@ -22,18 +23,10 @@ __all__ = ["MirroredDistributed", "create", "local_devices"]
 logger = logging.getLogger("tfdist")
 
 
-class MirroredDistributed(Distributed):
-    """The handle for one process with MirroredStrategy over its devices."""
+class MirroredDistributed(SingleDistributed):
+    """The handle for one process (rank 0 of 1) with MirroredStrategy over its devices."""
 
     backend = "mirrored"
-
-    @property
-    def rank(self) -> int:  # type: ignore[override]
-        return 0
-
-    @property
-    def world_size(self) -> int:  # type: ignore[override]
-        return 1
 
     @property
     def local_replicas(self) -> int:
@@ -61,7 +54,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> Distributed:
     devices.narrow_visible_gpus(environment)
     tf = quiet.import_tensorflow()
     try:
-        found, kind = local_devices(tf, settings.get("cpu_replicas"))
+        found, kind = local_devices(tf, settings["cpu_replicas"])
     except RuntimeError as error:  # the logical CPUs come too late: the runtime started
         if "initialized" not in str(error):
             raise

@@ -1,7 +1,8 @@
 """One process: TensorFlow's default strategy, nothing to synchronise.
 
-Chosen by ``auto`` for one plain process, or on request (``backend="single"``), in which case
-this process trains alone even if a launcher started others: it is rank 0 of 1.
+Chosen by ``auto`` for one plain process that sees at most one device (``auto`` plans
+:mod:`tfdist.backends.mirrored`, which hands over here), or on request (``backend="single"``), in
+which case this process trains alone even if a launcher started others: it is rank 0 of 1.
 """
 
 from __future__ import annotations
