@@ -19,6 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+# Variables by which a process would think a launcher started it (tfdist.env reads them).
+LAUNCH_PREFIXES = ("TF_CONFIG", "SLURM_", "OMPI_", "PMI", "HOROVOD_", "TFDIST_")
+
+
+def clean_env(*drop: str, **extra: str) -> dict[str, str]:
+    """This process's environment without the launchers' variables (and those starting with
+    ``drop``), plus ``extra``: a child started with it is one plain process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith((*LAUNCH_PREFIXES, *drop))}
+    return {**env, **extra}
+
+
 def launch(args: list[str], *, n: int = 2, env: dict[str, str] | None = None,
            timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Runs `python -m tfdist launch -n N ARGS...` and returns its merged output."""

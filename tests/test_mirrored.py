@@ -8,24 +8,21 @@ copies of every variable) as 2 GPUs would, except NCCL. Each run is one real pro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, WORKERS
+from helpers import ROOT, WORKERS, clean_env
 
 WORKER = WORKERS / "mirrored_worker.py"
 
 
 def _run(out: Path, global_batch: int, **env: str) -> dict:
     out.mkdir()
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("TF_CONFIG", "SLURM_", "OMPI_", "PMI", "HOROVOD_", "TFDIST_"))}
     run = subprocess.run([sys.executable, str(WORKER), str(out), str(global_batch)], cwd=ROOT,
-                         env={**clean, **env}, capture_output=True, text=True, timeout=240,
+                         env=clean_env(**env), capture_output=True, text=True, timeout=240,
                          check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result: dict = json.loads((out / "result.json").read_text())

@@ -3,13 +3,13 @@ hiding them loses nothing else, not even the output of a process that crashes.""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import clean_env
 
 from tfdist import quiet
 from tfdist.errors import ConfigError
@@ -127,10 +127,7 @@ def test_a_wrong_verbose_value_names_the_variable():
 # --- real processes --------------------------------------------------------------------------
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TF_CPP", "TFDIST_", "TF_CONFIG", "SLURM_", "OMPI_", "PMI",
-                                "HOROVOD_"))}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+    return clean_env("TF_CPP", PYTHONUNBUFFERED="1", **extra)
 
 
 _INIT = textwrap.dedent("""

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^( *)```bash\n(.*?)^\1```", re.S | re.M)
@@ -81,8 +82,7 @@ def workdir(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("command", README_COMMANDS)
 def test_the_readme_command_runs(command, workdir):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TF_CONFIG", "SLURM_", "OMPI_", "PMI", "HOROVOD_", "TFDIST_"))}
+    env = clean_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["TFDS_DATA_DIR"] = str(workdir / "data")  # the example's digits, written locally
     run = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True,
