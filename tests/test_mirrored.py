@@ -1,8 +1,10 @@
-"""One process driving several devices: MirroredStrategy, one replica per device.
+"""Several devices per process: MirroredStrategy in one process, and MultiWorkerMirroredStrategy
+with several replicas per worker (``srun --gpus-per-task=4``, ``tfdist launch --gpus-per-worker``).
 
 No GPUs here: ``TFDIST_CPU_REPLICAS=2`` splits the CPU into 2 logical devices, the stand-in
-that runs the same code paths (MirroredStrategy over a device list, its all-reduce, per-device
-copies of every variable) as 2 GPUs would, except NCCL. Each run is one real process.
+that runs the same code paths (a strategy over a device list, its all-reduce, per-device
+copies of every variable) as 2 GPUs would, except NCCL. Each run is real processes: one, or 2
+workers started by ``tfdist launch``.
 """
 
 from __future__ import annotations
@@ -19,17 +21,38 @@ from helpers import ROOT, WORKERS, clean_env
 WORKER = WORKERS / "mirrored_worker.py"
 
 
+def _load(path: Path) -> list[np.ndarray]:
+    with np.load(path) as arrays:
+        return [arrays[f"w{i}"] for i in range(len(arrays.files))]
+
+
+def _result(out: Path) -> dict:
+    result: dict = json.loads((out / "result.json").read_text())
+    for name in ("weights", "initial", "batch_norm"):
+        result[name] = _load(out / f"{name}.npz")
+    return result
+
+
 def _run(out: Path, global_batch: int, **env: str) -> dict:
     out.mkdir()
     run = subprocess.run([sys.executable, str(WORKER), str(out), str(global_batch)], cwd=ROOT,
                          env=clean_env(**env), capture_output=True, text=True, timeout=240,
                          check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result: dict = json.loads((out / "result.json").read_text())
-    with np.load(out / "weights.npz") as final, np.load(out / "initial.npz") as initial:
-        result["weights"] = [final[f"w{i}"] for i in range(len(final.files))]
-        result["initial"] = [initial[f"w{i}"] for i in range(len(initial.files))]
-    return result
+    return _result(out)
+
+
+def _launch(out: Path, global_batch: int, **env: str) -> list[dict]:
+    """2 workers of the worker script under ``tfdist launch``; each rank's result."""
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", str(WORKER),
+                          str(out), str(global_batch)], cwd=ROOT, env=clean_env(**env),
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [_result(out / f"rank-{rank}") for rank in range(2)]
+
+
+def _largest_difference(first: list[np.ndarray], second: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(first, second, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +89,64 @@ def test_every_device_holds_the_same_variables(runs):
 @pytest.mark.multiprocess
 def test_two_replicas_train_as_one_with_the_same_global_batch(runs):
     two, one, half = runs["2 replicas"], runs["1 replica"], runs["1 replica, half the batch"]
-    moved = max(float(np.max(np.abs(w - w0))) for w, w0 in zip(two["weights"], two["initial"],
-                                                               strict=True))
-    apart = max(float(np.max(np.abs(a - b))) for a, b in zip(two["weights"], one["weights"],
-                                                              strict=True))
-    control = max(float(np.max(np.abs(a - b))) for a, b in zip(half["weights"], one["weights"],
-                                                                strict=True))
+    moved = _largest_difference(two["weights"], two["initial"])
+    apart = _largest_difference(two["weights"], one["weights"])
+    control = _largest_difference(half["weights"], one["weights"])
     assert moved > 1e-2, moved  # the weights trained
     # The gradient is the mean over the global batch, not over each device's half: equal up to
     # the order of float sums.
     assert apart < 1e-5, apart
     assert control > 1e-3, control  # the control: another global batch trains another model
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """2 workers x 2 logical CPUs each under MWMS, on both Kerases, and a control with the
+    averaging of BatchNormalization's statistics turned off."""
+    tmp = tmp_path_factory.mktemp("workers")
+    return {
+        "keras 3": _launch(tmp / "keras3", 32, TFDIST_CPU_REPLICAS="2"),
+        "tf_keras": _launch(tmp / "tf_keras", 32, TFDIST_CPU_REPLICAS="2",
+                            TF_USE_LEGACY_KERAS="1"),
+        "no averaging": _launch(tmp / "control", 32, TFDIST_CPU_REPLICAS="2",
+                                TFDIST_AVERAGE_BATCH_STATISTICS="0"),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("keras", ["keras 3", "tf_keras"])
+def test_two_workers_drive_two_replicas_each(workers, keras):
+    for rank in workers[keras]:
+        assert (rank["backend"], rank["world_size"]) == ("mwms", 2)
+        assert (rank["num_replicas"], rank["local_replicas"]) == (4, 2)
+        assert rank["lr_scaled"] == 4.0  # scale_lr counts every replica of every worker
+        assert rank["copies_equal"] == {"dense": True, "batch_norm": True}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("keras", ["keras 3", "tf_keras"])
+def test_every_rank_ends_with_the_same_weights(workers, keras):
+    first, second = workers[keras]
+    for name in ("weights", "batch_norm"):  # the moving statistics included
+        for a, b in zip(first[name], second[name], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("keras", ["keras 3", "tf_keras"])
+def test_four_replicas_train_as_one_with_the_same_global_batch(workers, runs, keras):
+    four, one = workers[keras][0], runs["1 replica"]
+    assert _largest_difference(four["weights"], four["initial"]) > 1e-2  # it trained
+    # Global batch 32 as 4 replicas of 8 over 2 workers, against one replica of 32: equal up
+    # to the order of float sums. The control of another global batch is in the test above.
+    assert _largest_difference(four["weights"], one["weights"]) < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_the_control_without_averaging_differs(workers):
+    # Each replica updates its moving statistics from its own 8 examples: without tfdist's
+    # average, the devices and the ranks hold different ones (the dense net stays equal).
+    first, second = workers["no averaging"]
+    assert first["copies_equal"] == {"dense": True, "batch_norm": False}
+    assert _largest_difference(first["batch_norm"], second["batch_norm"]) > 1e-3
+    assert _largest_difference(first["weights"], second["weights"]) == 0.0

@@ -199,8 +199,9 @@ SETTINGS: tuple[Setting, ...] = (
             argument="callbacks(average_batch_statistics=)"),
     Setting("cpu_replicas", "TFDIST_CPU_REPLICAS", _positive_int, None,
             "split each process's CPU into N logical devices and train one replica on each, "
-            "as on N GPUs: the CPU stand-in for several GPUs per process (tests, a laptop); "
-            "ignored where GPUs are visible"),
+            "as on N GPUs: the CPU stand-in for several GPUs per process (MirroredStrategy in "
+            "one process, MWMS per worker) for tests and laptops; ignored where GPUs are "
+            "visible, and by Horovod"),
     Setting("sync_check_every", "TFDIST_SYNC_CHECK_EVERY", _positive_int, None,
             "also compare the ranks' weights every N steps",
             argument="callbacks(sync_check_every=)"),

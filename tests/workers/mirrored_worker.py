@@ -1,10 +1,13 @@
 """One process training a small model under tfdist; writes what the mirrored tests compare.
 
     python mirrored_worker.py OUT GLOBAL_BATCH
+    python -m tfdist launch -n 2 mirrored_worker.py OUT GLOBAL_BATCH
 
 Writes OUT/result.json (backend, replicas, whether every variable's per-device copies are
-identical, for a dense net and a BatchNormalization net) and OUT/weights.npz (the dense net's
-final weights). The backend and replicas come from TFDIST_* variables, as a user sets them.
+identical, for a dense net and a BatchNormalization net), OUT/weights.npz (the dense net's
+final weights), OUT/batch_norm.npz (the BatchNormalization net's, moving statistics included)
+and OUT/initial.npz; with several workers, each rank writes to OUT/rank-R. The backend and
+replicas come from TFDIST_* variables, as a user sets them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def per_device_copies_equal(model) -> bool:  # type: ignore[no-untyped-def]
 def main() -> None:
     out, global_batch = Path(sys.argv[1]), int(sys.argv[2])
     dist = tfdist.init()
+    if dist.world_size > 1:
+        out = out / f"rank-{dist.rank}"
+        out.mkdir(parents=True, exist_ok=True)
     import tensorflow as tf
 
     keras = tf.keras
@@ -56,7 +62,10 @@ def main() -> None:
     dense, initial = nets["dense"]
     np.savez(out / "weights.npz", **{f"w{i}": w for i, w in enumerate(dense.get_weights())})
     np.savez(out / "initial.npz", **{f"w{i}": w for i, w in enumerate(initial)})
-    result = {"backend": dist.backend, "num_replicas": dist.num_replicas,
+    np.savez(out / "batch_norm.npz",
+             **{f"w{i}": w for i, w in enumerate(nets["batch_norm"][0].get_weights())})
+    result = {"backend": dist.backend, "world_size": dist.world_size,
+              "num_replicas": dist.num_replicas,
               "local_replicas": dist.local_replicas, "lr_scaled": dist.scale_lr(1.0),
               "copies_equal": {name: per_device_copies_equal(model)
                                for name, (model, _) in nets.items()}}

@@ -255,6 +255,21 @@ def configure_threads(threads: int | None) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(count)
 
 
+def split_cpu(tf: Any, replicas: int) -> list[str]:
+    """Splits the CPU into ``replicas`` logical devices and returns their names.
+
+    The GPU-free stand-in for several GPUs in one process (``TFDIST_CPU_REPLICAS``): the same
+    strategy code paths, one replica per device, except NCCL.
+
+    Raises:
+        RuntimeError: TensorFlow's runtime already started (its message says "initialized").
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)])
+    return [f"/cpu:{i}" for i in range(replicas)]
+
+
 def check_not_initialised(environment: ClusterEnvironment) -> None:
     """Raises :func:`too_late` if TensorFlow's runtime already started.
 

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from tfdist import devices, quiet
-from tfdist.backends.base import Distributed, Settings, configure_threads, too_late
+from tfdist.backends.base import Distributed, Settings, configure_threads, split_cpu, too_late
 from tfdist.backends.single import SingleDistributed
 from tfdist.env import ClusterEnvironment
 
@@ -41,10 +41,7 @@ def local_devices(tf: Any, cpu_replicas: int | None) -> tuple[list[str], str]:
     if gpus:
         return [f"/gpu:{i}" for i in range(len(gpus))], "GPU"
     if cpu_replicas and cpu_replicas > 1:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(cpu_replicas)])
-        return [f"/cpu:{i}" for i in range(cpu_replicas)], "CPU"
+        return split_cpu(tf, cpu_replicas), "CPU"
     return ["/cpu:0"], "CPU"
 
 

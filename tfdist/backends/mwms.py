@@ -10,9 +10,10 @@ bounds every collective's wait for the other ranks (:mod:`tfdist.timeouts`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfdist import devices, quiet
@@ -21,6 +22,7 @@ from tfdist.backends.base import (
     Settings,
     check_not_initialised,
     configure_threads,
+    split_cpu,
     too_late,
 )
 from tfdist.env import ClusterEnvironment
@@ -166,9 +168,14 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         implementation=getattr(tf.distribute.experimental.CommunicationImplementation,
                                collective.upper()),
         timeout_seconds=timeout)  # every collective of the strategy; None: wait forever
+    cpu_replicas = 0 if num_gpus else (settings["cpu_replicas"] or 1)
+    if cpu_replicas > 1:
+        split_cpu(tf, cpu_replicas)
     try:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=_resolver(environment, num_gpus), communication_options=options)
+        with _cpu_devices_per_worker(cpu_replicas):
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=_resolver(environment, num_gpus),
+                communication_options=options)
     except RuntimeError as error:
         if "configured at program startup" in str(error):
             raise too_late(environment) from None
@@ -188,11 +195,45 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         timeouts.install(environment, timeout)  # and a collective's timeout, after it
     handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
     if handle.is_chief:
-        logger.info("tfdist: MultiWorkerMirroredStrategy, %d workers, %s collectives, %d GPU(s) "
-                    "per worker%s; launched by %s", handle.world_size, collective.upper(),
-                    num_gpus, f", collectives time out after {timeout:g} s" if timeout else "",
+        per_worker = (f"{num_gpus} GPU(s) per worker" if num_gpus else
+                      f"{cpu_replicas} logical CPUs per worker" if cpu_replicas > 1 else
+                      "on the CPU")
+        logger.info("tfdist: MultiWorkerMirroredStrategy, %d workers, %s collectives, %s "
+                    "(%d replicas in all)%s; launched by %s", handle.world_size,
+                    collective.upper(), per_worker, handle.num_replicas,
+                    f", collectives time out after {timeout:g} s" if timeout else "",
                     environment.reason)
     return handle
+
+
+@contextlib.contextmanager
+def _cpu_devices_per_worker(replicas: int) -> Iterator[None]:
+    """While MWMS is created, its CPU workers train on ``replicas`` logical CPUs each.
+
+    The stand-in for several GPUs per worker (``TFDIST_CPU_REPLICAS``): TensorFlow gives a
+    worker without GPUs one replica on ``CPU:0`` (``_initialize_local_devices``), whatever
+    logical CPUs exist. Only this creation sees the change; GPUs are untouched.
+    """
+    if replicas <= 1:
+        yield
+        return
+    from tensorflow.python.distribute import collective_all_reduce_strategy as mwms
+
+    extended = mwms.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices
+
+    def local_devices(self: Any, cluster_resolver: Any,
+                      worker_device: str) -> tuple[tuple[str, ...], str]:
+        found, kind = original(self, cluster_resolver, worker_device)
+        if kind != "CPU":
+            return found, kind
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(replicas)), "CPU"
+
+    extended._initialize_local_devices = local_devices
+    try:
+        yield
+    finally:
+        extended._initialize_local_devices = original
 
 
 def _resolver(environment: ClusterEnvironment, num_gpus: int) -> Any:
