@@ -43,6 +43,45 @@ def test_select_gpus(visible, local_rank, local_world_size, bound, expected):
     assert devices.select_gpus(visible, local_rank, local_world_size, bound) == expected
 
 
+@pytest.mark.parametrize(("visible", "node_gpus", "workers", "per_worker", "expected"), [
+    ("0,1,2,3", 0, 2, 2, "0,1,2,3"),          # the --help example
+    ("0,1,2,3,4,5,6,7", 0, 2, 2, "0,1,2,3"),  # the first N*K: the others stay free
+    ("4,5,6,7", 0, 1, 2, "4,5"),              # physical ids kept
+    (None, 8, 2, 4, "0,1,2,3,4,5,6,7"),       # unset: the node's GPUs
+    ("0,1", 8, 2, 1, "0,1"),                  # set: the node's count does not matter
+])
+def test_launch_gpus(visible, node_gpus, workers, per_worker, expected):
+    assert devices.launch_gpus(visible, node_gpus, workers, per_worker) == expected
+    # Each worker's init then keeps its own block of K.
+    blocks = [devices.select_gpus(expected, rank, workers, False) for rank in range(workers)]
+    assert [len(b.split(",")) for b in blocks] == [per_worker] * workers
+    assert ",".join(blocks) == expected
+
+
+@pytest.mark.parametrize(("visible", "node_gpus", "workers", "per_worker", "message"), [
+    ("0,1,2,3", 0, 3, 2, "-n 3 --gpus-per-worker 2 needs 6 GPUs, but 4 are visible "
+                         r"\(CUDA_VISIBLE_DEVICES=0,1,2,3\): use -n 2 or --gpus-per-worker 1"),
+    ("0,1", 0, 5, 5, "needs 25 GPUs, but 2 are visible .*: use -n 1 --gpus-per-worker 2"),
+    (None, 0, 2, 2, "shows no GPU .*TFDIST_CPU_REPLICAS=2 gives each worker 2 CPU replicas"),
+    ("", 4, 1, 1, r"shows no GPU \(CUDA_VISIBLE_DEVICES=\)\. Leave the option out"),
+])
+def test_launch_gpus_refuses_what_cannot_be(visible, node_gpus, workers, per_worker, message):
+    with pytest.raises(ConfigError, match=message):
+        devices.launch_gpus(visible, node_gpus, workers, per_worker)
+
+
+def test_one_gpu_per_process_names_the_idle_gpus_and_the_fix():
+    assert devices.one_gpu_per_process("Horovod", 1, "backend mwms") is None
+    assert devices.one_gpu_per_process("Horovod", 0) is None
+    assert devices.one_gpu_per_process("Horovod", 4, "backend mwms") == (
+        "Horovod drives one GPU per process, and this process was given 4: it trains on the "
+        "first, and 3 stay idle. Fix: start one process per GPU (`srun --ntasks-per-node=4` on "
+        "each node, `tfdist launch -n 4`), or use backend mwms, which drives several GPUs per "
+        "process")
+    assert devices.one_gpu_per_process("DistributedDataParallel", 2).endswith(
+        "`tfdist launch -n 2`)")
+
+
 @pytest.mark.parametrize(("chosen", "expected"), [(None, None), ("", 0), ("3", 1), ("2,3", 2)])
 def test_count(chosen, expected):
     assert devices.count(chosen) == expected

@@ -17,9 +17,10 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, clean_env
 
 from tfdist.doctor.collective import bus_bandwidth
+from tfdist.doctor.probe import replicas
 from tfdist.doctor.report import (
     Problem,
     RankReport,
@@ -112,6 +113,15 @@ CASES = {
     "a 1-task step in a 4-task-per-node job": (
         [_report(0, local_world_size=1, job_tasks_per_node=4)],
         [("warning", 0, "1 task(s) on this node, where the job asked for 4 per node")]),
+    "Horovod given 4 GPUs per process": (
+        [_report(0, local_world_size=1, backend="horovod", gpus="0,1,2,3", gpu_share=4)],
+        [("warning", 0, "Horovod drives one GPU per process, and this process was given 4")]),
+    "torch given 2 GPUs per process": (
+        [_report(r, backend="ddp", gpus=f"{2 * r},{2 * r + 1}", gpu_share=2) for r in range(2)],
+        [("warning", rank, "DistributedDataParallel drives one GPU per process")
+         for rank in range(2)]),
+    "MWMS drives 4 GPUs per process": (
+        [_report(0, local_world_size=1, gpus="0,1,2,3", gpu_share=4, replicas=4)], []),
     "ranks on different backends": (
         [_report(0), _report(1), _report(2, backend="horovod")],
         [("error", 2, "will use backend 'horovod' where the others use 'mwms'")]),
@@ -128,6 +138,21 @@ def test_checks(case):
         assert problem.severity == "warning" or problem.fix or problem.what.startswith("backend")
 
 
+@pytest.mark.parametrize(("backend", "gpus", "cpu_replicas", "expected"), [
+    ("mwms", 4, 1, 4),       # one replica per GPU of the process
+    ("mirrored", 2, 1, 2),
+    ("mwms", 0, 1, 1),       # the CPU
+    ("mwms", 0, 3, 3),       # TFDIST_CPU_REPLICAS
+    ("mirrored", 0, 2, 2),
+    ("mwms", 2, 3, 2),       # GPUs win over the CPU stand-in
+    ("horovod", 4, 1, 1),    # one device per process, whatever it was given
+    ("ddp", 2, 1, 1),
+    ("single", 4, 2, 1),     # TensorFlow's default strategy
+])
+def test_replicas_per_process(backend, gpus, cpu_replicas, expected):
+    assert replicas(backend, gpus, cpu_replicas) == expected
+
+
 def test_a_problem_reads_as_one_line_with_the_fix():
     line = Problem(3, "gpu07", "cannot listen on port 20480: Address already in use.",
                    "set TFDIST_PORT_BASE to a free range").line()
@@ -141,15 +166,51 @@ def test_table_and_helpers():
     text = table([_report(1, address="n1:20001", cpus="4-7", gpus="1", slurm_gpus="0,1"),
                   _report(0, address="n1:20000", cpus="0-3", gpus="0")])
     rows = text.splitlines()
-    assert rows[0].split() == ["rank", "host", "local", "cpus", "gpus", "address", "backend"]
-    assert rows[1].split()[:6] == ["0", "n1", "0/2", "0-3", "0", "n1:20000"]
-    assert rows[2].split()[:7] == ["1", "n1", "1/2", "4-7", "1", "(slurm", "0,1)"]
+    assert rows[0].split() == ["rank", "host", "local", "cpus", "gpus", "replicas", "address",
+                               "backend"]
+    assert rows[1].split()[:7] == ["0", "n1", "0/2", "0-3", "0", "1", "n1:20000"]
+    assert rows[2].split()[:8] == ["1", "n1", "1/2", "4-7", "1", "(slurm", "0,1)", "1"]
     assert "versions: python 3.11.7, tensorflow 2.21.0, keras 3.15.1, tfdist 0.1.0" in text
+    assert "replicas: 2 in all" in text
+    two_nodes = table([_report(r, host=f"n{r}", local_rank=0, local_world_size=1,
+                               gpus="0,1,2,3", replicas=4) for r in range(2)])
+    assert two_nodes.splitlines()[1].split()[4:6] == ["0,1,2,3", "4"]
+    assert "replicas: 8 in all" in two_nodes
     round_trip = RankReport.from_dict(json.loads(json.dumps(_report(0).to_dict())))
     assert round_trip == _report(0)
     # nccl-tests' bus bandwidth: 2 (n - 1) / n of the bytes per second.
     assert bus_bandwidth(1e9, 4, 1.0) == pytest.approx(1.5)
     assert bus_bandwidth(1e9, 1, 1.0) == 0.0
+
+
+def _tfdist_env(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tfdist", "env", *args], cwd=ROOT,
+                          env=clean_env("CUDA_VISIBLE_DEVICES", **extra), capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("extra", "backend", "gpus", "replicas"), [
+    ({"TFDIST_CPU_REPLICAS": "3"}, "mirrored", "counted by the framework", 3),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "mirrored", "0,1,2,3", 4),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "TFDIST_BACKEND": "horovod"}, "horovod", "0,1,2,3", 1),
+    ({"CUDA_VISIBLE_DEVICES": "", "TFDIST_CPU_REPLICAS": "2", "TFDIST_BACKEND": "single"},
+     "single", "none (CPU)", 1),
+])
+def test_tfdist_env_shows_the_gpus_and_replicas_of_this_process(extra, backend, gpus, replicas):
+    run = _tfdist_env("--json", **extra)
+    assert run.returncode == 0, run.stderr
+    shown = json.loads(run.stdout)  # nothing else on stdout, warnings included
+    assert (shown["backend"], shown["gpus"], shown["replicas"]) == (backend, gpus, replicas)
+    idle = [line for line in shown["problems"] if "stay idle" in line]
+    assert bool(idle) == (backend == "horovod"), shown["problems"]
+
+
+def test_tfdist_env_warns_of_idle_gpus_on_stderr():
+    run = _tfdist_env(CUDA_VISIBLE_DEVICES="0,1", TFDIST_BACKEND="horovod")
+    assert run.returncode == 0, run.stderr
+    assert "gpus: 0,1\nreplicas: 1\n" in run.stdout
+    assert run.stderr.startswith("tfdist env: warning: rank 0 (host ")
+    assert "Horovod drives one GPU per process, and this process was given 2" in run.stderr
 
 
 # --- real processes ----------------------------------------------------------------------------

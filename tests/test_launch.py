@@ -747,6 +747,41 @@ def test_dry_run_gives_a_torch_script_its_rendezvous(
             "tcp://127.0.0.1:29400", rank, 2)
 
 
+@pytest.mark.usefixtures("nothing_starts")
+def test_gpus_per_worker_gives_each_worker_its_own_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 8 GPUs, 2 workers x 2: the workers get the first 4 and each keeps its own 2.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert main(["launch", "--dry-run", "-n", "2", "--gpus-per-worker", "2",
+                 _script(tmp_path, "pass")]) == 0
+    workers = _parse_plan(capsys.readouterr().out)
+    for rank, worker in workers.items():
+        assert worker["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+        assert worker["gpus"].startswith(["0,1 ", "2,3 "][rank])
+        found = detect(_worker_environ(worker["env"]))
+        assert select_gpus(found.visible_devices, found.local_rank, found.local_world_size,
+                           found.gpus_per_task is not None) == ["0,1", "2,3"][rank]
+
+
+@pytest.mark.usefixtures("nothing_starts")
+@pytest.mark.parametrize(("argv", "visible", "message"), [
+    (["-n", "3", "--gpus-per-worker", "2"], "0,1,2,3",
+     "-n 3 --gpus-per-worker 2 needs 6 GPUs, but 4 are visible"),
+    (["-n", "2", "--gpus-per-worker", "2", "--backend", "horovod"], "0,1,2,3",
+     "Horovod drives one GPU per process"),
+    (["-n", "2", "--gpus-per-worker", "1"], "", "this machine shows no GPU"),
+])
+def test_gpus_per_worker_refuses_what_cannot_be(
+    argv: list[str], visible: str, message: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert main(["launch", "--dry-run", *argv, _script(tmp_path, "pass")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tfdist: ") and message in err, err
+
+
 def test_dry_run_in_a_real_launcher_runs_no_worker(tmp_path: Path) -> None:
     marker, logs = tmp_path / "ran", tmp_path / "logs"
     script = _script(tmp_path, "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('')")
@@ -788,7 +823,7 @@ def test_env_prints_the_detected_environment() -> None:
     # The plan: two processes from TF_CONFIG are MWMS workers; no GPU information here; the
     # rest as tfdist doctor's table shows it.
     fields.update(backend="mwms", backend_reason=f"auto: 2 processes ({fields['reason']})",
-                  collective="ring", gpus="counted by the framework",
+                  collective="ring", gpus="counted by the framework", replicas=1,
                   cpus=ranges(os.sched_getaffinity(0)), host=socket.gethostname(),
                   versions=versions())
     # Only TF_CONFIG: a Slurm or MPI variable in the test's own environment would win.
@@ -797,7 +832,12 @@ def test_env_prints_the_detected_environment() -> None:
     results = [_run([PY, "-m", "tfdist", "env", *flags], environ) for flags in ([], ["--json"])]
     assert [r.returncode for r in results] == [0, 0], results[0].stderr
     assert results[0].stdout.splitlines() == [f"{name}: {value}" for name, value in fields.items()]
-    assert json.loads(results[1].stdout) == json.loads(json.dumps(fields, default=str))
+    shown = json.loads(results[1].stdout)
+    # What tfdist doctor would say of this rank alone: TF_CONFIG's host "a" does not resolve.
+    problems = shown.pop("problems")
+    assert len(problems) == 1 and "cannot resolve a " in problems[0], problems
+    assert results[0].stderr == f"tfdist env: {problems[0]}\n"
+    assert shown == json.loads(json.dumps(fields, default=str))
     assert "tensorflow" in fields["versions"] and fields["cpus"]
     assert fields["rank"] == 1
 

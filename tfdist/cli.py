@@ -32,6 +32,12 @@ _GPU_SPLIT_HELP = (
     "counts. A GPU count that N does not divide is an error at init. --dry-run shows each "
     "worker's GPUs. A script that does not call tfdist.init() sees every GPU."
 )
+_GPUS_PER_WORKER_HELP = (
+    "give each worker K GPUs: every worker gets the first N*K ids of CUDA_VISIBLE_DEVICES (or of "
+    "the node's GPUs when it is unset), and keeps its own K as above; an error if fewer are "
+    "visible. With K > 1 each worker trains one replica per GPU (MultiWorkerMirroredStrategy; "
+    "not --backend horovod). Example: -n 2 --gpus-per-worker 4 on an 8-GPU node."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,7 +95,8 @@ def _add_launch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         usage="tfdist launch -n N [options] (SCRIPT.py | -m MODULE | EXECUTABLE) [ARGS ...]",
     )
     _add_launch_workers(parser.add_argument_group("workers"))
-    parser.add_argument_group("GPUs", _GPU_SPLIT_HELP)
+    parser.add_argument_group("GPUs", _GPU_SPLIT_HELP).add_argument(
+        "--gpus-per-worker", type=_at_least(1), metavar="K", help=_GPUS_PER_WORKER_HELP)
     _add_launch_cpus(parser.add_argument_group("CPU pinning"))
     _add_launch_output(parser.add_argument_group("output and shutdown"))
     parser.add_argument(
@@ -200,6 +207,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
         dry_run=args.dry_run,
+        gpus_per_worker=args.gpus_per_worker,
     )
 
 
@@ -208,7 +216,9 @@ def _add_env(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "env",
         help="print the detected cluster environment and this process's plan",
         description="Print the cluster environment tfdist detects (rank, world size, ...), the "
-        "backend it would choose and why, and the GPUs this process would drive; every TFDIST_* "
+        "backend it would choose and why, the GPUs this process would drive and the replicas "
+        "it would train (one per GPU under MWMS and MirroredStrategy), and what tfdist doctor "
+        "would warn of for this process alone; every TFDIST_* "
         "variable is checked.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of name: value")
@@ -217,6 +227,7 @@ def _add_env(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _run_env(args: argparse.Namespace) -> int:
     from tfdist.doctor import probe
+    from tfdist.doctor.report import check
     from tfdist.env import detect
 
     environment = detect()
@@ -227,11 +238,15 @@ def _run_env(args: argparse.Namespace) -> int:
               "backend_reason": plan.why, "collective": plan.collective or "none",
               "gpus": {"?": "counted by the framework", "": "none (CPU)"}.get(plan.gpus,
                                                                               plan.gpus),
-              "cpus": plan.cpus, "host": plan.host, "versions": plan.versions}
+              "replicas": plan.replicas, "cpus": plan.cpus, "host": plan.host,
+              "versions": plan.versions}
+    problems = [problem.line() for problem in check([plan])]  # the doctor's, for this rank
     if args.json:
-        print(json.dumps(fields, indent=2, default=str))
+        print(json.dumps({**fields, "problems": problems}, indent=2, default=str))
     else:
         print("\n".join(f"{name}: {value}" for name, value in fields.items()))
+        for line in problems:
+            print(f"tfdist env: {line}", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,9 @@ GPU policy (one srun task per GPU is the common case):
 3. Nothing is set: the framework counts the GPUs, and each task takes its share of that count
    by local rank (:func:`share`).
 
+``tfdist launch --gpus-per-worker K`` sets the first ``N*K`` ids for its N workers
+(:func:`launch_gpus`), so that rule 2 gives each worker its own K.
+
 :func:`narrow_visible_gpus` is the one place in tfdist that writes ``CUDA_VISIBLE_DEVICES``, and
 it must run before the framework first looks at CUDA. Everything else here is pure and imports
 no framework: the backends apply the choice through TensorFlow or torch.
@@ -16,16 +19,19 @@ no framework: the backends apply the choice through TensorFlow or torch.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 from collections.abc import MutableMapping
 
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError
 
-__all__ = ["NO_GPUS", "affinity_thread_count", "count", "narrow_visible_gpus", "select_gpus",
-           "share", "thread_count"]
+__all__ = ["NO_GPUS", "affinity_thread_count", "count", "launch_gpus", "narrow_visible_gpus",
+           "node_gpus", "one_gpu_per_process", "select_gpus", "share", "thread_count"]
 
 NO_GPUS = ("", "NoDevFiles", "-1", "none")  # what schedulers write for "no GPU"
+_GPU_FILE = re.compile(r"/dev/nvidia\d+$")
 
 
 def select_gpus(visible: str | None, local_rank: int, local_world_size: int,
@@ -94,6 +100,68 @@ def narrow_visible_gpus(environment: ClusterEnvironment,
     if chosen is not None and chosen != environment.visible_devices:
         environ["CUDA_VISIBLE_DEVICES"] = chosen
     return chosen
+
+
+def launch_gpus(visible: str | None, node_gpu_count: int, num_workers: int,
+                per_worker: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` that ``tfdist launch -n N --gpus-per-worker K`` gives all
+    its workers: the first ``N*K`` of the inherited ids, else of the node's GPUs. Each worker's
+    ``tfdist.init()`` then keeps its own contiguous K (:func:`select_gpus`).
+
+    Args:
+        visible: the launcher's ``CUDA_VISIBLE_DEVICES``; None when unset.
+        node_gpu_count: GPUs of the node (:func:`node_gpus`), read when ``visible`` is None.
+        num_workers: N.
+        per_worker: K, at least 1.
+
+    Raises:
+        ConfigError: no GPU, or fewer than ``N*K``; the message names the fix.
+    """
+    if visible is None:
+        ids = [str(i) for i in range(node_gpu_count)]
+        where = f"CUDA_VISIBLE_DEVICES unset, {node_gpu_count} /dev/nvidiaN device files"
+    else:
+        ids = [] if visible.strip() in NO_GPUS else [i.strip() for i in visible.split(",")
+                                                     if i.strip()]
+        where = f"CUDA_VISIBLE_DEVICES={visible}"
+    needed = num_workers * per_worker
+    if not ids:
+        stand_in = (f"; TFDIST_CPU_REPLICAS={per_worker} gives each worker {per_worker} CPU "
+                    "replicas instead, the GPU-free stand-in" if per_worker > 1 else "")
+        raise ConfigError(f"--gpus-per-worker {per_worker}: this machine shows no GPU ({where}). "
+                          f"Leave the option out to train on the CPU{stand_in}")
+    if needed > len(ids):
+        fixes = [f"-n {len(ids) // per_worker}"] if len(ids) >= per_worker else []
+        if len(ids) >= num_workers:
+            fixes.append(f"--gpus-per-worker {len(ids) // num_workers}")
+        raise ConfigError(
+            f"-n {num_workers} --gpus-per-worker {per_worker} needs {needed} GPUs, but "
+            f"{len(ids)} are visible ({where}): use " + (" or ".join(fixes) or
+                                                          f"-n 1 --gpus-per-worker {len(ids)}"))
+    return ",".join(ids[:needed])
+
+
+def one_gpu_per_process(engine: str, given: int, alternative: str = "") -> str | None:
+    """The warning for a process of an engine that drives one GPU per process (Horovod, DDP)
+    when it was given ``given`` GPUs; None for one or none.
+
+    Args:
+        engine: what drives the GPU, for the message (``"Horovod"``).
+        given: the GPUs in this process's share.
+        alternative: a backend that drives them all, for the fix, or ``""``.
+    """
+    if given <= 1:
+        return None
+    other = f", or use {alternative}, which drives several GPUs per process" if alternative else ""
+    return (f"{engine} drives one GPU per process, and this process was given {given}: it "
+            f"trains on the first, and {given - 1} stay idle. Fix: start one process per GPU "
+            f"(`srun --ntasks-per-node={given}` on each node, `tfdist launch -n {given}`){other}")
+
+
+def node_gpus() -> int:
+    """NVIDIA GPU device files on this node (``/dev/nvidia0`` ...): no framework, no driver
+    call. Inside a job they may exceed the GPUs the job was given."""
+    return len([path for path in glob.glob("/dev/nvidia*") if _GPU_FILE.match(path)])
 
 
 def count(chosen: str | None) -> int | None:

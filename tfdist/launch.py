@@ -400,6 +400,7 @@ def launch(
     max_restarts: int = 0,
     log_dir: str | os.PathLike[str] | None = None,
     dry_run: bool = False,
+    gpus_per_worker: int | None = None,
 ) -> int:
     """Run ``command`` as ``num_workers`` local workers: ``tfdist launch``.
 
@@ -411,6 +412,11 @@ def launch(
     With ``log_dir`` (created if missing) each worker's output also goes, unprefixed, to
     :func:`log_path` (``log_dir/rank-R.log``, emptied at the start, the runs of
     ``max_restarts`` one after the other), flushed as it arrives.
+
+    With ``gpus_per_worker`` K every worker gets the first ``num_workers * K`` GPU ids
+    (:func:`tfdist.devices.launch_gpus`), of which its ``tfdist.init()`` keeps its own K; more
+    than one is MultiWorkerMirroredStrategy's (Horovod drives one GPU per process). Without it
+    the workers share the GPUs they inherit equally.
 
     The script, module or executable must exist (:func:`check_command`). With ``dry_run`` the
     options are checked as for a launch, then :func:`format_plan` of the
@@ -442,8 +448,23 @@ def launch(
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}.")
     if port_base is not None:  # Checked before anything starts; used per run below.
         port_range(port_base, 1 if backend == "horovod" else num_workers)
+    if gpus_per_worker is not None and gpus_per_worker < 1:
+        raise ConfigError(f"--gpus-per-worker must be at least 1, got {gpus_per_worker}.")
+    if backend == "horovod" and (gpus_per_worker or 1) > 1:
+        raise ConfigError(f"--gpus-per-worker {gpus_per_worker} with --backend horovod: Horovod "
+                          "drives one GPU per process. Start one worker per GPU "
+                          "(--gpus-per-worker 1), or leave out --backend horovod: "
+                          "MultiWorkerMirroredStrategy drives several GPUs per worker.")
     if backend == "horovod":
         _require_horovod()
+    base = os.environ if base_env is None else base_env
+    quiet_output = quiet.wanted(base)  # TensorFlow's start-up noise off (TFDIST_VERBOSE=1: on)
+    base = inherited = quiet.quiet_env(base)
+    if gpus_per_worker is not None:
+        from tfdist import devices
+
+        base = {**base, "CUDA_VISIBLE_DEVICES": devices.launch_gpus(
+            base.get("CUDA_VISIBLE_DEVICES"), devices.node_gpus(), num_workers, gpus_per_worker)}
     cpu_sets = None
     if pin and hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
@@ -454,9 +475,6 @@ def launch(
                 "(worker i runs on core i mod cores); pass --no-pin to leave it to the OS."
             )
     check_command(command)
-    base = os.environ if base_env is None else base_env
-    quiet_output = quiet.wanted(base)  # TensorFlow's start-up noise off (TFDIST_VERBOSE=1: on)
-    base = quiet.quiet_env(base)
     if dry_run:
         env = {**base, "TFDIST_RESTART_COUNT": "0"}
         if backend == "horovod":
@@ -466,7 +484,7 @@ def launch(
             workers = build_workers(num_workers, command, _ports(port_base, num_workers), env,
                                     cpu_sets)
         (out or sys.stdout).write(_plan_header(backend, num_workers, port_base, max_restarts)
-                                  + format_plan(workers, base, log_dir=log_dir))
+                                  + format_plan(workers, inherited, log_dir=log_dir))
         return 0
     with ExitStack() as files:
         logs = None if log_dir is None else _open_logs(log_dir, num_workers, files)

@@ -181,7 +181,11 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     import tensorflow as tf
 
     configure_threads(settings["threads"])
-    num_gpus = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()))
+    num_gpus, given = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()),
+                               1 if narrowed else environment.local_world_size)
+    idle = devices.one_gpu_per_process("Horovod", given, "backend mwms")
+    if idle and environment.local_rank == 0:
+        logger.warning("tfdist: %s", idle)
     from tfdist import failures, keras_compat
     from tfdist.horovod import fit
 
@@ -258,15 +262,17 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def _pin_gpu(tf: Any, index: int) -> int:
-    # One GPU per process, as Horovod expects: the local rank's, or the first of this task's.
+def _pin_gpu(tf: Any, index: int, shared_by: int) -> tuple[int, int]:
+    """Pins one GPU per process, as Horovod expects: the local rank's, or the first of this
+    task's. Returns the GPUs pinned (0 or 1) and those in this process's share of the
+    ``shared_by`` processes that see the same GPUs."""
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
-        return 0
+        return 0, 0
     mine = gpus[index % len(gpus)]
     tf.config.experimental.set_memory_growth(mine, True)
     tf.config.set_visible_devices(mine, "GPU")
-    return 1
+    return 1, len(gpus) // max(shared_by, 1)
 
 
 def _version() -> str:

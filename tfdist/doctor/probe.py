@@ -7,11 +7,9 @@ milliseconds, so that a broken rank is reported before anything slow starts.
 
 from __future__ import annotations
 
-import glob
 import importlib.metadata
 import os
 import platform
-import re
 import socket
 from collections.abc import Mapping
 
@@ -21,7 +19,7 @@ from tfdist.doctor.report import INTERFACE_VARIABLES, RankReport, ranges
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import TfdistError
 
-__all__ = ["report", "resolve", "versions"]
+__all__ = ["replicas", "report", "resolve", "versions"]
 
 # Distribution names of each package, first installed wins.
 _DISTRIBUTIONS = {
@@ -30,7 +28,6 @@ _DISTRIBUTIONS = {
     "keras": ("keras",), "tf_keras": ("tf-keras", "tf_keras"), "tfdist": ("tfdist",),
     "horovod": ("horovod",), "torch": ("torch",),
 }
-_GPU_FILE = re.compile(r"/dev/nvidia\d+$")
 
 
 def report(environment: ClusterEnvironment, *, framework: str = "tf",
@@ -60,7 +57,7 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
     except TfdistError as error:
         errors.append(str(error))
         gpus = ""
-    node_gpus = len([path for path in glob.glob("/dev/nvidia*") if _GPU_FILE.match(path)])
+    node_gpus = devices.node_gpus()
     if framework == "torch":
         chosen, why = "ddp", "tfdist.torch: torch.distributed"
     else:
@@ -73,6 +70,12 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
         collective = "" if controller == "auto" else controller
     if chosen in ("single", "mirrored"):  # one process: nothing crosses processes
         collective = ""
+    share = (node_gpus // environment.local_world_size if gpus is None else
+             len([gpu for gpu in gpus.split(",") if gpu]))
+    try:
+        cpu_replicas = settings.resolve("cpu_replicas", environ=environ) or 1
+    except TfdistError:  # reported with the other settings
+        cpu_replicas = 1
     return RankReport(
         rank=environment.rank, host=socket.gethostname(), local_rank=environment.local_rank,
         local_world_size=environment.local_world_size,
@@ -80,13 +83,27 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
                  if environment.worker_addresses else ""),
         cpus=ranges(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "",
         gpus="?" if gpus is None else gpus, slurm_gpus=environment.slurm_gpus or "",
-        node_gpus=node_gpus, gpus_per_task=environment.gpus_per_task, backend=chosen,
+        node_gpus=node_gpus, gpus_per_task=environment.gpus_per_task,
+        replicas=replicas(chosen, share, cpu_replicas), gpu_share=share, backend=chosen,
         collective=collective, why=why, versions=versions(),
         interfaces=tuple(name for _, name in socket.if_nameindex()),
         network=_network(environ),
         resolved=resolve(_dialled(environment)), step_nodes=environment.num_nodes,
         job_nodes=environment.job_nodes, job_tasks_per_node=environment.job_tasks_per_node,
         errors=tuple(errors))
+
+
+def replicas(backend: str, gpus: int, cpu_replicas: int) -> int:
+    """The devices a process trains a replica on (pure).
+
+    Args:
+        backend: the chosen backend (``"ddp"`` for torch).
+        gpus: the GPUs in this process's share.
+        cpu_replicas: ``TFDIST_CPU_REPLICAS`` (1 when unset), used without GPUs.
+    """
+    if backend not in ("mwms", "mirrored"):
+        return 1  # Horovod, DDP, TensorFlow's default strategy: one device per process
+    return gpus or cpu_replicas
 
 
 def versions() -> dict[str, str]:

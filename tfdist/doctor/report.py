@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tfdist.devices import one_gpu_per_process
+
 __all__ = ["INTERFACE_VARIABLES", "Problem", "RankReport", "check", "interface_problem",
            "ranges", "table", "version_problems"]
 
@@ -60,6 +62,10 @@ class RankReport:
         slurm_gpus: the physical ids Slurm gave the step on this node, or ``""``.
         node_gpus: GPU device files on the node (``/dev/nvidia0`` ...).
         gpus_per_task: ``srun --gpus-per-task``, or None.
+        replicas: the devices this rank will train a replica on: its GPUs under MWMS or
+            MirroredStrategy, one under Horovod and torch, ``TFDIST_CPU_REPLICAS`` on a CPU.
+        gpu_share: the GPUs this rank was given (its ids, or its share of the node's when
+            the framework counts them); more than ``replicas`` leaves some idle.
         backend, collective, why: the engine this rank will use and why.
         versions: package -> version (see :data:`PACKAGES`).
         interfaces: the network interfaces of the node.
@@ -80,6 +86,8 @@ class RankReport:
     slurm_gpus: str = ""
     node_gpus: int = 0
     gpus_per_task: int | None = None
+    replicas: int = 1
+    gpu_share: int = 0
     backend: str = ""
     collective: str = ""
     why: str = ""
@@ -179,9 +187,9 @@ def ranges(cores: Iterable[int]) -> str:
 
 def table(reports: Sequence[RankReport]) -> str:
     """The plan, one row per rank, then the versions every rank shares."""
-    heads = ("rank", "host", "local", "cpus", "gpus", "address", "backend")
+    heads = ("rank", "host", "local", "cpus", "gpus", "replicas", "address", "backend")
     rows = [(str(r.rank), r.host, f"{r.local_rank}/{r.local_world_size}", r.cpus or "-",
-             _gpus(r), r.address or "-", f"{r.backend} {r.collective}".strip())
+             _gpus(r), str(r.replicas), r.address or "-", f"{r.backend} {r.collective}".strip())
             for r in sorted(reports, key=lambda r: r.rank)]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
     lines = ["  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip()
@@ -190,7 +198,9 @@ def table(reports: Sequence[RankReport]) -> str:
         first = reports[0]
         versions = ", ".join(f"{package} {first.versions[package]}" for package in PACKAGES
                              if package in first.versions)
-        lines += [f"versions: {versions}", f"backend: {first.backend}: {first.why}"]
+        lines += [f"versions: {versions}", f"backend: {first.backend}: {first.why}",
+                  f"replicas: {sum(r.replicas for r in reports)} in all (the global batch is "
+                  "the per-replica batch times this)"]
     return "\n".join(lines)
 
 
@@ -242,6 +252,15 @@ def _shape(r: RankReport) -> list[Problem]:
             "use NVLink or PCIe peer-to-peer between the tasks of a node",
             "request the GPUs per node (`--gpus-per-node`) with one task per GPU; tfdist gives "
             "each task its own", "warning"))
+    if r.gpu_share > r.replicas == 1:  # Horovod, torch: one GPU per process
+        engine = "Horovod" if r.backend == "horovod" else (
+            "DistributedDataParallel" if r.backend == "ddp" else
+            f"TensorFlow's default strategy (backend {r.backend})")
+        alternative = {"horovod": "backend mwms", "single": "backend auto (MirroredStrategy)"}
+        idle = one_gpu_per_process(engine, r.gpu_share, alternative.get(r.backend, ""))
+        if idle:
+            what, _, fix = idle.partition(" Fix: ")
+            problems.append(Problem(r.rank, r.host, what, fix, "warning"))
     if r.job_nodes is not None and r.step_nodes < r.job_nodes and r.rank == 0:
         problems.append(Problem(
             r.rank, r.host, f"this step runs on {r.step_nodes} of the job's {r.job_nodes} "

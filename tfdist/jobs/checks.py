@@ -160,6 +160,13 @@ def _check_tasks(c: JobConfig) -> None:
         raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus}: each task drives "
                           f"gpus_per_node / tasks_per_node GPUs, so tasks_per_node must divide "
                           f"{gpus}; allowed: {', '.join(divisors)}")
+    elif gpus > tasks and c.backend != "mwms":
+        engine = "Horovod" if c.backend == "horovod" else "DistributedDataParallel"
+        raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus} and backend "
+                          f"{c.backend}: {engine} drives one GPU per process, so "
+                          f"{gpus - tasks} GPU(s) per node would stay idle; set tasks_per_node "
+                          f"to {gpus} (or leave it out), or use backend mwms, which drives "
+                          "several GPUs per task")
 
 
 def _check_scaling(c: JobConfig) -> None:

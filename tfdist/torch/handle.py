@@ -386,11 +386,19 @@ def _device(environment: ClusterEnvironment) -> torch.device:
     if chosen is not None:
         inherited = (environment.visible_devices or "").split(",")
         first = chosen.split(",")[0]
+        _warn_idle(devices.count(chosen) or 0, environment)
         # Narrowed: the first of this task's GPUs is now device 0, unless CUDA had started.
         return torch.device("cuda", inherited.index(first) if started else 0)
     mine = devices.share(torch.cuda.device_count(), environment.local_rank,
                          environment.local_world_size)
+    _warn_idle(len(mine), environment)
     return torch.device("cuda", mine.start)
+
+
+def _warn_idle(given: int, environment: ClusterEnvironment) -> None:
+    idle = devices.one_gpu_per_process("DistributedDataParallel", given)
+    if idle and environment.local_rank == 0:
+        logger.warning("tfdist: %s", idle)
 
 
 def _collective(requested: str, device: torch.device) -> str:
