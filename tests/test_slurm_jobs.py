@@ -198,6 +198,33 @@ def test_mwms_job_with_gpus_per_task_trains_in_sync(slurm_cluster: SlurmCluster,
         assert gpus == ["0", "1"], f"{node}: {views}\n{job.describe()}"
 
 
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_mwms_job_with_one_task_per_node_trains_two_replicas_in_each(
+        slurm_cluster: SlurmCluster, data_dir: Path) -> None:
+    # One task per node driving several devices: the GPU-free stand-in, 2 logical CPUs per
+    # task (TFDIST_CPU_REPLICAS), through tfdist's Slurm resolver (the fake GPUs cannot run).
+    config = cluster_config(slurm_cluster, **recording(
+        slurm_cluster, job_name="mwms-per-node", gpus_per_node=0, gpu_type=None,
+        tasks_per_node=1, env={"TFDIST_CPU_REPLICAS": "2"}, script=str(EXAMPLE),
+        args=train_args(data_dir)))
+    text = render(config)
+    assert "#SBATCH --ntasks-per-node=1" in text and "--gpus" not in text, text
+    job = run_rendered(slurm_cluster, config, timeout=TRAIN_TIMEOUT)
+    assert job.ok, job.describe()
+    outputs = job.task_outputs()
+    assert sorted(outputs) == [0, 1], job.describe()
+    weights = final_weights(outputs)
+    assert weights.keys() == {0, 1} and len({d for _, d in weights.values()}) == 1, \
+        f"ranks ended with different weights: {weights}\n{job.describe()}"
+    assert "tfdist: 2 worker(s), 4 replica(s), backend mwms" in outputs[0], job.describe()
+    for rank in (0, 1):
+        detected = json.loads(job.path(f"task-{rank}.json").read_text())
+        assert (detected["launcher"], detected["rank"], detected["replicas"],
+                detected["hosts"]) == ("slurm", rank, 2, list(TWO_NODES)), detected
+    accuracy = _ACCURACY.findall(outputs[0])
+    assert len(accuracy) == 1 and float(accuracy[0][1]) > MIN_ACCURACY, job.describe()
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("gpus_per_task", [False, True], ids=["gpus-per-node", "gpus-per-task"])
 def test_stock_resolver_gets_n9_n10_wrong_where_tfdist_gets_it_right(

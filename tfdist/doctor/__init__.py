@@ -18,7 +18,6 @@ Every problem names the rank, its host and the fix; any error makes every rank e
 from __future__ import annotations
 
 import importlib.util
-import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -52,7 +51,6 @@ class Options:
 
 def run(options: Options) -> int:
     """Runs the doctor on this rank; returns the exit code (0: ready, 1: a problem)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up lines, not ours
     environment = detect()
     framework = _framework(options.framework)
     mine = probe.report(environment, framework=framework, backend=options.backend)
@@ -149,8 +147,10 @@ def _all_reduce(environment: ClusterEnvironment, mine: RankReport, framework: st
                 "(run with NCCL_DEBUG=INFO and look for NET/IB); a rank that crashed says why "
                 "in its own output")
 
-    if framework == "tf":
-        import tensorflow  # noqa: F401  # the import is slow and not the collective's fault
+    if framework == "tf":  # the import is slow and not the collective's fault
+        from tfdist import quiet
+
+        quiet.import_tensorflow()  # without TensorFlow's start-up lines, as training imports it
     with collective.watchdog(options.timeout_s, hung):
         engine = collective.start(framework, options.backend)
         correct, took = engine.sum_check()
