@@ -97,6 +97,14 @@ MATRIX: dict[str, dict[str, Any]] = {
                              image="/images/hvd.sif"),
     "horovodrun-venv": dict(_COMMON, backend="horovod", launcher="horovodrun",
                             launcher_args=("--gloo",), venv="/sw/venvs/hvd"),
+    # PyTorch behind Horovod (horovod.torch) and DeepSpeed: TFDIST_BACKEND names the engine.
+    "torch-horovod-srun": dict(_COMMON, backend="torch-horovod", venv="/sw/venvs/hvd"),
+    "torch-horovod-horovodrun": dict(_COMMON, backend="torch-horovod", launcher="horovodrun",
+                                     launcher_args=("--gloo",), venv="/sw/venvs/hvd"),
+    "torch-deepspeed-torchrun": dict(_COMMON, backend="torch-deepspeed", venv="/sw/venvs/ds",
+                                     env={"TFDIST_DEEPSPEED_CONFIG": "/project/ds_zero2.json"}),
+    "torch-deepspeed-srun": dict(_COMMON, backend="torch-deepspeed", launcher="srun",
+                                 runtime="apptainer", image="/images/ds.sif"),
     "torchrun-venv": dict(_COMMON, backend="torch", venv="/sw/venvs/torch",
                           task_output="%x-%j-%t.out"),
     "torchrun-python": dict(_COMMON, backend="torch", python="/opt/py/bin/python3",
@@ -225,6 +233,15 @@ def test_cpus_per_task_is_passed_to_srun() -> None:
 def test_backend_reaches_tfdist_through_tfdist_backend() -> None:
     assert "export TFDIST_BACKEND=horovod" in render(JobConfig(script="t.py", backend="horovod"))
     assert "TFDIST_BACKEND" not in render(JobConfig(script="t.py", backend="torch"))
+    for backend, engine in (("torch-horovod", "horovod"), ("torch-deepspeed", "deepspeed")):
+        text = render(JobConfig(script="t.py", backend=backend))
+        assert f"export TFDIST_BACKEND={engine}" in text
+        assert "python -m tfdist doctor --framework torch\n" in text
+    # horovodrun starts Horovod itself: the doctor's step checks the nodes over srun with DDP.
+    assert "tfdist doctor --framework torch --backend ddp" in render(
+        JobConfig(**MATRIX["torch-horovod-horovodrun"]))
+    assert "-x TFDIST_BACKEND" in render(JobConfig(script="t.py", backend="torch-horovod",
+                                                   launcher="mpirun"))
 
 
 def test_nccl_settings_are_commented_options() -> None:

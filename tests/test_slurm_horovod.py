@@ -316,3 +316,35 @@ def test_horovodrun_job_on_one_node_trains_in_sync(
                    hosts=None)
 
 
+
+
+# --- PyTorch with Horovod (backend torch-horovod) ----------------------------------------------
+
+TORCH_EXAMPLE = ROOT / "examples" / "torch_train.py"
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_torch_horovod_job_over_srun_mpi_trains_in_sync(slurm_cluster: SlurmCluster,
+                                                        data_dir: Path) -> None:
+    # examples/torch_train.py as `tfdist job --backend torch-horovod` renders it: horovod.torch
+    # (compiled with PyTorch in .venv-horovod) under srun --mpi=pmix, MPI from Slurm's PMIx. The
+    # ranks' data shards differ, so equal digests need the averaging (the loopback control in
+    # tests/test_torch_backends.py shows the ranks differ without it).
+    workdir = slurm_cluster.new_workdir()
+    config = cluster_config(slurm_cluster, backend="torch-horovod", job_name="torch-hvd",
+                            script=TORCH_EXAMPLE, args=train_args(data_dir), doctor=False,
+                            python=host_python(workdir))
+    text = render(config)
+    assert "\nexport TFDIST_BACKEND=horovod\n" in text and "--mpi=pmix" in srun_line(text), text
+    job = run_rendered(slurm_cluster, config, workdir=workdir, timeout=JOB_TIMEOUT)
+    assert job.ok, job.describe()
+    output = job.all_output()
+    weights = final_weights([output])
+    assert sorted(weights) == list(range(WORLD)), job.describe()
+    assert len({digest for _, digest in weights.values()}) == 1, \
+        f"ranks ended with different weights: {weights}\n{job.describe()}"
+    assert rank_hosts(job, output, WORLD) == RANK_HOSTS, job.describe()
+    line = f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend horovod, collective mpi"
+    assert output.count(line) == 1, f"the chief's line {line!r}\n{job.describe()}"
+    accuracy = _ACCURACY.findall(output)
+    assert len(accuracy) == 1 and float(accuracy[0][1]) > MIN_ACCURACY, job.describe()

@@ -12,10 +12,12 @@ from tfdist.errors import ConfigError
 from tfdist.jobs.choices import (
     BACKEND_LAUNCHERS,
     BACKENDS,
+    ENGINES,
     KINDS,
     LAUNCHERS,
     RUNTIME_LAUNCHERS,
     RUNTIMES,
+    TORCH_BACKENDS,
 )
 from tfdist.jobs.options import SBATCH_SHORT, option_name, takes_value
 from tfdist.jobs.shell import check_body_value, check_sbatch_value
@@ -161,7 +163,8 @@ def _check_tasks(c: JobConfig) -> None:
                           f"gpus_per_node / tasks_per_node GPUs, so tasks_per_node must divide "
                           f"{gpus}; allowed: {', '.join(divisors)}")
     elif gpus > tasks and c.backend != "mwms":
-        engine = "Horovod" if c.backend == "horovod" else "DistributedDataParallel"
+        engine = {"horovod": "Horovod", "ddp": "DistributedDataParallel",
+                  "deepspeed": "DeepSpeed"}[ENGINES[c.backend]]
         raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus} and backend "
                           f"{c.backend}: {engine} drives one GPU per process, so "
                           f"{gpus - tasks} GPU(s) per node would stay idle; set tasks_per_node "
@@ -170,10 +173,10 @@ def _check_tasks(c: JobConfig) -> None:
 
 
 def _check_scaling(c: JobConfig) -> None:
-    if c.backend == "torch":
+    if c.backend in TORCH_BACKENDS:
         raise ConfigError("kind scaling reads the throughput that tfdist's Keras callbacks "
-                          "(dist.callbacks()) write per epoch, which backend torch does not "
-                          "have; use backend mwms or horovod")
+                          f"(dist.callbacks()) write per epoch, which backend {c.backend} does "
+                          "not have; use backend mwms or horovod")
     if c.effective_launcher != "srun":
         raise ConfigError(f"kind scaling runs one srun step per size (srun --nodes=K), so it "
                           f"needs launcher srun, not {c.effective_launcher}; remove launcher or "

@@ -4,13 +4,17 @@ combine: shared by the config (:mod:`tfdist.jobs.config`) and its checks
 
 from __future__ import annotations
 
-__all__ = ["BACKENDS", "BACKEND_LAUNCHERS", "KINDS", "LAUNCHERS", "RUNTIMES",
-           "RUNTIME_LAUNCHERS"]
+__all__ = ["BACKENDS", "BACKEND_LAUNCHERS", "ENGINES", "KINDS", "LAUNCHERS", "RUNTIMES",
+           "RUNTIME_LAUNCHERS", "TORCH_BACKENDS"]
 
 # train: one training run; scaling: the same training on 1..nodes nodes, one srun step each,
 # and the report of `tfdist scaling`; build-venv: a venv built on a compute node.
 KINDS = ("train", "build-venv", "scaling")
-BACKENDS = ("mwms", "horovod", "torch")
+BACKENDS = ("mwms", "horovod", "torch", "torch-horovod", "torch-deepspeed")
+# The PyTorch backends (tfdist.torch), and the engine each backend's TFDIST_BACKEND names.
+TORCH_BACKENDS = ("torch", "torch-horovod", "torch-deepspeed")
+ENGINES = {"mwms": "mwms", "horovod": "horovod", "torch": "ddp", "torch-horovod": "horovod",
+           "torch-deepspeed": "deepspeed"}
 LAUNCHERS = ("srun", "mpirun", "horovodrun", "torchrun")
 RUNTIMES = ("venv", "apptainer", "enroot")
 
@@ -22,6 +26,8 @@ BACKEND_LAUNCHERS: dict[str, tuple[str, ...]] = {
     "horovod": ("srun", "mpirun", "horovodrun"),
     # tfdist.torch reads torchrun's store, or derives a rendezvous from the srun step.
     "torch": ("torchrun", "srun"),
+    "torch-horovod": ("srun", "mpirun", "horovodrun"),
+    "torch-deepspeed": ("torchrun", "srun"),
 }
 # The launchers that can run inside each runtime.
 RUNTIME_LAUNCHERS: dict[str, tuple[str, ...]] = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import posixpath
 
 from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
+from tfdist.jobs.choices import ENGINES, TORCH_BACKENDS
 from tfdist.jobs.config import JobConfig
 from tfdist.jobs.shell import word, words
 from tfdist.settings import resolve
@@ -24,6 +25,16 @@ _TITLES = {
     ("horovod", "horovodrun"): "Horovod: one rank per {unit}, started by horovodrun",
     ("torch", "torchrun"): "PyTorch DDP: srun starts one torchrun per node, one process per GPU",
     ("torch", "srun"): "PyTorch DDP (tfdist.torch): one srun task per {unit}",
+    ("torch-horovod", "srun"): "PyTorch with Horovod: one srun task per {unit}, MPI started "
+                               "through PMIx",
+    ("torch-horovod", "mpirun"): "PyTorch with Horovod: one rank per {unit}, started by Open "
+                                 "MPI's mpirun",
+    ("torch-horovod", "horovodrun"): "PyTorch with Horovod: one rank per {unit}, started by "
+                                     "horovodrun",
+    ("torch-deepspeed", "torchrun"): "PyTorch with DeepSpeed: srun starts one torchrun per node, "
+                                     "one process per GPU",
+    ("torch-deepspeed", "srun"): "PyTorch with DeepSpeed (tfdist.torch): one srun task per "
+                                 "{unit}",
 }
 _RUNTIME_TITLES = {"venv": "", "apptainer": ", in Apptainer", "enroot": ", in enroot (pyxis)"}
 _NCCL_HINTS = (
@@ -89,7 +100,7 @@ def _header(c: JobConfig, source: str | None) -> str:
         title = "Build a Python venv on the node type that will train"
     else:
         title = _TITLES[(c.backend, c.effective_launcher)].format(unit=_unit(c))
-        if c.backend == "horovod" and c.effective_launcher == "srun" and not _horovod_mpi(c):
+        if _engine(c) == "horovod" and c.effective_launcher == "srun" and not _horovod_mpi(c):
             title = title.replace("MPI started through PMIx", "Gloo rendezvous started by tfdist")
         title += _RUNTIME_TITLES[c.runtime]
     lines = ["#!/bin/bash", f"# {title}."]
@@ -207,7 +218,7 @@ def _environment(c: JobConfig) -> str:
     lines = []
     if c.kind != "build-venv" and c.backend != "torch":
         lines += ["# tfdist reads TFDIST_* variables (README: Settings and their precedence).",
-                  f"export TFDIST_BACKEND={c.backend}"]
+                  f"export TFDIST_BACKEND={_engine(c)}"]
     if c.kind != "build-venv":
         lines += ["# Python prints each line when it is written, not in blocks.",
                   "export PYTHONUNBUFFERED=1"]
@@ -243,14 +254,15 @@ def _doctor(c: JobConfig) -> str | None:
                "names the rank, the host and", "# the fix, and ends the job here; the report "
                "goes to this job's output. (doctor: false", "# in the config, or --no-doctor, "
                "leaves this step out.)"]
-    if c.backend == "torch":
-        command += " --framework torch"
-    elif c.backend == "horovod" and c.effective_launcher != "srun":
-        # The training's launcher starts Horovod; this step checks the nodes with TensorFlow's
-        # own collectives over srun, which the job has too.
-        command += " --backend mwms"
+    torch = c.backend in TORCH_BACKENDS
+    if _engine(c) == "horovod" and c.effective_launcher != "srun":
+        # The training's launcher starts Horovod; this step checks the nodes with the
+        # framework's own collectives over srun, which the job has too.
+        command += " --framework torch --backend ddp" if torch else " --backend mwms"
         comment.append("# (Horovod starts under the launcher below; this step uses srun and "
-                       "TensorFlow's all-reduce.)")
+                       + ("torch's all-reduce.)" if torch else "TensorFlow's all-reduce.)"))
+    elif torch:
+        command += " --framework torch"
     return _lines(comment, _srun_segments(c, doctor=True), _apptainer(c), command)
 
 
@@ -344,7 +356,12 @@ def _srun_segments(c: JobConfig, *, per_node: bool = False, doctor: bool = False
 
 def _horovod_mpi(c: JobConfig) -> bool:
     """Horovod under srun uses MPI through PMIx, unless the job forces tfdist's Gloo rendezvous."""
-    return c.backend == "horovod" and resolve("horovod_controller", environ=c.env) != "gloo"
+    return _engine(c) == "horovod" and resolve("horovod_controller", environ=c.env) != "gloo"
+
+
+def _engine(c: JobConfig) -> str:
+    """What the job's TFDIST_BACKEND names: ``mwms``, ``horovod``, ``ddp`` or ``deepspeed``."""
+    return ENGINES[c.backend]
 
 
 def _apptainer(c: JobConfig) -> str | None:
