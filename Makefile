@@ -21,19 +21,20 @@ system:
 venv: $(STAMP)
 
 $(STAMP): requirements/bootstrap.txt requirements/test.txt requirements/no-deps.txt \
-		requirements/torch.txt setup.cfg
+		requirements/torch.txt requirements/deepspeed.txt setup.cfg
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/bootstrap.txt
 	$(BIN)/pip install --quiet -r requirements/test.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements/no-deps.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements/torch.txt
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-deps -r requirements/deepspeed.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 venv-horovod: $(HVD_STAMP)
 
 $(HVD_STAMP): tools/horovod-env.sh requirements/bootstrap.txt requirements/horovod.txt \
-		requirements/horovod-no-deps.txt setup.cfg
+		requirements/horovod-no-deps.txt requirements/torch.txt setup.cfg
 	$(MAKE) system
 	bash tools/horovod-env.sh $(HVD_VENV) $(PYTHON)
 

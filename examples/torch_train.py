@@ -1,17 +1,19 @@
-"""Train a small CNN on handwritten digits with PyTorch DDP, on one process or many, unchanged.
+"""Train a small CNN on handwritten digits with PyTorch, on one process or many, unchanged.
 
     python examples/torch_train.py --epochs=8                              # one process
     tfdist launch -n 2 examples/torch_train.py --epochs=8 --scale_lr       # 2 local workers
     torchrun --standalone --nproc-per-node=2 examples/torch_train.py       # torchrun
     srun python examples/torch_train.py --model_dir=$SCRATCH/run1          # one Slurm task per GPU
     tfdist job --backend torch --nodes 2 --submit examples/torch_train.py  # torchrun per node
+    tfdist launch --backend horovod -n 2 examples/torch_train.py           # Horovod (or horovodrun)
+    torchrun --nproc-per-node=2 examples/torch_train.py --backend=deepspeed  # DeepSpeed's engine
 
 The twin of examples/keras_train.py: the same data (scikit-learn's 8x8 digits, the same train/test
 split, nothing downloaded), the same model and the same flags, with two differences. The backend
-is DDP, and ``--collective`` picks its process group's (``auto``: NCCL with CUDA, gloo on CPU),
-not MWMS's all-reduce. ``--data_dir`` is accepted, so
-one command line serves both, but unused: the arrays come from scikit-learn in memory. Each
-change for distributed training is marked `tfdist:`.
+is DDP, Horovod or DeepSpeed (``--backend``; one training loop for all three), and
+``--collective`` picks the process group's (``auto``: NCCL with CUDA, gloo on CPU), not MWMS's
+all-reduce. ``--data_dir`` is accepted, so one command line serves both, but unused: the arrays
+come from scikit-learn in memory. Each change for distributed training is marked `tfdist:`.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ flags.DEFINE_float("warmup_epochs", 0, "Ramp the scaled learning rate up over th
 flags.DEFINE_string("model_dir", None, "The chief saves final.pt (a state_dict) here.")
 flags.DEFINE_string("data_dir", None, "Unused (accepted so keras_train.py's flags work).")
 flags.DEFINE_enum("dataset", "digits", tfdist.datasets.available(), "Dataset to train on.")
+flags.DEFINE_enum("backend", "auto", ["auto", "ddp", "horovod", "deepspeed"],
+                  "DDP, Horovod (horovod.torch) or DeepSpeed (its engine, ZeRO stage 2); auto: "
+                  "Horovod under horovodrun, else DDP.")
 flags.DEFINE_enum("collective", "auto", ["auto", "nccl", "gloo"],
-                  "The process group's collective (DDP's all-reduce).")
+                  "The process group's collective (DDP's and DeepSpeed's all-reduce).")
 flags.DEFINE_integer("seed", 0, "Random seed for weights and shuffling.")
 
 
@@ -88,7 +93,7 @@ def train_epoch(dist: tfdist.torch.TorchDistributed, model: nn.Module, loader: D
         optimizer.zero_grad()
         logits = model(x)
         loss = nn.functional.cross_entropy(logits, y)
-        loss.backward()  # tfdist: DDP averages the gradients over all replicas here
+        dist.backward(loss)  # tfdist: the gradients are averaged over all replicas
         optimizer.step()
         if warmup is not None:
             warmup.step()
@@ -119,11 +124,13 @@ def main(argv: list[str]) -> None:
     del argv
     torch.manual_seed(FLAGS.seed)
     # tfdist: the process group first: torchrun, srun, tfdist launch or one process.
-    with tfdist.torch.distributed(given("collective")) as dist:
-        model = dist.wrap(build_model())  # tfdist: DDP on this rank's device
+    with tfdist.torch.distributed(given("collective"), backend=given("backend")) as dist:
         # tfdist: linear scaling by the number of replicas, when asked.
         lr = dist.scale_lr(FLAGS.learning_rate) if FLAGS.scale_lr else FLAGS.learning_rate
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        model = build_model()
+        # tfdist: the backend takes the model and its optimizer (DDP, Horovod's optimizer,
+        # DeepSpeed's engine): one training loop for all of them.
+        model, optimizer = dist.wrap(model, torch.optim.Adam(model.parameters(), lr=lr))
         # tfdist: the GLOBAL batch size; each rank loads its share of the data.
         train = dist.loader(dataset("train"), FLAGS.batch_size, seed=FLAGS.seed)
         test = dist.loader(dataset("test"), FLAGS.batch_size, shuffle=False)

@@ -15,6 +15,7 @@ import pytest
 from helpers import ROOT
 
 from tfdist.backends import choose as choose_backend
+from tfdist.backends import choose_torch
 from tfdist.backends.horovod import choose_controller
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import ConfigError
@@ -63,6 +64,50 @@ def test_auto_backend(launch):
 def test_explicit_backend_wins(launch, requested):
     assert choose_backend(requested, ENV[launch]) == (
         requested, "requested (argument, flag or TFDIST_BACKEND)")
+
+
+TORCH_AUTO = {
+    "one process": "ddp",
+    "tfdist launch": "ddp",
+    "tfdist launch --backend horovod": "horovod",
+    "TF_CONFIG": "ddp",
+    "srun step": "ddp",
+    "torchrun": "ddp",
+    "horovodrun": "horovod",
+    "mpirun": "horovod",
+    "horovodrun -np 1": "ddp",
+}
+
+
+@pytest.mark.parametrize("launch", sorted(TORCH_AUTO))
+def test_auto_torch_backend(launch):
+    backend, why = choose_torch("auto", ENV[launch])
+    assert backend == TORCH_AUTO[launch]
+    assert why.startswith("auto: ")
+
+
+def test_torch_under_mpirun_with_an_address_is_ddp():
+    # The documented way to run DDP under mpirun: export MASTER_ADDR and MASTER_PORT.
+    given = ClusterEnvironment("mpirun", rank=1, world_size=2, master_addr="n1", master_port=29500)
+    assert choose_torch("auto", given)[0] == "ddp"
+
+
+@pytest.mark.parametrize("requested", ["ddp", "horovod", "deepspeed"])
+def test_explicit_torch_backend_wins(requested):
+    assert choose_torch(requested, ENV["srun step"]) == (
+        requested, "requested (argument, flag or TFDIST_BACKEND)")
+
+
+@pytest.mark.parametrize(("chooser", "requested", "message"), [
+    (choose_backend, "ddp", "'ddp' is a PyTorch backend .*TensorFlow's are auto, mwms"),
+    (choose_backend, "deepspeed", "'deepspeed' is a PyTorch backend"),
+    (choose_torch, "mwms", "'mwms' is a TensorFlow backend; tfdist.torch's are auto, ddp, "
+                           "horovod, deepspeed"),
+    (choose_torch, "mirrored", "'mirrored' is a TensorFlow backend"),
+])
+def test_each_framework_refuses_the_others_backends(chooser, requested, message):
+    with pytest.raises(ConfigError, match=message):
+        chooser(requested, ENV["srun step"])
 
 
 def test_backend_setting_accepts_horovod_and_names_choices():
@@ -273,7 +318,7 @@ def test_import_tfdist_horovod_loads_nothing_heavy():
     ({"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
                    '"task": {"type": "worker", "index": 0}}', "TFDIST_LAUNCHER": "local",
       "TFDIST_LOCAL_RANK": "0"},
-     "started by `tfdist launch` for MultiWorkerMirroredStrategy"),
+     "started by `tfdist launch` without Horovod's rendezvous"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"},
      "Horovod cannot join this launch"),

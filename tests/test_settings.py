@@ -53,7 +53,8 @@ def test_argument_then_variable_then_default(name, argument, environ, expected):
 
 @pytest.mark.parametrize(("name", "argument", "environ", "message"), [
     ("backend", "mwm", {}, r"backend 'mwm' is not one of \('auto', 'mwms', 'horovod', "
-                           r"'mirrored', 'single'\) \(argument `init\(backend=\)` or "
+                           r"'mirrored', 'single', 'ddp', 'deepspeed'\) \(argument "
+                           r"`init\(backend=\), tfdist.torch.init\(backend=\)` or "
                            r"TFDIST_BACKEND\)"),
     ("backend", None, {"TFDIST_BACKEND": "mwm"}, r"'mwm' is not one of .*TFDIST_BACKEND"),
     ("threads", 0, {}, r"threads=0 must be a positive integer"),

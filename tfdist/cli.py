@@ -271,8 +271,10 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         "5 GB/s for NCCL across nodes)")
     parser.add_argument("--framework", choices=("auto", "tf", "torch"), default="auto",
                         help="the engine to check (default: tf when TensorFlow is installed)")
-    parser.add_argument("--backend", choices=("auto", "mwms", "horovod", "mirrored", "single"),
-                        help="TensorFlow backend (default: TFDIST_BACKEND, else auto)")
+    parser.add_argument("--backend", choices=("auto", "mwms", "horovod", "mirrored", "single",
+                                              "ddp", "deepspeed"),
+                        help="the backend to start: TensorFlow's, or with --framework torch "
+                        "auto, ddp, horovod, deepspeed (default: TFDIST_BACKEND, else auto)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no network: print this launch's plan and the checks one process "
                         "can make (versions, settings, interfaces, names)")

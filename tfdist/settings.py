@@ -151,11 +151,15 @@ def _choice(name: str, variable: str, choices: tuple[str, ...], doc: str,
 
 
 SETTINGS: tuple[Setting, ...] = (
-    _choice("backend", "TFDIST_BACKEND", ("auto", "mwms", "horovod", "mirrored", "single"),
-            "the data-parallel engine; `auto`: Horovod under horovodrun/mpirun, else MWMS when "
+    _choice("backend", "TFDIST_BACKEND",
+            ("auto", "mwms", "horovod", "mirrored", "single", "ddp", "deepspeed"),
+            "the data-parallel engine. TensorFlow (`init`): `auto`, `mwms`, `horovod`, "
+            "`mirrored`, `single`; `auto`: Horovod under horovodrun/mpirun, else MWMS when "
             "several processes were launched, else one process: MirroredStrategy over its GPUs "
-            "when it sees several (`mirrored`), else TensorFlow's default strategy (`single`)",
-            "init(backend=)"),
+            "when it sees several (`mirrored`), else TensorFlow's default strategy (`single`). "
+            "PyTorch (`tfdist.torch.init`): `auto`, `ddp`, `horovod`, `deepspeed`; `auto`: "
+            "Horovod under horovodrun or mpirun without `MASTER_ADDR`, else DDP",
+            "init(backend=), tfdist.torch.init(backend=)"),
     _choice("collective", "TFDIST_COLLECTIVE", ("auto", "ring", "nccl"),
             "MWMS all-reduce; `auto`: NCCL with GPUs, ring on CPU", "init(collective=)"),
     Setting("collective_timeout", "TFDIST_COLLECTIVE_TIMEOUT", _positive_seconds, None,
@@ -223,6 +227,11 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds the torch rendezvous and each collective wait for the other ranks; a "
             "stopped rank is named sooner, by tfdist's heartbeat, after half of it (at most 30 s)",
             argument="tfdist.torch.init(timeout=)"),
+    Setting("deepspeed_config", "TFDIST_DEEPSPEED_CONFIG", _text, None,
+            "tfdist.torch with backend `deepspeed`: a DeepSpeed JSON config (a file's path, or "
+            "the JSON itself) merged over tfdist's (ZeRO stage 2, fp32, your optimizer as it "
+            "is, no gradient clipping, the micro batch from `dist.loader`)",
+            argument="dist.wrap(config=)"),
     Setting("preempt_signal", "TFDIST_PREEMPT_SIGNAL", _text, None,
             "one more signal that asks for a checkpoint and a stop, besides SIGTERM and SIGUSR1 "
             "(e.g. `USR2`)"),

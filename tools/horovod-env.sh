@@ -2,11 +2,18 @@
 # Builds Horovod's test environment: bash tools/horovod-env.sh VENV PYTHON (make venv-horovod).
 #
 # TensorFlow 2.18.1 (the newest that Horovod 0.28.1 builds against unpatched), its Keras 3,
-# tf_keras 2.18 (Keras 2), Horovod 0.28.1 compiled from source with Gloo and MPI (Debian's
-# Open MPI), and tfdist installed editable. The compiled wheel is cached under a key holding the
-# Horovod, TensorFlow and Python versions and the controllers, because pip's own cache keys it by
-# the sdist alone and would hand back a wheel compiled against another TensorFlow.
+# tf_keras 2.18 (Keras 2), PyTorch 2.13 (CPU), Horovod 0.28.1 compiled from source for both
+# frameworks with Gloo and MPI (Debian's Open MPI), and tfdist installed editable. The compiled
+# wheel is cached under a key holding the Horovod, TensorFlow, torch and Python versions and the
+# controllers, because pip's own cache keys it by the sdist alone and would hand back a wheel
+# compiled against another TensorFlow.
 # Cache folder: $TFDIST_WHEEL_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tfdist/wheels.
+#
+# Horovod 0.28.1 compiles its torch extension and its bundled gloo as C++14, where torch 2's
+# headers need C++17; the torch extension links that gloo, so both move to C++17 together
+# (with the torch line alone the link fails on gloo::rendezvous::Store::kDefaultTimeout, defined
+# inline in C++17 and out of line in C++14). TensorFlow's extension is C++17 already and links
+# its own gloo, so it is unchanged. Upstream still has the C++14 lines.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -27,6 +34,7 @@ make_venv() {
     "$bin/python" -m pip install "${quiet[@]}" -r requirements/bootstrap.txt
     "$bin/pip" install "${quiet[@]}" -r requirements/horovod.txt
     "$bin/pip" install "${quiet[@]}" --no-deps -r requirements/horovod-no-deps.txt
+    "$bin/pip" install "${quiet[@]}" --no-deps -r requirements/torch.txt
 }
 
 # Gloo always; MPI when Open MPI's compiler wrapper is there (tools/system-packages.sh).
@@ -35,11 +43,21 @@ controllers() {
 }
 
 cache_dir() {
-    local tf py
+    local tf torch py
     tf=$("$bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
+    torch=$("$bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
     py=$("$bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
     local base=${TFDIST_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tfdist/wheels}
-    echo "$base/horovod-$HOROVOD_VERSION-tf$tf-$py-$(controllers)"
+    echo "$base/horovod-$HOROVOD_VERSION-tf$tf-torch${torch%%+*}-$py-$(controllers)"
+}
+
+# C++17 for the torch extension and the gloo it links (see the header); fails if the sdist's
+# lines changed.
+patch_cxx17() {
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+        "$1/CMakeLists.txt" "$1/horovod/torch/CMakeLists.txt"
+    grep -q 'set(CMAKE_CXX_STANDARD 17)' "$1/CMakeLists.txt"
+    grep -q 'set(CMAKE_CXX_STANDARD 17)' "$1/horovod/torch/CMakeLists.txt"
 }
 
 # Compiles the wheel into $1.
@@ -48,11 +66,16 @@ build_wheel() {
     work=$(mktemp -d)
     local mpi=HOROVOD_WITHOUT_MPI=1
     [[ $(controllers) == gloo-mpi ]] && mpi=HOROVOD_WITH_MPI=1
-    log "compiling horovod $HOROVOD_VERSION ($(controllers)); this takes a few minutes"
-    env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 "$mpi" HOROVOD_WITHOUT_PYTORCH=1 \
+    log "compiling horovod $HOROVOD_VERSION for TensorFlow and PyTorch ($(controllers)); this" \
+        "takes about 10 minutes on 2 cores"
+    "$bin/pip" download "${quiet[@]}" --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" \
+        -d "$work/sdist"
+    tar xzf "$work/sdist/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
+    patch_cxx17 "$work/horovod-$HOROVOD_VERSION"
+    env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "$mpi" \
         HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
         "$bin/pip" wheel "${quiet[@]}" --no-deps --no-build-isolation --no-cache-dir \
-        --no-binary horovod "horovod==$HOROVOD_VERSION" -w "$work/raw"
+        "$work/horovod-$HOROVOD_VERSION" -w "$work/raw"
     finish_wheel "$work"/raw/horovod-*.whl "$out"
     rm -rf "$work"
 }
@@ -89,13 +112,15 @@ verify() {
     TF_CPP_MIN_LOG_LEVEL=2 "$bin/python" - "$(controllers)" <<'EOF'
 import sys
 import horovod.tensorflow as hvd
+import horovod.torch as hvd_torch
 assert hvd.gloo_built(), "horovod was built without Gloo"
 if sys.argv[1] == "gloo-mpi":
     assert hvd.mpi_built(), "horovod was built without MPI"
 import importlib.metadata
 import tensorflow as tf
-print(f"horovod {importlib.metadata.version('horovod')} built for TensorFlow {tf.__version__}: "
-      f"gloo={hvd.gloo_built()} mpi={hvd.mpi_built()}")
+import torch
+print(f"horovod {importlib.metadata.version('horovod')} built for TensorFlow {tf.__version__} "
+      f"and torch {torch.__version__}: gloo={hvd.gloo_built()} mpi={hvd.mpi_built()}")
 EOF
 }
 

@@ -14,8 +14,9 @@ import importlib
 
 from tfdist.backends.base import Distributed, Settings
 from tfdist.env import ClusterEnvironment
+from tfdist.errors import ConfigError
 
-__all__ = ["MODULES", "choose", "create"]
+__all__ = ["MODULES", "TORCH_BACKENDS", "choose", "choose_torch", "create"]
 
 MODULES = {
     "mwms": "tfdist.backends.mwms",
@@ -26,6 +27,8 @@ MODULES = {
 # Launchers that start MPI/Horovod processes: auto picks Horovod there (MWMS would need an
 # address per process, which they do not give).
 HOROVOD_LAUNCHERS = ("horovodrun", "mpirun")
+# tfdist.torch's backends: the same TFDIST_BACKEND setting, its own engines.
+TORCH_BACKENDS = ("ddp", "horovod", "deepspeed")
 
 
 def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
@@ -38,6 +41,10 @@ def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
     Returns:
         ``(backend, reason)``.
     """
+    if requested in TORCH_BACKENDS and requested not in MODULES:
+        raise ConfigError(f"backend {requested!r} is a PyTorch backend (tfdist.torch); "
+                          f"TensorFlow's are auto, {', '.join(MODULES)}: set TFDIST_BACKEND to "
+                          "one of them, or leave it unset")
     if requested != "auto":
         return requested, "requested (argument, flag or TFDIST_BACKEND)"
     if environment.launcher in HOROVOD_LAUNCHERS and environment.is_distributed:
@@ -49,6 +56,31 @@ def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
         return "mwms", f"auto: {environment.world_size} processes ({environment.reason})"
     return "mirrored", (f"auto: one process ({environment.reason}): MirroredStrategy over its "
                         "GPUs if it sees several, else TensorFlow's default strategy")
+
+
+def choose_torch(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
+    """tfdist.torch's backend for ``requested`` under this launch, and why (pure).
+
+    ``auto`` is Horovod where Horovod's launchers started the processes and gave torch no
+    address to meet at (horovodrun, ``tfdist launch --backend horovod``, mpirun without
+    ``MASTER_ADDR``/``MASTER_PORT``), else DDP. DeepSpeed is chosen only on request.
+
+    Raises:
+        ConfigError: ``requested`` is one of TensorFlow's backends.
+    """
+    if requested != "auto":
+        if requested not in TORCH_BACKENDS:
+            raise ConfigError(f"backend {requested!r} is a TensorFlow backend; tfdist.torch's "
+                              f"are auto, {', '.join(TORCH_BACKENDS)}: set TFDIST_BACKEND to one "
+                              "of them, or leave it unset")
+        return requested, "requested (argument, flag or TFDIST_BACKEND)"
+    horovod = (environment.launcher in HOROVOD_LAUNCHERS
+               or environment.launched_for == "horovod")
+    if horovod and environment.is_distributed and not (environment.master_addr
+                                                       and environment.master_port):
+        return "horovod", (f"auto: {environment.reason} started the processes and gives torch "
+                           "no address to meet at (MASTER_ADDR/MASTER_PORT)")
+    return "ddp", f"auto: torch.distributed's DistributedDataParallel ({environment.reason})"
 
 
 def create(backend: str, environment: ClusterEnvironment, settings: Settings) -> Distributed:

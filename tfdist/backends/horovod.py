@@ -32,7 +32,7 @@ from tfdist.settings import resolve
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["HorovodDistributed", "choose_controller", "create"]
+__all__ = ["HorovodDistributed", "check_launcher", "choose_controller", "create", "join"]
 
 logger = logging.getLogger("tfdist")
 _LAUNCHED = ("horovodrun", "mpirun", "local", "single")  # hvd.init() needs nothing more
@@ -161,23 +161,11 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     """
     from tfdist.horovod.install import import_horovod
 
-    _check_launcher(environment)
-    _prepare_environment()
+    check_launcher(environment)
     narrowed = devices.narrow_visible_gpus(environment) is not None
     quiet.import_tensorflow()  # before Horovod's import loads it, with the noise
     hvd = import_horovod()
-    if environment.launcher == "slurm":
-        _join_srun_step(environment, hvd)
-    elif environment.launcher == "single" and hvd.gloo_built():
-        # One plain process: Gloo needs no peers, while MPI would try a singleton MPI_Init.
-        os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
-        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
-    hvd.init()
-    if int(hvd.size()) != environment.world_size:
-        raise LaunchError(
-            f"Horovod joined {hvd.size()} process(es), but {environment.reason} started "
-            f"{environment.world_size}: the processes did not find each other. With an MPI "
-            "build under srun use `srun --mpi=pmix`, or set TFDIST_HOROVOD_CONTROLLER=gloo")
+    join(environment, hvd)
     import tensorflow as tf
 
     configure_threads(settings["threads"])
@@ -204,24 +192,46 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     return handle
 
 
-def _check_launcher(environment: ClusterEnvironment) -> None:
+def check_launcher(environment: ClusterEnvironment, other: str = "backend='mwms'") -> None:
+    """Refuses a launch Horovod cannot join, naming how to start it, or ``other`` backend.
+
+    Raises:
+        LaunchError: e.g. workers of `tfdist launch` without ``--backend horovod``.
+    """
     if environment.launcher == "local" and environment.launched_for != "horovod":
         raise LaunchError(
-            "these workers were started by `tfdist launch` for MultiWorkerMirroredStrategy "
-            "(TF_CONFIG, no Horovod rendezvous): start them with `tfdist launch --backend "
-            "horovod -n N ...` to use Horovod")
+            "these workers were started by `tfdist launch` without Horovod's rendezvous "
+            "(TF_CONFIG): start them with `tfdist launch --backend horovod -n N ...` to use "
+            f"Horovod, or use {other}")
     if environment.launcher in (*_LAUNCHED, "slurm"):
         return
     raise LaunchError(
         f"{environment.reason}: Horovod cannot join this launch. Start the processes with "
-        "horovodrun, mpirun, `tfdist launch --backend horovod -n N` or srun, or use "
-        "backend='mwms'")
+        f"horovodrun, mpirun, `tfdist launch --backend horovod -n N` or srun, or use {other}")
 
 
-def _prepare_environment() -> None:
+def join(environment: ClusterEnvironment, hvd: Any) -> None:
+    """``hvd.init()`` for this launch, with what the launcher did not set (any framework's
+    ``hvd``: ``horovod.tensorflow`` or ``horovod.torch``).
+
+    Raises:
+        LaunchError: Horovod joined another number of processes than the launch started.
+    """
     # A rank that stops calling collectives (uneven data, an exception on one rank) would
     # otherwise stall the others forever; Horovod shuts down after this many seconds instead.
     os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "300")
+    if environment.launcher == "slurm":
+        _join_srun_step(environment, hvd)
+    elif environment.launcher == "single" and hvd.gloo_built():
+        # One plain process: Gloo needs no peers, while MPI would try a singleton MPI_Init.
+        os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
+        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    hvd.init()
+    if int(hvd.size()) != environment.world_size:
+        raise LaunchError(
+            f"Horovod joined {hvd.size()} process(es), but {environment.reason} started "
+            f"{environment.world_size}: the processes did not find each other. With an MPI "
+            "build under srun use `srun --mpi=pmix`, or set TFDIST_HOROVOD_CONTROLLER=gloo")
 
 
 def _join_srun_step(environment: ClusterEnvironment, hvd: Any) -> None:

@@ -17,6 +17,7 @@ Every problem names the rank, its host and the fix; any error makes every rank e
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import socket
 import sys
@@ -28,6 +29,7 @@ from tfdist.doctor import meet, probe
 from tfdist.doctor.report import Problem, RankReport, check, table
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.env.base import local_ranks
+from tfdist.errors import TfdistError
 
 __all__ = ["Options", "run"]
 
@@ -82,6 +84,9 @@ def run(options: Options) -> int:
 def _framework(requested: str) -> str:
     if requested != "auto":
         return requested
+    with contextlib.suppress(TfdistError):  # an invalid value is reported by the probe
+        if settings.resolve("backend") in ("ddp", "deepspeed"):
+            return "torch"  # PyTorch's only backends
     return "tf" if importlib.util.find_spec("tensorflow") else "torch"
 
 

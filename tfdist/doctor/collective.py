@@ -86,7 +86,7 @@ def watchdog(seconds: float, message: Callable[[], str]) -> Iterator[None]:
 def start(framework: str, backend: str | None) -> Engine:
     """Starts the engine as training would, and wraps its all-reduce."""
     if framework == "torch":
-        return _torch()
+        return _torch(backend)
     import tfdist
 
     dist = tfdist.init(backend)
@@ -134,18 +134,21 @@ def _horovod(dist: Any) -> Engine:
                   hvd.allgather_object)
 
 
-def _torch() -> Engine:
+def _torch(backend: str | None) -> Engine:
     import torch
     import torch.distributed as torch_dist
 
     import tfdist.torch
 
-    dist = tfdist.torch.init()
+    dist = tfdist.torch.init(backend=backend)
+    hvd = getattr(dist, "hvd", None)  # Horovod's collectives, no process group
 
     def all_reduce(n: int) -> Callable[..., Any]:
         def reduce(value: float = 1.0) -> float:
             tensor = torch.full((n,), value, dtype=torch.float32, device=dist.device)
-            if dist.world_size > 1:
+            if hvd is not None:
+                tensor = hvd.allreduce(tensor, op=hvd.Sum, name=f"tfdist_doctor_{n}")
+            elif dist.world_size > 1:
                 torch_dist.all_reduce(tensor)
             return float(tensor[0])
 
@@ -154,8 +157,11 @@ def _torch() -> Engine:
     def gather(obj: Any) -> list[Any]:
         if dist.world_size == 1:
             return [obj]
+        if hvd is not None:
+            return list(hvd.allgather_object(obj))
         found: list[Any] = [None] * dist.world_size
         torch_dist.all_gather_object(found, obj)
         return found
 
-    return Engine(f"torch {dist.collective}", dist.rank, dist.world_size, all_reduce, gather)
+    name = "torch" if dist.backend == "ddp" else f"torch {dist.backend}"
+    return Engine(f"{name} {dist.collective}", dist.rank, dist.world_size, all_reduce, gather)

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Mapping
 
 from tfdist import devices, settings
-from tfdist.backends import choose
+from tfdist.backends import choose, choose_torch
 from tfdist.doctor.report import INTERFACE_VARIABLES, RankReport, ranges
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import TfdistError
@@ -26,7 +26,7 @@ _DISTRIBUTIONS = {
     "tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-macos",
                    "tf-nightly", "intel-tensorflow"),
     "keras": ("keras",), "tf_keras": ("tf-keras", "tf_keras"), "tfdist": ("tfdist",),
-    "horovod": ("horovod",), "torch": ("torch",),
+    "horovod": ("horovod",), "torch": ("torch",), "deepspeed": ("deepspeed",),
 }
 
 
@@ -58,10 +58,11 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
         errors.append(str(error))
         gpus = ""
     node_gpus = devices.node_gpus()
-    if framework == "torch":
-        chosen, why = "ddp", "tfdist.torch: torch.distributed"
-    else:
-        chosen, why = choose(requested, environment)
+    try:
+        chosen, why = (choose_torch if framework == "torch" else choose)(requested, environment)
+    except TfdistError as error:
+        errors.append(str(error))
+        chosen, why = requested, str(error)
     if collective == "auto":
         has_gpus = bool(gpus) if gpus is not None else node_gpus > 0
         collective = ("nccl" if has_gpus else "ring" if framework == "tf" else "gloo")

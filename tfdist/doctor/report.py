@@ -24,7 +24,7 @@ __all__ = ["INTERFACE_VARIABLES", "Problem", "RankReport", "check", "interface_p
 INTERFACE_VARIABLES = {"NCCL_SOCKET_IFNAME": "nccl", "GLOO_SOCKET_IFNAME": "list",
                        "HOROVOD_GLOO_IFACE": "exact"}
 # Packages whose versions must agree on every rank (absent ones are left out of the table).
-PACKAGES = ("python", "tensorflow", "keras", "tf_keras", "tfdist", "horovod", "torch")
+PACKAGES = ("python", "tensorflow", "keras", "tf_keras", "tfdist", "horovod", "torch", "deepspeed")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 from tfdist.errors import ConfigError
 
 __all__ = ["BUILD_RECORD", "REBUILD", "import_horovod", "import_horovod_keras",
-           "installed_tensorflow", "is_installed"]
+           "import_horovod_torch", "installed_tensorflow", "is_installed"]
 
 BUILD_RECORD = "metadata.json"  # written into horovod/ by Horovod's build
 REBUILD = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 "
@@ -64,6 +64,27 @@ def import_horovod() -> Any:
         import horovod.tensorflow as hvd
     except Exception as error:  # ImportError, or tf.errors.NotFoundError from load_op_library
         raise _explain(error) from error
+    return hvd
+
+
+def import_horovod_torch() -> Any:
+    """Imports ``horovod.torch``.
+
+    Raises:
+        ConfigError: Horovod is not installed or was built without PyTorch; the message says
+            how to build it (Horovod 0.28.1 needs one line changed to compile against torch 2).
+    """
+    how = ("Build Horovod with HOROVOD_WITH_PYTORCH=1 against the installed torch; Horovod "
+           "0.28.1 forces C++14 where torch 2 needs C++17, which tfdist's tools/horovod-env.sh "
+           "patches (`make venv-horovod` builds .venv-horovod/ with TensorFlow and PyTorch).")
+    if not is_installed():
+        raise ConfigError("backend 'horovod' of tfdist.torch needs the horovod package, which is "
+                          f"not installed in this Python ({sys.executable}). " + how)
+    try:
+        import horovod.torch as hvd
+    except Exception as error:  # ImportError, or the extension library failing to load
+        raise ConfigError(f"horovod.torch cannot be imported: {type(error).__name__}: "
+                          f"{str(error).strip().rstrip('.')}. " + how) from error
     return hvd
 
 

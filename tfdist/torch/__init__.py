@@ -16,9 +16,10 @@
 
 from __future__ import annotations
 
-from tfdist.torch.handle import TorchDistributed, current, distributed, init, shutdown, unwrap
+from tfdist.torch.handle import TorchDistributed, unwrap
 from tfdist.torch.rendezvous import Rendezvous
 from tfdist.torch.sampler import EpochSampler
+from tfdist.torch.start import current, distributed, init, shutdown
 
 __all__ = [
     "EpochSampler",

@@ -1,6 +1,8 @@
-"""The process group, created from the detected launch, and the handle training scripts use.
+"""The handle training scripts use, and the process group it runs on.
 
-The backend is DDP; its collective is the process group's (``nccl`` or ``gloo``). Settings,
+:class:`TorchDistributed` is the DDP backend and the base of the others (Horovod, DeepSpeed);
+its collective is the process group's (``nccl`` or ``gloo``). :mod:`tfdist.torch.start` creates
+it (``init``) and ends it (``shutdown``). Settings,
 highest precedence first: the Python argument, then the ``TFDIST_TORCH_*`` environment
 variable, then what the machine implies, then the default (:mod:`tfdist.settings`). GPUs and
 threads follow the same policy as TensorFlow's backends (:mod:`tfdist.devices`).
@@ -8,15 +10,14 @@ threads follow the same policy as TensorFlow's backends (:mod:`tfdist.devices`).
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, overload
 
 import torch
 import torch.distributed as torch_dist
@@ -25,21 +26,18 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
 from tfdist import devices, failures
-from tfdist.env import ClusterEnvironment, detect
-from tfdist.errors import ConfigError, LaunchError
-from tfdist.replicas import HandleCache, ReplicaMath
-from tfdist.settings import resolve
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import LaunchError
+from tfdist.replicas import ReplicaMath
 from tfdist.torch import heartbeat
-from tfdist.torch.rendezvous import Rendezvous, plan
+from tfdist.torch.rendezvous import Rendezvous
 from tfdist.torch.sampler import EpochSampler
 
-__all__ = ["TorchDistributed", "current", "distributed", "init", "shutdown"]
+__all__ = ["TorchDistributed", "close_group", "count_steps", "create_group", "pick_device",
+           "process_group_collective", "unwrap"]
 
 logger = logging.getLogger("tfdist")
 
-_cache: HandleCache[TorchDistributed] = HandleCache(
-    "tfdist.torch", "; call tfdist.torch.shutdown() first")
-_atexit_registered = False
 
 
 class TorchDistributed(ReplicaMath):
@@ -64,6 +62,11 @@ class TorchDistributed(ReplicaMath):
         self.rendezvous = rendezvous
         self.collective = collective
         self.device = device
+        self.loader_batch: int | None = None  # the global batch given to loader(), if any
+
+    def prepare(self) -> None:
+        """Runs once the process group exists, before the handle is handed out: a backend's
+        own start (DDP needs none)."""
 
     @property
     def rank(self) -> int:  # type: ignore[override]
@@ -85,17 +88,37 @@ class TorchDistributed(ReplicaMath):
         """Replicas in sync: one per process under DDP."""
         return self.world_size
 
-    def wrap(self, model: torch.nn.Module, **ddp_options: Any) -> DistributedDataParallel:
-        """Moves ``model`` to :attr:`device` and wraps it in ``DistributedDataParallel``.
+    @overload
+    def wrap(self, model: torch.nn.Module, optimizer: None = None, **options: Any) -> Any: ...
+
+    @overload
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             **options: Any) -> tuple[Any, Any]: ...
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             **options: Any) -> Any:
+        """Moves ``model`` to :attr:`device` and hands it to the backend; with ``optimizer``,
+        returns ``(model, optimizer)`` to train with, the same code for every backend::
+
+            model, optimizer = dist.wrap(model, torch.optim.Adam(model.parameters(), lr))
+            ...
+            dist.backward(loss)
+            optimizer.step()
 
         DDP broadcasts rank 0's parameters and buffers here, then averages the gradients in
-        every backward pass. ``ddp_options`` go to DDP (e.g. ``find_unused_parameters=True``).
+        every backward pass; the optimizer comes back as it is. ``options`` go to DDP (e.g.
+        ``find_unused_parameters=True``). Without ``optimizer`` the wrapped model alone comes
+        back (DDP only).
         """
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model.to(self.device), device_ids=device_ids,
-                                          **ddp_options)
-        wrapped.register_forward_pre_hook(_count_step)
-        return wrapped
+                                          **options)
+        wrapped.register_forward_pre_hook(count_steps)
+        return wrapped if optimizer is None else (wrapped, optimizer)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` as the backend needs it (DeepSpeed's engine runs its own)."""
+        loss.backward()
 
     def sampler(self, dataset: Dataset[Any], *, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False) -> EpochSampler[Any]:
@@ -122,8 +145,10 @@ class TorchDistributed(ReplicaMath):
         Raises:
             ConfigError: ``batch_size`` does not divide over the replicas.
         """
-        return DataLoader(dataset, batch_size=self.per_replica_batch_size(batch_size),
-                          sampler=self.sampler(dataset, shuffle=shuffle, seed=seed), **options)
+        loader = DataLoader(dataset, batch_size=self.per_replica_batch_size(batch_size),
+                            sampler=self.sampler(dataset, shuffle=shuffle, seed=seed), **options)
+        self.loader_batch = self.loader_batch or batch_size  # the first: the training one
+        return loader
 
     def warmup(self, optimizer: torch.optim.Optimizer, steps: int) -> LambdaLR:
         """A scheduler ramping the learning rate from ``lr / size`` to ``lr`` over ``steps``.
@@ -131,6 +156,7 @@ class TorchDistributed(ReplicaMath):
         Call its ``step()`` after each ``optimizer.step()``; after ``steps`` steps the rate
         stays at the optimizer's ``lr`` (as ``callbacks(warmup_epochs=...)`` does in Keras).
         """
+        optimizer = getattr(optimizer, "client", optimizer)  # DeepSpeed's: the script's own
         start = 1.0 / self.world_size
 
         def factor(step: int) -> float:
@@ -232,6 +258,11 @@ class TorchDistributed(ReplicaMath):
             raise
         return True
 
+    def close(self, barrier: bool) -> None:
+        """Tears the backend down (:func:`shutdown`): the process group, after a barrier when
+        ``barrier``."""
+        close_group(self, barrier)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the chief only, flushed (worker output is often piped)."""
         if self.is_chief:
@@ -248,7 +279,7 @@ class TorchDistributed(ReplicaMath):
                 f"device={str(self.device)!r}, launcher={self.environment.launcher!r})")
 
 
-def _count_step(module: torch.nn.Module, _: Any) -> None:
+def count_steps(module: torch.nn.Module, _: Any) -> None:
     # Training steps done, for the line naming a failed peer: a forward in training mode starts
     # the next one (about a microsecond a step).
     if module.training:
@@ -260,95 +291,15 @@ _steps = [0]  # forwards of DDP-wrapped models in training mode, in this process
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a ``DistributedDataParallel`` wrapper, or ``model`` itself."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The model inside a ``DistributedDataParallel`` wrapper or a DeepSpeed engine, or
+    ``model`` itself."""
+    if isinstance(model, DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
+        return model.module  # type: ignore[return-value]
+    return model
 
 
-def init(collective: str | None = None, *, timeout: float | timedelta | None = None
-         ) -> TorchDistributed:
-    """Detects the launch, pins this process's GPU and creates the process group.
-
-    Calling it again returns the same handle until :func:`shutdown`. One plain process gets
-    a one-rank group over an in-memory store, so the same script runs everywhere.
-
-    Args:
-        collective: ``"auto"``, ``"nccl"`` or ``"gloo"``; env ``TFDIST_TORCH_COLLECTIVE`` (or
-            its old name ``TFDIST_TORCH_BACKEND``). Auto picks NCCL when CUDA is available,
-            gloo on CPU. NCCL without CUDA falls back to gloo, with a warning (as TensorFlow's
-            NCCL request falls back to the ring).
-        timeout: seconds (or a ``timedelta``) that the rendezvous and every collective may wait
-            for the other ranks before raising; env ``TFDIST_TORCH_TIMEOUT``; default 600. A
-            peer whose process stops (no heartbeat: :mod:`tfdist.torch.heartbeat`) ends every
-            rank sooner: after half of it, at most 30 s.
-
-    Returns:
-        The :class:`TorchDistributed` handle.
-
-    Raises:
-        LaunchError: the launch cannot train as started, or the ranks did not meet in time.
-        ConfigError: an invalid setting, or a process group created outside tfdist.
-    """
-    settings = _settings(collective, timeout)
-    cached = _cache.get(settings)
-    if cached is not None:
-        return cached
-    if torch_dist.is_initialized():
-        raise ConfigError("torch.distributed was initialised outside tfdist: remove your "
-                          "init_process_group call and let tfdist.torch.init() create the group")
-    environment = detect()
-    rendezvous = plan(environment)
-    device = _device(environment)
-    chosen = _collective(settings[0], device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before NCCL creates its communicator on "the" device
-    _create_group(rendezvous, chosen, settings[1])
-    # A peer that dies is named after the collective's error; one that stops, by the heartbeat.
-    failures.install(environment)
-    heartbeat.start(environment, rendezvous.rank, rendezvous.world_size, settings[1],
-                    store_rank=0 if (rendezvous.init_method or "").startswith("tcp://") else None)
-    handle = _cache.put(TorchDistributed(environment, rendezvous, chosen, device), settings)
-    _register_atexit()
-    handle.log("tfdist: torch process group, %d process(es), DDP over %s, device %s; "
-               "rendezvous: %s; launched by %s", handle.world_size, chosen, device,
-               rendezvous.reason, environment.reason)
-    return handle
-
-
-@contextlib.contextmanager
-def distributed(collective: str | None = None, *, timeout: float | timedelta | None = None
-                ) -> Iterator[TorchDistributed]:
-    """``init()``, and tear the process group down on leaving, also on an exception.
-
-    On success every rank waits at a barrier before destroying the group, so rank 0, which
-    hosts the rendezvous store, is not gone while others still finish. On an exception the
-    group is destroyed at once and the exception propagates; the other ranks' pending
-    collectives then fail (gloo: at once, as the connections close; NCCL: within the timeout),
-    so no rank waits forever. Takes the same arguments as :func:`init`.
-    """
-    handle = init(collective, timeout=timeout)
-    completed = False
-    try:
-        yield handle
-        completed = True
-    finally:
-        shutdown(barrier=completed)
-
-
-def current() -> TorchDistributed | None:
-    """The handle created by :func:`init` in this process, if any."""
-    return _cache.handle
-
-
-def shutdown(*, barrier: bool = True) -> None:
-    """Destroys the process group tfdist created; does nothing when there is none.
-
-    Args:
-        barrier: wait for every rank first (a normal finish). Without it (after an error) the
-            group is destroyed at once, and an error while destroying it is only logged, so it
-            cannot hide the original one.
-    """
-    handle = _cache.clear()
-    if handle is None or not torch_dist.is_initialized():
+def close_group(handle: TorchDistributed, barrier: bool) -> None:
+    if not torch_dist.is_initialized():
         return
     if barrier:
         try:
@@ -368,12 +319,10 @@ def shutdown(*, barrier: bool = True) -> None:
         logger.warning("tfdist: destroying the process group failed: %s", error)
 
 
-def _settings(collective: str | None, timeout: float | timedelta | None) -> tuple[str, float]:
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    return resolve("torch_collective", collective), resolve("torch_timeout", seconds)
+def pick_device(environment: ClusterEnvironment) -> torch.device:
+    """This process's device: its GPU by tfdist's policy, else the CPU; sets torch's threads.
 
-
-def _device(environment: ClusterEnvironment) -> torch.device:
+    Narrows ``CUDA_VISIBLE_DEVICES`` first, so it must run before CUDA starts."""
     # The same policy as TensorFlow's backends: narrow CUDA_VISIBLE_DEVICES to this task's GPUs
     # (physical ids kept) before CUDA starts; with nothing set, take the local rank's share.
     started = torch.cuda.is_initialized()  # then CUDA keeps the devices it saw at start
@@ -401,7 +350,7 @@ def _warn_idle(given: int, environment: ClusterEnvironment) -> None:
         logger.warning("tfdist: %s", idle)
 
 
-def _collective(requested: str, device: torch.device) -> str:
+def process_group_collective(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "nccl" if device.type == "cuda" and torch_dist.is_nccl_available() else "gloo"
     if requested == "nccl" and device.type != "cuda":
@@ -410,7 +359,7 @@ def _collective(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _create_group(rendezvous: Rendezvous, collective: str, timeout_s: float) -> None:
+def create_group(rendezvous: Rendezvous, collective: str, timeout_s: float) -> None:
     timeout = timedelta(seconds=timeout_s)
     if rendezvous.init_method is None:
         torch_dist.init_process_group(collective, store=torch_dist.HashStore(), rank=0,
@@ -471,12 +420,3 @@ def _runnable_threads(name: str) -> int:
         comm, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:][:1]
         count += comm == name and state == "R"
     return count
-
-
-def _register_atexit() -> None:
-    # A script that calls init() without the context manager still releases the group, even
-    # when it ends with an exception (atexit runs after the traceback is printed).
-    global _atexit_registered
-    if not _atexit_registered:
-        atexit.register(shutdown, barrier=False)
-        _atexit_registered = True

@@ -1,0 +1,192 @@
+"""DeepSpeed behind the torch handle: ``backend="deepspeed"`` (``TFDIST_BACKEND=deepspeed``).
+
+The process group is tfdist's, as for DDP (the same rendezvous, heartbeat and teardown);
+``dist.wrap(model, optimizer)`` hands both to ``deepspeed.initialize`` and returns the engine
+and an optimizer whose ``step()`` is the engine's, so one training loop serves every backend::
+
+    model, optimizer = dist.wrap(model, torch.optim.Adam(model.parameters(), lr))
+    loss = ...
+    dist.backward(loss)          # the engine's backward
+    optimizer.step()             # the engine's step (and its zero_grad)
+
+The config is :data:`DEFAULT_CONFIG` (ZeRO stage 2, fp32, the client's optimizer as it is),
+then ``TFDIST_DEEPSPEED_CONFIG`` (a JSON file or inline JSON), then ``wrap(config=)``, each
+merged into the last key by key. ``train_micro_batch_size_per_gpu`` follows the batch
+:meth:`~tfdist.torch.TorchDistributed.loader` was given, when it was.
+
+On CPU DeepSpeed runs over the process group's gloo: its CPU accelerator needs neither IPEX
+nor oneCCL. tfdist sets ``DS_ACCELERATOR=cpu`` there, and marks the shared-memory op that
+DeepSpeed would compile with g++ on first use (48-100 s, for ``inference_all_reduce`` only)
+as unavailable; ``LOCAL_RANK``, which DeepSpeed requires, comes from the detected launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tfdist.errors import ConfigError
+from tfdist.settings import resolve
+from tfdist.torch.handle import TorchDistributed, count_steps
+
+__all__ = ["DEFAULT_CONFIG", "DeepSpeedDistributed", "EngineOptimizer", "merge_config"]
+
+logger = logging.getLogger("tfdist")
+
+# What tfdist gives deepspeed.initialize unless told otherwise. The client's optimizer is used
+# as it is: ZeRO refuses optimizers off its tested list without `zero_allow_untested_optimizer`,
+# and DeepSpeed 0.19 clips gradients to norm 1.0 by default, which a torch optimizer does not.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2},
+    "zero_allow_untested_optimizer": True,
+    "gradient_clipping": 0.0,
+    "steps_per_print": 2**31 - 1,
+}
+
+
+def merge_config(base: Mapping[str, Any], *overrides: Mapping[str, Any] | None
+                 ) -> dict[str, Any]:
+    """``base`` with each override merged in turn, nested mappings key by key (pure)."""
+    merged = copy.deepcopy(dict(base))
+    for override in overrides:
+        for key, value in (override or {}).items():
+            if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+                merged[key] = merge_config(merged[key], value)
+            else:
+                merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def config_from_setting(text: str | None) -> dict[str, Any]:
+    """``TFDIST_DEEPSPEED_CONFIG``: inline JSON (``{...}``) or the path of a JSON file.
+
+    Raises:
+        ConfigError: the file is missing, or either is not a JSON object.
+    """
+    if not text:
+        return {}
+    source = "TFDIST_DEEPSPEED_CONFIG"
+    if not text.lstrip().startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{source}={text!r}: no such file; give the path of a DeepSpeed "
+                              "JSON config, or the JSON itself")
+        source, text = f"{source} file {path}", path.read_text()
+    try:
+        config = json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"{source} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source} must be a JSON object of DeepSpeed config keys")
+    return config
+
+
+class EngineOptimizer:
+    """The optimizer ``wrap`` returns under DeepSpeed: ``step()`` runs the engine's step, which
+    also zeroes the gradients; ``client`` is the optimizer the script made (``warmup`` ramps
+    its learning rate, which the engine reads)."""
+
+    def __init__(self, engine: Any, client: torch.optim.Optimizer) -> None:
+        self.engine = engine
+        self.client = client
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ConfigError("DeepSpeed's engine takes no closure in step()")
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.client.param_groups
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({type(self.client).__name__}, DeepSpeed engine)"
+
+
+class DeepSpeedDistributed(TorchDistributed):
+    """The torch handle with DeepSpeed's engine; the process group is tfdist's."""
+
+    backend = "deepspeed"
+
+    def prepare(self) -> None:
+        """Before ``import deepspeed``: its accelerator, ``LOCAL_RANK``, its logger; after: no
+        op compiled for inference that training never runs (see the module docstring)."""
+        if self.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
+        import deepspeed
+        import deepspeed.ops
+
+        if self.device.type == "cpu":
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        if not resolve("verbose"):  # DeepSpeed's INFO lines, every rank's, unless asked
+            logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+            # DeepSpeed's call, not the script's: torch 2.13 deprecates the function it uses.
+            warnings.filterwarnings("ignore", category=FutureWarning,
+                                    message=r"`torch\.distributed\.all_gather_into_tensor`")
+        self.version = deepspeed.__version__
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             **options: Any) -> Any:
+        """``deepspeed.initialize`` on ``model`` and ``optimizer``; returns the engine and an
+        :class:`EngineOptimizer`. ``config=`` (a dict) is merged over the defaults and
+        ``TFDIST_DEEPSPEED_CONFIG``; other options go to ``deepspeed.initialize``.
+
+        Raises:
+            ConfigError: no optimizer (the engine owns the step).
+        """
+        if optimizer is None:
+            raise ConfigError("backend deepspeed: DeepSpeed's engine runs the optimizer step, so "
+                              "give it the optimizer: `model, optimizer = dist.wrap(model, "
+                              "optimizer)`")
+        import deepspeed
+
+        config = self.config(options.pop("config", None))
+        engine, _, _, _ = deepspeed.initialize(model=model.to(self.device), optimizer=optimizer,
+                                               config=config, **options)
+        engine.register_forward_pre_hook(count_steps)
+        self.engine = engine
+        self.log("tfdist: DeepSpeed %s engine, ZeRO stage %s, micro batch %s per replica",
+                 self.version, config.get("zero_optimization", {}).get("stage", 0),
+                 config["train_micro_batch_size_per_gpu"])
+        return engine, EngineOptimizer(engine, optimizer)
+
+    def config(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The config ``wrap`` gives DeepSpeed (see the module docstring)."""
+        batch = {"train_micro_batch_size_per_gpu": self.per_replica_batch_size(
+            self.loader_batch)} if self.loader_batch else {}
+        return merge_config(DEFAULT_CONFIG, batch,
+                            config_from_setting(resolve("deepspeed_config")), given)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The engine's backward (it scales the loss and reduces the gradients)."""
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            raise ConfigError("backend deepspeed: call `model, optimizer = dist.wrap(model, "
+                              "optimizer)` before dist.backward(loss)")
+        engine.backward(loss)
+
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> bool:
+        """As :meth:`TorchDistributed.save`; the engine is saved as its model's state_dict.
+
+        Raises:
+            ConfigError: ZeRO stage 3, where no rank holds the whole model.
+        """
+        engine = getattr(self, "engine", None)
+        if obj is engine and engine is not None and engine.zero_optimization_stage() >= 3:
+            raise ConfigError("ZeRO stage 3 partitions the parameters, so no rank holds the whole "
+                              "model: save with `model.save_checkpoint(DIR)` on every rank")
+        return super().save(obj, path)
