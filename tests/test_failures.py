@@ -37,6 +37,14 @@ HEARTBEATS = (
     "/job:worker/replica:0/task:1\nThe tasks have crashed. Check the task logs for an earlier "
     "error, or scheduler events (e.g. preemption, eviction) to debug further.\nThe error could "
     "be from a previous operation. Restart your program to reset.")
+# TensorFlow 2.15.1, rank 1 stopped (SIGSTOP) during fit.
+HEARTBEAT_TIMEOUT_215 = (
+    "Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent call "
+    "last):\n...\nCollective ops is aborted by: Error reported from /job:worker/task:1: Task "
+    "/job:worker/replica:0/task:1 heartbeat timeout. This indicates that the remote task has "
+    "failed, got preempted, or crashed unexpectedly. Check the task logs for an earlier error to "
+    "debug further.\nThe error could be from a previous operation. Restart your program to "
+    "reset.")
 LEADER_GONE = (
     "BaseCollectiveExecutor::StartAbort UNAVAILABLE: Failed to send RPC to coordination "
     "service. Either the leader task was preempted/died/restarted unexpectedly or this task is "
@@ -114,6 +122,7 @@ MESSAGES = {
     "two ranks unhealthy": (HEARTBEATS.replace("task:1\nThe", "task:1\n"
                                                "/job:worker/replica:0/task:3\nThe"), (), {},
                             [1, 3], None),
+    "heartbeat timeout, TensorFlow 2.15": (HEARTBEAT_TIMEOUT_215, (), {}, [1], None),
     "the coordination service's host is gone": (LEADER_GONE, ADDRESSES, {}, [0], None),
     "a peer refuses connections, named by address": (
         "UNAVAILABLE: failed to connect to all addresses; last error: ipv4 n10:20929: "

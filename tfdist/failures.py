@@ -4,8 +4,9 @@ A rank that crashes, is killed or stops responding shows up on every other rank 
 the communication layer, far from the cause:
 
 - MultiWorkerMirroredStrategy: "Collective ops is aborted by: ... The following tasks are
-  unhealthy (stopped sending heartbeats): /job:worker/replica:0/task:1", or a gRPC
-  "Connection refused" to the coordination service;
+  unhealthy (stopped sending heartbeats): /job:worker/replica:0/task:1" (TensorFlow 2.15:
+  "Task /job:worker/replica:0/task:1 heartbeat timeout"), or a gRPC "Connection refused" to
+  the coordination service;
 - Horovod: "Horovod has been shut down. This was caused by an exception on one of the ranks
   ...", which names no rank (Horovod logs gloo's "Read error [10.0.0.2]:43457: Connection reset
   by peer" or "Timed out waiting 120000ms for recv operation to complete" before it, from C++);
@@ -47,6 +48,8 @@ __all__ = ["continued_line", "explain", "failed_host", "failed_ranks", "install"
 
 _TASK = re.compile(r"/job:worker/(?:replica:\d+/)?task:(\d+)")
 _REMOTE = re.compile(r"remote target (/job:worker/(?:replica:\d+/)?task:\d+)")
+# The coordination service of TensorFlow 2.15 and older: one task per line.
+_TIMED_OUT_TASK = re.compile(r"Task /job:worker/(?:replica:\d+/)?task:(\d+) heartbeat timeout")
 # A connection to a peer failed: TensorFlow's gRPC, gloo (torch's and Horovod's), NCCL.
 _UNREACHABLE = ("Connection refused", "failed to connect", "Socket closed", "Connection reset",
                 "Connection closed by", "Read error", "Write error", "Read timeout",
@@ -105,6 +108,9 @@ def _named(message: str, addresses: Sequence[str],
            aliases: Mapping[str, str]) -> tuple[list[int], str | None]:
     if "unhealthy" in message:  # the coordination service: missed heartbeats
         return sorted({int(task) for task in _TASK.findall(message.split("unhealthy", 1)[1])}), None
+    timed_out = _TIMED_OUT_TASK.findall(message)
+    if timed_out:
+        return sorted({int(task) for task in timed_out}), None
     silent = _SILENT.findall(message)
     if silent:
         return sorted({int(rank) for rank in silent}), None
