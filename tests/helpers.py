@@ -5,6 +5,7 @@ Imported by name (`from helpers import launch`); conftest.py only loads pytest p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +18,19 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def _horovod_python() -> Path:
+    """The Python whose environment has Horovod: this one where Horovod is installed (the
+    TensorFlow 2.15 lane's .venv-tf215), else .venv-horovod's (built by `make venv-horovod`).
+    Not resolved: a venv's python is a link, and its environment is found through the link."""
+    if importlib.util.find_spec("horovod") is not None:
+        return Path(sys.executable)
+    return ROOT / ".venv-horovod" / "bin" / "python"
+
+
+# The Horovod tests' workers run under this Python; horovodrun is in its bin/.
+HOROVOD_PYTHON = _horovod_python()
 
 
 # Variables by which a process would think a launcher started it (tfdist.env reads them).

@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, clean_env
+from helpers import HOROVOD_PYTHON, ROOT, clean_env
 
 from tfdist.doctor.collective import bus_bandwidth
 from tfdist.doctor.probe import replicas
@@ -32,7 +32,9 @@ from tfdist.doctor.report import (
 )
 
 VERSIONS = {"python": "3.11.7", "tensorflow": "2.21.0", "keras": "3.15.1", "tfdist": "0.1.0"}
-HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+HVD_PY = HOROVOD_PYTHON
+# Another environment, with TensorFlow 2.18.1 (this one's is 2.21, or 2.15 in the TF 2.15 lane).
+OTHER_PY = ROOT / ".venv-horovod" / "bin" / "python"
 _LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG",
                     "NCCL_", "GLOO_")
 
@@ -257,6 +259,25 @@ def test_a_good_plan_passes(framework):
     assert "tfdist doctor: ready: 2 rank(s) on 1 host(s)" in out
 
 
+@pytest.mark.parametrize("entry", ["import tfdist.torch", "tfdist doctor --framework torch"])
+def test_a_python_without_torch_is_told_how_to_install_it(entry):
+    # The TensorFlow 2.15 lane has no torch; here it is hidden (sys.modules["torch"] = None).
+    hide = "import sys; sys.modules['torch'] = None; "
+    code = {"import tfdist.torch": hide + "import tfdist.torch",
+            "tfdist doctor --framework torch": hide + "from tfdist.cli import main; "
+            "raise SystemExit(main(['doctor', '--framework', 'torch']))"}[entry]
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert "tfdist.torch needs PyTorch, which is not installed in this Python" in done.stderr
+    assert "pip install 'tfdist[torch]'" in done.stderr
+    if entry.startswith("tfdist doctor"):  # tfdist's one line, no traceback
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("tfdist: --framework torch: ")
+        assert "or check TensorFlow with --framework tf" in done.stderr
+    else:
+        assert "ModuleNotFoundError" in done.stderr
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not HVD_PY.exists(), reason="needs .venv-horovod (make venv-horovod)")
 def test_a_good_plan_passes_under_horovod():
@@ -339,10 +360,10 @@ def test_a_coordinator_that_does_not_route_is_named_by_both_sides(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not HVD_PY.exists(), reason="needs .venv-horovod (make venv-horovod)")
+@pytest.mark.skipif(not OTHER_PY.exists(), reason="needs .venv-horovod (make venv-horovod)")
 def test_a_rank_with_other_versions_is_named(tmp_path):
     addresses = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
-    codes, (out0, out1), took = _by_hand(tmp_path, [sys.executable, str(HVD_PY)], addresses,
+    codes, (out0, out1), took = _by_hand(tmp_path, [sys.executable, str(OTHER_PY)], addresses,
                                          "--timeout", "20")
     assert codes == [1, 1], (out0, out1)
     # Two ranks, one each: the odd one out is whichever is not rank 0's.

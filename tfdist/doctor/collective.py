@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist.errors import ConfigError
+
 __all__ = ["Engine", "bus_bandwidth", "start", "watchdog"]
 
 ROUNDS = 5
@@ -135,10 +137,15 @@ def _horovod(dist: Any) -> Engine:
 
 
 def _torch(backend: str | None) -> Engine:
+    try:
+        import tfdist.torch
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        raise ConfigError(f"--framework torch: {err}; or check TensorFlow with --framework tf"
+                          ) from None
     import torch
     import torch.distributed as torch_dist
-
-    import tfdist.torch
 
     dist = tfdist.torch.init(backend=backend)
     hvd = getattr(dist, "hvd", None)  # Horovod's collectives, no process group

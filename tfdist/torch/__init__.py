@@ -16,6 +16,16 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
+if importlib.util.find_spec("torch") is None:
+    raise ModuleNotFoundError(
+        f"tfdist.torch needs PyTorch, which is not installed in this Python ({sys.executable}): "
+        "install it with `pip install 'tfdist[torch]'` (on a machine without GPUs pin a CPU "
+        "build, e.g. torch==2.13.0 from PyTorch's CPU index), or load your site's PyTorch "
+        "module", name="torch")
+
 from tfdist.torch.handle import TorchDistributed, unwrap
 from tfdist.torch.rendezvous import Rendezvous
 from tfdist.torch.sampler import EpochSampler
