@@ -11,9 +11,12 @@ STAMP := $(VENV)/.tfdist-installed
 # Horovod's environment: TensorFlow 2.18.1, the newest Horovod 0.28.1 builds against.
 HVD_VENV := .venv-horovod
 HVD_STAMP := $(HVD_VENV)/.tfdist-installed
+# The TensorFlow 2.15 lane: TensorFlow 2.15.1 (tf.keras is Keras 2), Horovod built against it.
+TF215_VENV := .venv-tf215
+TF215_STAMP := $(TF215_VENV)/.tfdist-installed
 MODEL_DIR ?= runs/keras_train
 
-.PHONY: system venv venv-horovod train test lint clean
+.PHONY: system venv venv-horovod venv-tf215 train test lint clean
 
 system:
 	bash tools/system-packages.sh
@@ -36,14 +39,35 @@ venv-horovod: $(HVD_STAMP)
 $(HVD_STAMP): tools/horovod-env.sh requirements/bootstrap.txt requirements/horovod.txt \
 		requirements/horovod-no-deps.txt requirements/torch.txt setup.cfg
 	$(MAKE) system
-	bash tools/horovod-env.sh $(HVD_VENV) $(PYTHON)
+	bash tools/horovod-env.sh $(HVD_VENV) $(PYTHON) horovod
+
+venv-tf215: $(TF215_STAMP)
+
+$(TF215_STAMP): tools/horovod-env.sh requirements/bootstrap.txt requirements/tf215.txt \
+		requirements/tf215-no-deps.txt setup.cfg
+	$(MAKE) system
+	bash tools/horovod-env.sh $(TF215_VENV) $(PYTHON) tf215
 
 train: $(STAMP)
 	$(BIN)/tfdist launch -n 2 examples/keras_train.py --epochs=8 --batch_size=64 \
 		--scale_lr --model_dir=$(MODEL_DIR) --data_dir=$(CURDIR)/.cache/tensorflow_datasets
 
-test: system lint $(HVD_STAMP)
+# The TensorFlow 2.15 lane runs the tests of what differs on Keras 2 as tf.keras: multi-worker
+# fit and custom loops, the Keras features on many workers, resume after preemption, the replica
+# sync check, Horovod under every launcher, the examples, several replicas per worker, and a
+# rendered MWMS job (preempted and requeued) and Horovod job on the Slurm test cluster. Its
+# tf_keras cases are left out (-k): tf_keras 2.15 is the same Keras 2 as its keras 2.15, and the
+# main run tests tf_keras 2.21 and 2.18.
+TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_keras_traps.py \
+	tests/test_callbacks.py tests/test_preemption.py tests/test_sync.py tests/test_horovod.py \
+	tests/test_examples.py tests/test_quiet.py tests/test_mirrored.py \
+	tests/test_slurm_jobs.py::test_mwms_job_on_n9_n10_trains_in_sync_and_chief_saves_once \
+	tests/test_slurm_jobs.py::test_preempted_job_requeues_itself_and_ends_bit_identical \
+	tests/test_slurm_horovod.py::test_srun_pmix_mpi_job_trains_in_sync_and_chief_saves_once
+
+test: system lint $(HVD_STAMP) $(TF215_STAMP)
 	$(BIN)/python -m pytest
+	$(TF215_VENV)/bin/python -m pytest -k 'not tf_keras' $(TF215_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check tfdist examples tests benchmarks
@@ -51,4 +75,4 @@ lint: $(STAMP)
 	bash tools/shellcheck.sh
 
 clean:
-	rm -rf $(VENV) $(HVD_VENV) runs .cache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(HVD_VENV) $(TF215_VENV) runs .cache .pytest_cache .mypy_cache .ruff_cache

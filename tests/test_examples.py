@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, final_weights, launch
+from helpers import HOROVOD_PYTHON, ROOT, final_weights, launch
 
 pytestmark = pytest.mark.multiprocess
 EXAMPLE = str(ROOT / "examples" / "keras_train.py")
@@ -112,7 +112,7 @@ def test_the_custom_loop_example_resumes_after_a_preemption(tmp_path):
     assert "could not be found in the restored object" not in output, output[-3000:]
 
 
-HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+HVD_PY = HOROVOD_PYTHON
 BENCHMARK = [str(ROOT / "examples" / "synthetic_benchmark.py"), "--model", "MobileNetV2",
              "--image-size", "32", "--batch-size", "8", "--num-warmup-batches", "1",
              "--num-batches-per-iter", "2", "--num-iters", "2", "--no-cuda"]

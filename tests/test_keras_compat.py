@@ -15,14 +15,25 @@ from helpers import WORKERS, launch
 from tfdist import keras_compat
 
 keras = pytest.importorskip("keras")
+KERAS3 = keras_compat.is_keras3(keras)
+# The TensorFlow 2.15 lane's `keras` is Keras 2.15: there is nothing of Keras 3's to patch.
+keras3_only = pytest.mark.skipif(not KERAS3, reason=f"keras {keras.__version__} is Keras 2")
 
 
+@pytest.mark.skipif(KERAS3, reason="Keras 3: the next test checks its range")
+def test_keras2_gets_no_fix():
+    assert not keras_compat.needs_fix()
+    assert not keras_compat.apply()
+
+
+@keras3_only
 def test_pinned_keras_is_in_the_affected_range():
     assert keras_compat.needs_fix(), (
         f"Keras {keras.__version__} is outside tfdist.keras_compat.AFFECTED={keras_compat.AFFECTED}"
         ": re-run tests/test_multiworker.py with TFDIST_KERAS_FIX=0 and adjust the range")
 
 
+@keras3_only
 def test_patched_functions_still_have_the_upstream_defects():
     from keras.src.backend.tensorflow import trainer
 
@@ -57,6 +68,7 @@ def test_legacy_keras_needs_no_fix(monkeypatch):
     assert not keras_compat.needs_fix()
 
 
+@keras3_only
 @pytest.mark.multiprocess
 def test_without_the_fix_two_worker_fit_still_fails_upstream(tmp_path):
     run = launch([str(WORKERS / "train_worker.py"), str(tmp_path), "fit", "dist"],

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, WORKERS, clean_env
 
+from tfdist.keras_compat import keras2_package
+
 WORKER = WORKERS / "mirrored_worker.py"
 
 
@@ -146,6 +148,9 @@ def test_four_replicas_train_as_one_with_the_same_global_batch(workers, runs, ke
 def test_the_control_without_averaging_differs(workers):
     # Each replica updates its moving statistics from its own 8 examples: without tfdist's
     # average, the devices and the ranks hold different ones (the dense net stays equal).
+    if keras2_package():
+        pytest.skip("tf.keras is Keras 2 here (TensorFlow 2.15): under MWMS its moving "
+                    "statistics are sync-on-read means, averaged without tfdist")
     first, second = workers["no averaging"]
     assert first["copies_equal"] == {"dense": True, "batch_norm": False}
     assert _largest_difference(first["batch_norm"], second["batch_norm"]) > 1e-3

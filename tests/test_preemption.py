@@ -20,16 +20,17 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import ROOT, WORKERS
+from helpers import HOROVOD_PYTHON, ROOT, WORKERS
 
 from tfdist import keras_input, preemption
 from tfdist.backends.single import SingleDistributed
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError
+from tfdist.keras_compat import keras2_package
 from tfdist.keras_input import Position, Resume
 
 WORKER = str(WORKERS / "preempt_worker.py")
-HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+HVD_PY = HOROVOD_PYTHON
 STEPS_PER_EPOCH = 16  # 512 rows, global batch 32
 _LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG")
 
@@ -285,8 +286,9 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, c
     python = str(HVD_PY) if backend == "horovod" else sys.executable
     if backend == "horovod" and not HVD_PY.exists():
         pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
-    # The dataset reshuffles every epoch: the resumed run must see the stopped run's order.
-    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data}
+    # The dataset reshuffles every epoch: the resumed run must see the stopped run's order, and
+    # draw the stopped run's Dropout masks.
+    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
     straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0", **env)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     # A check after every step, so the stop comes at the first step after the signal.
@@ -308,6 +310,29 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, c
     else:  # stopped inside an epoch
         assert stopped[0]["step"] > 0 and stopped[0]["steps"] < total, stopped
     assert not list((tmp_path / "m2").glob("preempted*"))  # removed once an epoch finished
+
+
+@pytest.mark.multiprocess
+def test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_masks(tmp_path):
+    # Keras 2's Dropout on TensorFlow's legacy stateful random ops (Keras 2's default, which
+    # tfdist.init switches to tf.random.Generator): their state is in no checkpoint, so the
+    # resumed run draws a fresh process's masks. tf_keras here; TensorFlow 2.15's own keras in
+    # its lane.
+    legacy = "0" if keras2_package() == "keras" else "1"
+    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_DROPOUT": "1",
+           "PREEMPT_TEST_LEGACY_RNG": "1"}
+    straight = _run(sys.executable, "mwms", tmp_path / "straight", tmp_path / "m1", "-1", "0",
+                    **env)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    run = _run(sys.executable, "mwms", tmp_path / "out", tmp_path / "m2", "1", "20",
+               "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
+    expected = _results(tmp_path / "straight")
+    for before, after, alone in zip(stopped, resumed, expected, strict=True):
+        assert before["steps"] + after["steps"] == alone["steps"], (before, after)
+        assert after["digest"] != alone["digest"], (after, alone)
+    assert resumed[0]["digest"] == resumed[1]["digest"]  # still in sync: other masks, not ranks
 
 
 @pytest.mark.multiprocess

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import HOROVOD_PYTHON
 from slurm_jobs import (
     EXAMPLE,
     ROOT,
@@ -60,7 +61,7 @@ from tfdist.jobs import render
 
 WORLD = 4  # 2 nodes x 2 fake GPUs
 GPUS_PER_NODE = 2
-HVD_PYTHON = ROOT / ".venv-horovod" / "bin" / "python"
+HVD_PYTHON = HOROVOD_PYTHON
 # A 2-epoch run of 4 ranks on the machine's 2 shared cores: about 30-60 s, start-up included.
 JOB_TIMEOUT = 180
 MIN_ACCURACY = 0.5  # 10 classes: chance is 0.1; 2 epochs reach about 0.9

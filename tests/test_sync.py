@@ -22,9 +22,17 @@ from tfdist import ClusterEnvironment, sync
 from tfdist.backends.mwms import MultiWorkerDistributed
 from tfdist.backends.single import SingleDistributed
 from tfdist.errors import ConfigError, ReplicaMismatchError
+from tfdist.keras_compat import keras2_package
 from tfdist.sync import ReplicaSyncCheck, fingerprint, mismatch_error, sync_check_callback
 
 SYNC = str(WORKERS / "sync_worker.py")
+KERAS2 = keras2_package() is not None  # tf.keras is Keras 2 (TensorFlow 2.15, or tf_keras)
+
+
+def _variable_name(path: str) -> str:
+    """A variable of the workers' Sequential model as the check names it: Keras 3's path, or
+    Keras 2's variable name (no model prefix, a ``:0`` suffix)."""
+    return f"{path.split('/', 1)[1]}:0" if KERAS2 else path
 
 
 # --- fingerprints: pure -------------------------------------------------------------------------
@@ -72,8 +80,10 @@ def test_fingerprint_reads_tensorflow_and_keras_variables():
     import tensorflow as tf
 
     value = np.random.default_rng(2).normal(size=(5, 2)).astype("float32")
-    variables = [tf.Variable(value), tf.keras.Variable(value)]
-    assert fingerprint(variables).tolist() == fingerprint([value, value]).tolist()
+    variables = [tf.Variable(value)]
+    if hasattr(tf.keras, "Variable"):  # Keras 3; Keras 2's variables are tf.Variables
+        variables.append(tf.keras.Variable(value))
+    assert fingerprint(variables).tolist() == fingerprint([value] * len(variables)).tolist()
 
 
 def test_fingerprint_of_100_mb_takes_well_under_a_second():
@@ -222,7 +232,8 @@ def test_one_ulp_on_one_rank_stops_both_ranks_naming_rank_1(tmp_path):
         message = (tmp_path / f"error-{rank}.txt").read_text()
         assert message.startswith("Replica sync check failed after step 1: rank 1 holds "
                                   "different weights from rank 0"), message
-        assert "rank 1: 1 of 10 variables differ: sequential/conv2d/kernel" in message
+        assert ("rank 1: 1 of 10 variables differ: "
+                + _variable_name("sequential/conv2d/kernel")) in message
     assert not (tmp_path / "result-0.json").exists()  # training stopped at the first step
 
 
@@ -231,10 +242,12 @@ def test_custom_loop_check_passes_fails_and_times_out(tmp_path):
     run = _run(tmp_path, "custom")
     assert run.returncode == 0, run.stdout + run.stderr
     results = [load_result(tmp_path, r) for r in (0, 1)]
-    assert [r["variables"] for r in results] == [12, 12]  # 10 weights + SGD's 2 variables
+    # 10 weights + SGD's variables: Keras 3's iterations and learning rate; Keras 2's
+    # iterations and a momentum slot per weight
+    assert [r["variables"] for r in results] == ([21, 21] if KERAS2 else [12, 12])
     for result in results:
         assert "after step 2: rank 1 holds different weights from rank 0" in result["mismatch"]
-        assert "sequential/dense_1/bias" in result["mismatch"]
+        assert _variable_name("sequential/dense_1/bias") in result["mismatch"]
     assert "not every rank reached it within 3 s" in results[0]["timeout"]
     assert "on every rank" in results[0]["timeout"]
 
@@ -247,7 +260,7 @@ def test_several_replicas_per_rank_are_compared_and_named(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     message = json.loads((tmp_path / "result-0.json").read_text())["mismatch"]
     assert "rank 0 replica 1 holds different weights from rank 0 replica 0" in message
-    assert "sequential/batch_normalization/gamma" in message
+    assert _variable_name("sequential/batch_normalization/gamma") in message
 
 
 def test_digest_is_equal_only_for_identical_values():

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, WORKERS, clean_env
+from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env
 
 pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (requirements/deepspeed.txt)")
 
 WORKER = str(WORKERS / "torch_backends_worker.py")
-HVD_PY = ROOT / ".venv-horovod" / "bin" / "python"
+HVD_PY = HOROVOD_PYTHON
 
 
 def _horovod_torch() -> str | None:

@@ -330,6 +330,13 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                                "resuming from the last epoch's backup instead", state["path"],
                                where, why)
             return
+        optimizer: Any = getattr(self.model, "optimizer", None)
+        if (callable(getattr(optimizer, "build", None)) and not hasattr(optimizer, "built")
+                and not getattr(optimizer, "_built", False)):
+            # A Keras 2 optimizer not built yet: Keras 2.15's BackupAndRestore leaves it so
+            # (2.16's builds it), and load_weights would skip its state ("Skipping variable
+            # loading for optimizer"). Keras 3's have `built`, and fit built them already.
+            optimizer.build(self.model.trainable_variables)
         self.model.load_weights(os.path.join(state["path"], "model.keras"))
         self._restore_unsaved(state["path"])
         at = keras_input.plan(keras_input.Position(saved["iterator"], saved["drawn"]), epoch,
@@ -356,9 +363,8 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
 
 
 def _unsaved(model: Any) -> list[Any]:
-    """The model's variables that ``model.save`` leaves out (seed generator states)."""
-    saved = {id(v) for v in model.weights}
-    return [v for v in model.variables if id(v) not in saved]
+    """The model's variables that ``model.save`` leaves out: its random generators' states."""
+    return keras_compat.random_states(model)
 
 
 class LearningRateWarmup(keras.callbacks.Callback):

@@ -33,6 +33,7 @@ moved the patched functions. ``TFDIST_KERAS_FIX=0`` turns the fix off (to reprod
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import os
 import sys
@@ -41,8 +42,8 @@ from typing import Any
 from tfdist.settings import resolve
 
 __all__ = ["AFFECTED", "LOG_SAFE_CALLBACKS", "apply", "compile_without_xla", "is_keras3",
-           "legacy_keras_requested", "needs_fix", "refuse_mixed_keras", "step_logs_global",
-           "steps_in_chunk"]
+           "keras2_package", "keras2_random_generator", "legacy_keras_requested", "needs_fix",
+           "random_states", "refuse_mixed_keras", "step_logs_global", "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -58,18 +59,77 @@ def _version_tuple(version: str) -> tuple[int, int]:
 
 
 def is_keras3(keras_module: Any) -> bool:
-    """Whether ``keras_module`` (usually ``tf.keras``) is Keras 3 rather than tf_keras.
+    """Whether ``keras_module`` (usually ``tf.keras``) is Keras 3 rather than Keras 2.
 
-    tf_keras's ``tf.keras`` (``tf_keras.api._v2.keras``) has no ``__version__``; its package has.
+    Keras 2 is tf_keras, or on TensorFlow 2.15 the ``keras`` 2.15 package itself. Their
+    ``tf.keras`` (``tf_keras.api._v2.keras``, ``keras.api._v2.keras``) has no ``__version__``;
+    its package has.
     """
-    if keras_module.__name__.split(".")[0] == "tf_keras":
+    package = keras_module.__name__.split(".")[0]
+    if package == "tf_keras":
         return False
-    return not str(getattr(keras_module, "__version__", "3")).startswith("2.")
+    version = (getattr(keras_module, "__version__", None)
+               or getattr(sys.modules.get(package), "__version__", "3"))
+    return not str(version).startswith("2.")
 
 
 def legacy_keras_requested() -> bool:
     """Whether ``tf.keras`` is tf_keras, read the way TensorFlow itself reads the variable."""
     return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+
+
+def keras2_package() -> str | None:
+    """The package whose Keras 2 is ``tf.keras``: ``"tf_keras"`` (``TF_USE_LEGACY_KERAS=1``),
+    ``"keras"`` (a keras 2.x: TensorFlow 2.15, where ``tf.keras`` is Keras 2 without the
+    variable), or None for Keras 3. Both Keras 2 packages have the same ``src.engine``."""
+    if legacy_keras_requested():
+        return "tf_keras"
+    version = getattr(sys.modules.get("keras"), "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version("keras")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return "keras" if str(version).startswith("2.") else None
+
+
+def keras2_random_generator() -> bool:
+    """On Keras 2, makes the random layers created from now on (Dropout, noise, random
+    initializers without a seed) draw from a ``tf.random.Generator``, whose state is a variable
+    that tfdist saves with a preempted run (:func:`random_states`), instead of TensorFlow's
+    legacy stateful random ops, whose state no checkpoint holds: a resumed run then draws the
+    masks an uninterrupted one would. Keras 3's layers do so already (``SeedGenerator``).
+
+    Returns whether Keras 2 is in use (and now draws from generators).
+    """
+    package = keras2_package()
+    if package is None:
+        return False
+    backend = importlib.import_module(f"{package}.src.backend")
+    if not backend.is_tf_random_generator_enabled():
+        backend.enable_tf_random_generator()
+        logger.debug("tfdist: %s's random layers draw from tf.random.Generator", package)
+    return True
+
+
+def random_states(model: Any) -> list[Any]:
+    """The variables of a Keras model's random generators, which the model's file (``weights``)
+    and a ``tf.train.Checkpoint`` of it leave out: Keras 3's seed generators (in ``variables``
+    but not ``weights``), and Keras 2's ``tf.random.Generator`` states (see
+    :func:`keras2_random_generator`), which neither lists. [] for anything else."""
+    if not hasattr(model, "weights") or not hasattr(model, "variables"):
+        return []
+    saved = {id(v) for v in model.weights}
+    found = [v for v in model.variables if id(v) not in saved]
+    listed = {id(v) for v in found}
+    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else ()
+    for layer in layers:
+        generator = getattr(getattr(layer, "_random_generator", None), "_generator", None)
+        state = getattr(generator, "state", None)
+        if state is not None and id(state) not in listed:
+            found.append(state)
+            listed.add(id(state))
+    return found
 
 
 def needs_fix() -> bool:

@@ -17,11 +17,12 @@ it in ``on_train_begin``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from typing import Any, NamedTuple
 
-from tfdist.keras_compat import legacy_keras_requested
+from tfdist.keras_compat import keras2_package
 
 __all__ = ["Keras3Input", "Position", "Resume", "TfKerasInput", "current", "plan", "track"]
 
@@ -189,8 +190,10 @@ def _track_keras3() -> None:
     cls.__init__, cls._get_iterator, cls._tfdist_tracked = __init__, _get_iterator, True
 
 
-def _track_tf_keras() -> None:
-    from tf_keras.src.engine import data_adapter, training
+def _track_tf_keras(package: str) -> None:
+    # tf_keras, or TensorFlow 2.15's keras 2.15: the same engine under another package name
+    data_adapter = importlib.import_module(f"{package}.src.engine.data_adapter")
+    training = importlib.import_module(f"{package}.src.engine.training")
 
     cls = data_adapter.DataHandler
     if getattr(cls, "_tfdist_tracked", False):
@@ -240,7 +243,8 @@ def track() -> bool:
     """Installs the counting hooks for the Keras in use, once. False where they cannot be (a
     Keras without the classes hooked): a resumed ``fit`` then starts with the epoch."""
     try:
-        _track_tf_keras() if legacy_keras_requested() else _track_keras3()
+        package = keras2_package()
+        _track_tf_keras(package) if package else _track_keras3()
     except (ImportError, AttributeError) as error:
         logger.info("tfdist: cannot follow fit's input on this Keras (%s): a preempted fit "
                     "resumes at its epoch", error)
@@ -250,7 +254,7 @@ def track() -> bool:
 
 def current(model: Any) -> Keras3Input | TfKerasInput | None:
     """The input of the ``fit`` of ``model`` that is starting (call in ``on_train_begin``)."""
-    if legacy_keras_requested():
+    if keras2_package():
         handler = _last.get("tf_keras")
         return TfKerasInput(handler, model) if handler is not None else None
     epoch_iterator = _last.get("keras3")

@@ -409,7 +409,7 @@ def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
 
     def write(partial: str) -> None:
         folder = partial if dist.is_chief else scratch_dir(getattr(dist, "rank", 0))
-        tf.train.Checkpoint(**objects).write(os.path.join(folder, "loop"))
+        tf.train.Checkpoint(**_with_random_states(objects)).write(os.path.join(folder, "loop"))
         if folder != partial:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -417,6 +417,17 @@ def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
     if final is not None:
         logger.warning("tfdist: saved the loop's state at %s in %s", position, final)
     return final is not None
+
+
+def _with_random_states(objects: dict[str, Any]) -> dict[str, Any]:
+    """``objects`` plus the random generators' states of the Keras 2 models among them, which
+    a ``tf.train.Checkpoint`` of the model leaves out (:func:`tfdist.keras_compat.random_states`):
+    Dropout then draws the same masks after a resume."""
+    from tfdist.keras_compat import random_states
+
+    extra = {f"{name}_random_generators": states for name, value in objects.items()
+             if (states := random_states(value))}
+    return {**objects, **extra}
 
 
 def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | None:
@@ -433,7 +444,8 @@ def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | N
     if state is None or not state.get("loop"):
         return None
     try:
-        restored = tf.train.Checkpoint(**objects).read(os.path.join(state["path"], "loop"))
+        restored = tf.train.Checkpoint(**_with_random_states(objects)).read(
+            os.path.join(state["path"], "loop"))
         restored.assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as error:
         raise ConfigError(f"{state['path']} holds a loop state that does not fit the objects "

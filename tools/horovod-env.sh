@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Builds Horovod's test environment: bash tools/horovod-env.sh VENV PYTHON (make venv-horovod).
+# Builds an environment with Horovod: bash tools/horovod-env.sh VENV PYTHON [LANE].
 #
-# TensorFlow 2.18.1 (the newest that Horovod 0.28.1 builds against unpatched), its Keras 3,
-# tf_keras 2.18 (Keras 2), PyTorch 2.13 (CPU), Horovod 0.28.1 compiled from source for both
-# frameworks with Gloo and MPI (Debian's Open MPI), and tfdist installed editable. The compiled
-# wheel is cached under a key holding the Horovod, TensorFlow, torch and Python versions and the
-# controllers, because pip's own cache keys it by the sdist alone and would hand back a wheel
-# compiled against another TensorFlow.
+# LANE names the pinned requirements (requirements/LANE.txt and LANE-no-deps.txt):
+#   horovod  (make venv-horovod, .venv-horovod) TensorFlow 2.18.1 (the newest that Horovod 0.28.1
+#            builds against unpatched), its Keras 3, tf_keras 2.18 (Keras 2) and PyTorch 2.13
+#            (CPU); Horovod compiled for both frameworks.
+#   tf215    (make venv-tf215, .venv-tf215) the TensorFlow 2.15 lane: TensorFlow 2.15.1, whose
+#            tf.keras is the keras 2.15 package (Keras 2, no Keras 3), tf_keras 2.15, numpy < 2;
+#            Horovod compiled for TensorFlow only (the torch shim is tested in the other lanes).
+# Horovod 0.28.1 is compiled from source with Gloo and MPI (Debian's Open MPI), and tfdist is
+# installed editable. The compiled wheel is cached under a key holding the Horovod, TensorFlow,
+# torch and Python versions and the controllers, because pip's own cache keys it by the sdist
+# alone and would hand back a wheel compiled against another TensorFlow.
 # Cache folder: $TFDIST_WHEEL_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tfdist/wheels.
 #
 # Horovod 0.28.1 compiles its torch extension and its bundled gloo as C++14, where torch 2's
@@ -19,6 +24,12 @@ set -euo pipefail
 HOROVOD_VERSION=0.28.1
 venv=${1:-.venv-horovod}
 python=${2:-python3}
+lane=${3:-horovod}
+case $lane in
+    horovod) torch=1 ;;
+    tf215) torch=0 ;;
+    *) echo "tools/horovod-env.sh: unknown lane '$lane' (horovod or tf215)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 root=$PWD
 [[ $venv == /* ]] || venv=$root/$venv
@@ -32,9 +43,11 @@ log() { echo "tools/horovod-env.sh: $*" >&2; }
 make_venv() {
     test -x "$bin/python" || "$python" -m venv "$venv"
     "$bin/python" -m pip install "${quiet[@]}" -r requirements/bootstrap.txt
-    "$bin/pip" install "${quiet[@]}" -r requirements/horovod.txt
-    "$bin/pip" install "${quiet[@]}" --no-deps -r requirements/horovod-no-deps.txt
-    "$bin/pip" install "${quiet[@]}" --no-deps -r requirements/torch.txt
+    "$bin/pip" install "${quiet[@]}" -r "requirements/$lane.txt"
+    "$bin/pip" install "${quiet[@]}" --no-deps -r "requirements/$lane-no-deps.txt"
+    if ((torch)); then
+        "$bin/pip" install "${quiet[@]}" --no-deps -r requirements/torch.txt
+    fi
 }
 
 # Gloo always; MPI when Open MPI's compiler wrapper is there (tools/system-packages.sh).
@@ -43,12 +56,16 @@ controllers() {
 }
 
 cache_dir() {
-    local tf torch py
+    local tf frameworks py
     tf=$("$bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
-    torch=$("$bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
+    frameworks=tf$tf
+    if ((torch)); then
+        frameworks+=-torch$("$bin/python" -c \
+            'import importlib.metadata as m; print(m.version("torch").split("+")[0])')
+    fi
     py=$("$bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
     local base=${TFDIST_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tfdist/wheels}
-    echo "$base/horovod-$HOROVOD_VERSION-tf$tf-torch${torch%%+*}-$py-$(controllers)"
+    echo "$base/horovod-$HOROVOD_VERSION-$frameworks-$py-$(controllers)"
 }
 
 # C++17 for the torch extension and the gloo it links (see the header); fails if the sdist's
@@ -64,15 +81,18 @@ patch_cxx17() {
 build_wheel() {
     local out=$1 work
     work=$(mktemp -d)
-    local mpi=HOROVOD_WITHOUT_MPI=1
+    local mpi=HOROVOD_WITHOUT_MPI=1 pytorch=HOROVOD_WITHOUT_PYTORCH=1 what=TensorFlow
     [[ $(controllers) == gloo-mpi ]] && mpi=HOROVOD_WITH_MPI=1
-    log "compiling horovod $HOROVOD_VERSION for TensorFlow and PyTorch ($(controllers)); this" \
-        "takes about 10 minutes on 2 cores"
+    ((torch)) && pytorch=HOROVOD_WITH_PYTORCH=1 what="TensorFlow and PyTorch"
+    log "compiling horovod $HOROVOD_VERSION for $what ($(controllers)); this takes 5 to 12" \
+        "minutes on 2 cores"
     "$bin/pip" download "${quiet[@]}" --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" \
         -d "$work/sdist"
     tar xzf "$work/sdist/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
-    patch_cxx17 "$work/horovod-$HOROVOD_VERSION"
-    env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "$mpi" \
+    if ((torch)); then
+        patch_cxx17 "$work/horovod-$HOROVOD_VERSION"
+    fi
+    env HOROVOD_WITH_TENSORFLOW=1 "$pytorch" HOROVOD_WITH_GLOO=1 "$mpi" \
         HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
         "$bin/pip" wheel "${quiet[@]}" --no-deps --no-build-isolation --no-cache-dir \
         "$work/horovod-$HOROVOD_VERSION" -w "$work/raw"
@@ -109,18 +129,23 @@ install_horovod() {
 
 verify() {
     TF_CPP_MIN_LOG_LEVEL=2 "$bin/horovodrun" --check-build
-    TF_CPP_MIN_LOG_LEVEL=2 "$bin/python" - "$(controllers)" <<'EOF'
+    TF_CPP_MIN_LOG_LEVEL=2 "$bin/python" - "$(controllers)" "$torch" <<'EOF'
+import importlib.metadata
 import sys
+
 import horovod.tensorflow as hvd
-import horovod.torch as hvd_torch
+import tensorflow as tf
+
 assert hvd.gloo_built(), "horovod was built without Gloo"
 if sys.argv[1] == "gloo-mpi":
     assert hvd.mpi_built(), "horovod was built without MPI"
-import importlib.metadata
-import tensorflow as tf
-import torch
-print(f"horovod {importlib.metadata.version('horovod')} built for TensorFlow {tf.__version__} "
-      f"and torch {torch.__version__}: gloo={hvd.gloo_built()} mpi={hvd.mpi_built()}")
+built = f"TensorFlow {tf.__version__}"
+if sys.argv[2] == "1":
+    import horovod.torch  # noqa: F401
+    import torch
+    built += f" and torch {torch.__version__}"
+print(f"horovod {importlib.metadata.version('horovod')} built for {built}: "
+      f"gloo={hvd.gloo_built()} mpi={hvd.mpi_built()}")
 EOF
 }
 

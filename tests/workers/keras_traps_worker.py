@@ -424,8 +424,12 @@ def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
 
 
 def _mixed_keras(dist: Any, keras3: Any) -> dict[str, Any]:
+    from tfdist.keras_compat import is_keras3
+
     if keras3 is None:
         return {"skipped": "tf.keras is Keras 3 here: nothing to mix"}
+    if not is_keras3(keras3):
+        return {"skipped": "`import keras` is Keras 2 here (TensorFlow 2.15): nothing to mix"}
     model = keras3.Sequential([keras3.Input((8,)), keras3.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
     try:

@@ -35,8 +35,9 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     x = rng.normal(size=(512, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")
     with dist.scope():
+        # Dropout: the resumed run must draw the masks the uninterrupted one draws.
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(2)])
+                                  keras.layers.Dropout(0.3), keras.layers.Dense(2)])
         optimizer = keras.optimizers.Adam(0.01)
         per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                                  reduction="none")
@@ -49,7 +50,8 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     def train_step(features, labels):  # type: ignore[no-untyped-def]
         def replica_step(features, labels):  # type: ignore[no-untyped-def]
             with dist.gradient_tape() as tape:
-                loss = tf.nn.compute_average_loss(per_example(labels, model(features)),
+                logits = model(features, training=True)
+                loss = tf.nn.compute_average_loss(per_example(labels, logits),
                                                   global_batch_size=GLOBAL_BATCH)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))

@@ -5,7 +5,10 @@
 ``SIGNAL_RANK`` (-1: none) sends itself ``SIGNAL`` (default USR1) after its ``SIGNAL_STEP``-th
 training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset),
 or of every run when ``SIGNAL_STEP`` is negative (its absolute value); ``v3`` signals at the third
-validation batch instead. ``PREEMPT_TEST_INPUT`` picks the input: ``epochs`` (default: the
+validation batch instead. ``PREEMPT_TEST_DROPOUT=1`` adds a Dropout layer, whose masks the
+resumed run must draw as the uninterrupted one does; ``PREEMPT_TEST_LEGACY_RNG=1`` makes a Keras 2
+Dropout draw from TensorFlow's legacy stateful ops again (the control: their state is not
+saved). ``PREEMPT_TEST_INPUT`` picks the input: ``epochs`` (default: the
 dataset read once per epoch, reshuffled each time), ``repeat`` (a repeated dataset read with
 ``steps_per_epoch=12``, so epochs straddle its passes) or ``validation`` (``epochs`` with
 ``validation_data``). Every rank prints
@@ -45,9 +48,12 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")
+    if os.environ.get("PREEMPT_TEST_LEGACY_RNG") == "1":
+        keras.backend.experimental.disable_tf_random_generator()  # undoes tfdist's, Keras 2
+    dropout = [keras.layers.Dropout(0.3)] if os.environ.get("PREEMPT_TEST_DROPOUT") == "1" else []
     with dist.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(2)])
+                                  *dropout, keras.layers.Dense(2)])
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(32)

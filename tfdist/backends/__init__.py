@@ -87,4 +87,9 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     """Creates the handle of ``backend`` (a key of :data:`MODULES`) for this launch."""
     module = importlib.import_module(MODULES[backend])
     handle: Distributed = module.create(environment, settings)
+    from tfdist import keras_compat
+
+    # Before the script builds its model: Keras 2's random layers then keep their state in a
+    # variable that a preempted run saves, and the resumed run draws the same masks.
+    keras_compat.keras2_random_generator()
     return handle

@@ -137,9 +137,12 @@ def _in_order(model: Any, logs: dict[str, float]) -> Any:
     """``evaluate``'s list result (a scalar for one metric), in Keras's order."""
     if hasattr(model, "_flatten_metrics_in_order"):  # Keras 3
         return model._flatten_metrics_in_order(logs)
-    from tf_keras.src.engine.training import flatten_metrics_in_order
+    import importlib
 
-    return flatten_metrics_in_order(logs, model.metrics_names)
+    from tfdist.keras_compat import keras2_package
+
+    training = importlib.import_module(f"{keras2_package() or 'tf_keras'}.src.engine.training")
+    return training.flatten_metrics_in_order(logs, model.metrics_names)
 
 
 def _compile_hook(original: Any) -> Any:
