@@ -15,6 +15,7 @@ with the line naming rank 1 and its host, within a bound measured from the signa
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -30,6 +31,10 @@ from test_horovod import HVD_PY, needs_horovod
 from tfdist.env import ClusterEnvironment
 from tfdist.failures import explain, failed_host, failed_ranks, silent_message
 from tfdist.launch import free_ports
+
+# The TensorFlow 2.15 lane has no torch.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="torch is not installed (requirements/torch.txt)")
 
 HEARTBEATS = (
     "Graph execution error:\n\nCollective ops is aborted by: Error reported from "
@@ -338,6 +343,7 @@ def test_a_killed_horovod_peer_is_named_by_the_others_at_once():
     assert took < 90, f"rank 0 exited {took:.0f} s after rank 1 was killed"
 
 
+@needs_torch
 @pytest.mark.multiprocess
 def test_a_killed_torch_peer_is_named_by_the_others_at_once():
     # gloo names the peer's socket, 127.0.0.1:<its port>: the other rank on that host.
@@ -352,6 +358,7 @@ def test_a_killed_torch_peer_is_named_by_the_others_at_once():
     assert took < 90, f"rank 0 exited {took:.0f} s after rank 1 was killed"
 
 
+@needs_torch
 @pytest.mark.multiprocess
 def test_a_stopped_torch_peer_is_named_by_the_heartbeat():
     # Without the heartbeat gloo waits the whole collective timeout (600 s by default). With a

@@ -7,6 +7,7 @@ Python scripts, no TensorFlow) through ``python -m tfdist`` or :func:`tfdist.lau
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -732,6 +733,8 @@ def test_dry_run_prints_each_worker_and_starts_nothing(
     assert not logs.exists()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not installed (requirements/torch.txt)")
 @pytest.mark.usefixtures("nothing_starts")
 def test_dry_run_gives_a_torch_script_its_rendezvous(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

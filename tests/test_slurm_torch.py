@@ -18,6 +18,10 @@ rendezvous across two nodes and the synchronisation, not NCCL.
   without DDP) they end different: comparing the ranks' weights does catch a missing DDP.
 - srun directly: one srun task per fake GPU and no torchrun; tfdist.torch reads the step's
   ``SLURM_*`` variables and meets on the first node at the port derived from the job and step.
+- DeepSpeed under srun (``backend: torch-deepspeed``, ``launcher: srun``): the same example
+  with ``TFDIST_BACKEND=deepspeed`` from the rendered script, DeepSpeed's engine (ZeRO stage 2,
+  on the CPU over gloo) over tfdist's process group; its 4 ranks end with the DDP srun job's
+  digest, bit for bit.
 
 Each job's ``python`` is a small wrapper written in the job's directory: it prints the node its
 srun task runs on, then runs the checkout's python. A rank's lines land in the output file of
@@ -85,8 +89,8 @@ def torch_job(cluster: SlurmCluster, **keys: Any) -> tuple[RenderedJob, str]:
     env = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if keys.get("launcher") == "torchrun":
         env["LOGLEVEL"] = "INFO"  # torchrun's agents log their rendezvous
-    config = cluster_config(cluster, backend="torch", python=host_python(cluster, workdir),
-                            env=env, **keys)
+    config = cluster_config(cluster, backend=keys.pop("backend", "torch"),
+                            python=host_python(cluster, workdir), env=env, **keys)
     text = render(config)
     assert f"#SBATCH --gpus-per-node={cluster.gres_type}:{GPUS_PER_NODE}" in text, text
     return run_rendered(cluster, config, workdir=workdir, timeout=JOB_TIMEOUT), text
@@ -119,15 +123,15 @@ def check_in_sync(job: RenderedJob) -> str:
     return digests.pop()
 
 
-def check_chief(job: RenderedJob, digest: str) -> str:
+def check_chief(job: RenderedJob, digest: str, backend: str = "ddp") -> str:
     """The chief (rank 0) alone reports; it reaches MIN_ACCURACY; it alone wrote final.pt, which
     loads into the example's model with the ranks' final weights. Returns the chief's output."""
     outputs = job.task_outputs()
     chiefs = [task for task, text in outputs.items() if 0 in final_weights([text])]
     assert len(chiefs) == 1, job.describe()
     chief = outputs[chiefs[0]]
-    assert (f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend ddp, collective gloo, "
-            "device cpu") in chief, \
+    assert (f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend {backend}, collective "
+            "gloo, device cpu") in chief, \
         job.describe()
     accuracy = _ACCURACY.findall(job.all_output())
     assert len(accuracy) == 1 and accuracy[0] in _ACCURACY.findall(chief), \
@@ -248,11 +252,17 @@ def _npz_digest(path: Path) -> str:
 
 # --- srun: one task per GPU, no torchrun ----------------------------------------------------
 
+@pytest.fixture(scope="module")
+def srun_job(slurm_cluster: SlurmCluster) -> tuple[RenderedJob, str]:
+    """examples/torch_train.py under the rendered srun job (DDP) on n9 and n10 (run once)."""
+    return torch_job(slurm_cluster, job_name="torch-srun", launcher="srun",
+                     script=TORCH_EXAMPLE, args=example_args())
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_srun_job_meets_at_the_first_node_derived_port_and_trains_in_sync(
-        slurm_cluster: SlurmCluster) -> None:
-    job, text = torch_job(slurm_cluster, job_name="torch-srun", launcher="srun",
-                          script=TORCH_EXAMPLE, args=example_args())
+        srun_job: tuple[RenderedJob, str]) -> None:
+    job, text = srun_job
     assert f"#SBATCH --ntasks-per-node={GPUS_PER_NODE}" in text, text
     # srun starts the example itself in each task: no torchrun.
     launch = f"\n    {job.config.python} {TORCH_EXAMPLE} --epochs="
@@ -269,3 +279,21 @@ def test_srun_job_meets_at_the_first_node_derived_port_and_trains_in_sync(
     port = port_base({"SLURM_JOB_ID": job.job_id, "SLURM_STEP_ID": "1"}, GPUS_PER_NODE)
     assert "rendezvous: first node of the step's nodelist at the job's derived port: " \
            f"{TWO_NODES[0]}:{port}" in chief, job.describe()
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
+def test_deepspeed_srun_job_trains_what_the_ddp_srun_job_trains(
+        slurm_cluster: SlurmCluster, srun_job: tuple[RenderedJob, str]) -> None:
+    pytest.importorskip("deepspeed",
+                        reason="deepspeed is not installed (requirements/deepspeed.txt)")
+    job, text = torch_job(slurm_cluster, job_name="deepspeed-srun", launcher="srun",
+                          backend="torch-deepspeed", script=TORCH_EXAMPLE, args=example_args())
+    assert "export TFDIST_BACKEND=deepspeed" in text, text
+    assert "torchrun" not in text and "torch.distributed.run" not in text, text
+    assert job.ok, job.describe()
+    assert hosts_by_task(job) == {0: "n9", 1: "n9", 2: "n10", 3: "n10"}, job.describe()
+    digest = check_in_sync(job)
+    check_chief(job, digest, backend="deepspeed")  # final.pt: the model, not the engine
+    assert "Building extension" not in job.all_output(), job.describe()  # nothing compiled
+    # ZeRO stage 2 over 4 ranks, fp32, the example's optimizer: DDP's steps, bit for bit.
+    assert digest == check_in_sync(srun_job[0]), job.describe()

@@ -6,12 +6,14 @@ ones, equal to DDP's up to the order of float sums; a control without the backen
 must differ. DeepSpeed runs on the CPU over gloo, under `tfdist launch` and torchrun (ZeRO
 stage 2 by default, stage 1 through TFDIST_DEEPSPEED_CONFIG). Horovod for torch runs in
 .venv-horovod (Horovod compiled with PyTorch there, tools/horovod-env.sh), under `tfdist launch
---backend horovod` and horovodrun --gloo; those tests skip without it.
+--backend horovod`, horovodrun --gloo and mpirun (Open MPI, Horovod's MPI controller); those
+tests skip without it. Under srun: tests/test_slurm_horovod.py and tests/test_slurm_torch.py.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +39,9 @@ def _horovod_torch() -> str | None:
 
 
 _NO_HOROVOD = _horovod_torch()
+_MPIRUN = shutil.which("mpirun") is not None and _NO_HOROVOD is None and subprocess.run(
+    [str(HVD_PY), "-c", "import horovod.torch as h; assert h.mpi_built()"], capture_output=True,
+    timeout=120, check=False).returncode == 0
 
 
 def _command(launcher: str, python: str, mode: str, out: Path) -> list[str]:
@@ -51,6 +56,10 @@ def _command(launcher: str, python: str, mode: str, out: Path) -> list[str]:
     if launcher == "horovodrun":
         return [str(Path(python).parent / "horovodrun"), "-np", "2", "-H", "localhost:2",
                 "--gloo", python, *args]
+    if launcher == "mpirun":
+        # vader's single-copy mechanism needs ptrace rights containers often lack.
+        return ["mpirun", "-np", "2", "--bind-to", "none", "--mca",
+                "btl_vader_single_copy_mechanism", "none", "-x", "TFDIST_BACKEND", python, *args]
     raise ValueError(launcher)
 
 
@@ -86,6 +95,10 @@ def runs(tmp_path_factory):
         found["horovod"] = _run(tmp / "horovod", "tfdist-launch-horovod", python=str(HVD_PY))
         found["horovodrun"] = _run(tmp / "horovodrun", "horovodrun", python=str(HVD_PY),
                                    TFDIST_BACKEND="horovod")
+    if _MPIRUN:  # auto: Horovod under mpirun without MASTER_ADDR
+        found["mpirun"] = _run(tmp / "mpirun", "mpirun", python=str(HVD_PY),
+                               TFDIST_BACKEND="auto", OMPI_ALLOW_RUN_AS_ROOT="1",
+                               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return found
 
 
@@ -99,12 +112,14 @@ CASES = {  # run: (backend, launcher, collective)
     "deepspeed torchrun stage 1": ("deepspeed", "torchrun", "gloo"),
     "horovod": ("horovod", "local", "gloo"),
     "horovodrun": ("horovod", "horovodrun", "gloo"),
+    "mpirun": ("horovod", "mpirun", "mpi"),
 }
 
 
 def _case(runs: dict, name: str) -> list[dict]:
     if name not in runs:
-        pytest.skip(_NO_HOROVOD or "")
+        pytest.skip(_NO_HOROVOD or "mpirun or Horovod's MPI is missing: Open MPI comes from "
+                    "`make system` (as root), then `make venv-horovod` builds Horovod with it")
     return runs[name]
 
 
