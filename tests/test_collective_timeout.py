@@ -115,6 +115,38 @@ def test_the_hook_prints_after_the_previous_one_once(monkeypatch):
     assert stderr.getvalue() == WAITED.format(at=" after step 30 of epoch 1", srun="") + "\n"
 
 
+# The last lines of a worker that TensorFlow crashed (SIGSEGV) while aborting its timed-out
+# all-reduce (TensorFlow 2.21, Keras 3 fit, under tfdist launch; timestamps shortened).
+CRASHED_OUTPUT = (
+    "stall: rank 0 pid 17822\n"
+    "E0000 00:00:1795490167.468007   18741 base_collective_executor.cc:252] "
+    "BaseCollectiveExecutor::StartAbort DEADLINE_EXCEEDED: Collective has timed out during "
+    "execution.\n"
+    "E0000 00:00:1795490167.468087   18741 ring_alg.cc:291] Aborting RingReduce with "
+    "DEADLINE_EXCEEDED: Collective ops is aborted by: Collective has timed out during "
+    "execution.\n"
+    "[mutex.cc : 452] RAW: Lock blocking 0x56502b0053e0   @ 0x7f67408e334c 0x7f67408e296f\n")
+
+
+def test_a_worker_crashed_after_its_timeout_is_explained_by_the_launcher():
+    said = timeouts.crashed(CRASHED_OUTPUT, 0, 5.0)
+    assert said is not None and said.startswith(
+        "a collective of rank 0 waited more than 5 s (TFDIST_COLLECTIVE_TIMEOUT) for the other "
+        "ranks, and TensorFlow crashed while aborting it"), said
+    assert "raise TFDIST_COLLECTIVE_TIMEOUT" in said
+    # The late rank: the peer's abort came back to it, and TensorFlow crashed there.
+    late = ("E0000 base_collective_executor.cc:252] BaseCollectiveExecutor::StartAbort "
+            "DEADLINE_EXCEEDED: Collective ops is aborted by: Collective has timed out during "
+            "execution.\nAdditional GRPC error information from remote target "
+            "/job:worker/replica:0/task:1 while calling /tensorflow.WorkerService/RecvBuf:\n")
+    assert timeouts.crashed(late, 0, 5.0).startswith(
+        "rank 1 gave up waiting for rank 0 in a collective after 5 s")
+    # Any other death by a signal: nothing to add to the launcher's own line.
+    assert timeouts.crashed("stall: rank 0 pid 1\nSegmentation fault\n", 0, 5.0) is None
+    assert timeouts.crashed(CRASHED_OUTPUT, 0, None).startswith(
+        "a collective of rank 0 waited more than its timeout")
+
+
 @pytest.mark.parametrize(("environ", "expected"), [
     ({}, None),  # off: wait forever, as TensorFlow does
     ({"TFDIST_COLLECTIVE_TIMEOUT": "300"}, 300.0),
@@ -136,6 +168,10 @@ def test_the_setting_rejects(text):
 TIMEOUT_S = 5
 _LINE = re.compile(r"\[0\] tfdist: a collective waited more than 5 s \(TFDIST_COLLECTIVE_TIMEOUT\)"
                    r" for the other ranks, and rank 0 stops here after step \d+ of epoch 1\. ")
+# When TensorFlow crashes while aborting the collective (see CRASHED_OUTPUT), the launcher says it.
+_CRASH_LINE = re.compile(r"^tfdist launch: worker 0: a collective of rank 0 waited more than 5 s "
+                         r"\(TFDIST_COLLECTIVE_TIMEOUT\) for the other ranks, and TensorFlow "
+                         r"crashed while aborting it", re.M)
 
 
 class _Run:
@@ -167,7 +203,7 @@ class _Run:
             if "stall: rank 1 stops training" in line:
                 self.stalled_at = time.monotonic()
                 self.stalled.set()
-            if _LINE.search(line) and not self.line_at:
+            if (_LINE.search(line) or _CRASH_LINE.search(line)) and not self.line_at:
                 self.line_at = time.monotonic()
 
     @property
@@ -207,6 +243,11 @@ def test_a_rank_that_stops_entering_collectives_ends_the_others_wait_only_with_t
     took = timed.line_at - timed.stalled_at
     print(f"rank 0 gave up {took:.1f} s after rank 1 stopped")
     assert TIMEOUT_S - 1 < took < 60, timed.output
-    assert "tfdist launch: worker 0 exited with code 1" in timed.output, timed.output
+    # Rank 0's own line and exit, or (TensorFlow crashed aborting the collective) the launcher's
+    if _CRASH_LINE.search("".join(timed.lines)):
+        print("TensorFlow crashed while aborting the timed-out collective; the launcher said so")
+        assert "tfdist launch: worker 0 was killed by signal" in timed.output, timed.output
+    else:
+        assert "tfdist launch: worker 0 exited with code 1" in timed.output, timed.output
     assert timed.proc.returncode != 0
     assert "tfdist:" not in "".join(control.lines), control.output

@@ -22,13 +22,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TextIO
 
-from tfdist import quiet
+from tfdist import quiet, timeouts
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
 
@@ -59,6 +60,8 @@ LAUNCH_BACKENDS = ("mwms", "horovod")
 PREEMPT_WAIT_S = 120.0
 _POLL_S = 0.05
 _JOIN_S = 2.0
+# The lines of each worker kept to explain its death by a signal (timeouts.crashed).
+_TAIL_LINES = 200
 # "\r" ends a line too, so a Keras progress bar prints one line per update instead of one
 # endless line; "\r\n" is a single line end.
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -588,6 +591,7 @@ def run_workers(
     procs: list[_Popen] = []
     threads: list[threading.Thread] = []
     lock = threading.Lock()
+    tails: list[deque[str]] = [deque(maxlen=_TAIL_LINES) for _ in workers]
 
     def forward(signum: int, _: object) -> None:
         for proc in procs:
@@ -600,7 +604,8 @@ def run_workers(
             # Readers start after every fork: preexec_fn is only safe while no thread runs.
             for proc, spec in zip(procs, workers, strict=True):
                 head = f"[{spec.rank}] " if prefix else ""
-                args = (proc, head, lock, out, (logs or {}).get(spec.rank), hide_noise)
+                args = (proc, head, lock, out, (logs or {}).get(spec.rank), hide_noise,
+                        tails[len(threads)])
                 threads.append(threading.Thread(target=_pump, args=args, daemon=True))
                 threads[-1].start()
             failure = _wait_first_failure(procs)
@@ -609,6 +614,12 @@ def run_workers(
             rank, returncode = failure
             others = any(proc.poll() is None for proc in procs)
             _warn(_describe(rank, returncode) + ("; stopping the other workers" if others else ""))
+            if returncode < 0:  # killed: its own last words may be missing, say them for it
+                threads[rank].join(_JOIN_S)
+                said = timeouts.crashed("\n".join(tails[rank]), workers[rank].rank,
+                                        _collective_timeout(workers[rank]))
+                if said:
+                    _warn(f"worker {rank}: {said}")
             return exit_code(returncode)
     except KeyboardInterrupt:
         _warn("interrupted; stopping the workers")
@@ -673,7 +684,7 @@ def _start(spec: WorkerSpec) -> _Popen:
 
 def _pump(
     proc: _Popen, head: str, lock: threading.Lock, out: TextIO | None, log: BinaryIO | None,
-    quiet_output: bool = False,
+    quiet_output: bool = False, tail: deque[str] | None = None,
 ) -> None:
     assert proc.stdout is not None
     fd, rest = proc.stdout.fileno(), b""
@@ -681,6 +692,8 @@ def _pump(
         lines, rest = split_lines(rest + chunk)
         _emit(_shown(lines, quiet_output), head, lock, out or sys.stdout)
         log = _log(lines, log)
+        if tail is not None:
+            tail.extend(line.decode("utf-8", errors="replace") for line in lines)
     rest = rest.rstrip(b"\r")
     _emit(_shown([rest] if rest else [], quiet_output), head, lock, out or sys.stdout)
     _log([rest] if rest else [], log)
@@ -754,6 +767,14 @@ def _stop(procs: Sequence[_Popen], grace_period: float) -> None:
 def _signal_group(proc: _Popen, sig: signal.Signals) -> None:
     with suppress(ProcessLookupError, PermissionError):  # The group is already gone.
         os.killpg(proc.pid, sig)
+
+
+def _collective_timeout(spec: WorkerSpec) -> float | None:
+    """The worker's TFDIST_COLLECTIVE_TIMEOUT in seconds, if it has a valid one."""
+    try:
+        return float(spec.env.get("TFDIST_COLLECTIVE_TIMEOUT", "")) if spec.env else None
+    except ValueError:
+        return None
 
 
 def _describe(rank: int, returncode: int) -> str:

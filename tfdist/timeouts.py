@@ -33,7 +33,7 @@ from tfdist import failures
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
-__all__ = ["TIMED_OUT", "explain", "install", "timed_out"]
+__all__ = ["TIMED_OUT", "crashed", "explain", "install", "timed_out"]
 
 # TensorFlow's messages (base_collective_executor.cc): while the collective ran, and while its
 # group or instance was being resolved (the first collective of a group).
@@ -88,6 +88,34 @@ def explain(message: str, environment: ClusterEnvironment, seconds: float,
             "but stopped training (a hang in its input pipeline or code, slow work of its own, "
             "or a different number of steps): it is the rank without this line, and its output "
             f"shows where{output}. If a rank legitimately works alone that long " + legitimate)
+
+
+def crashed(output: str, rank: int, seconds: float | None) -> str | None:
+    """What ``tfdist launch`` says for worker ``rank``, killed by a signal, when its ``output``
+    shows that a collective of its timed out first; None otherwise (pure).
+
+    TensorFlow sometimes crashes (SIGSEGV) while it aborts the timed-out collective, before the
+    error reaches Python, so the worker's own line (:func:`explain`) is never printed: seen with
+    TensorFlow 2.21 in about one run of four on a loaded 2-core machine.
+    """
+    line = next((text for text in output.splitlines() if timed_out(text)), None)
+    if line is None:
+        return None
+    limit = f"{seconds:g} s" if seconds else "its timeout"
+    crash = ("TensorFlow crashed while aborting it, before the worker could print tfdist's "
+             "line")
+    first = min(line.find(text) for text in TIMED_OUT if text in line)
+    if "aborted by" in line[:first]:  # a peer's timeout, sent back to this late rank
+        peer = _REMOTE_TASK.search(output)
+        who = f"rank {peer.group(1)}" if peer else "another rank"
+        return (f"{who} gave up waiting for rank {rank} in a collective after {limit} "
+                f"(TFDIST_COLLECTIVE_TIMEOUT), and {crash}: rank {rank} was away from the "
+                "collectives longer than that, and what it did before is the cause.")
+    return (f"a collective of rank {rank} waited more than {limit} (TFDIST_COLLECTIVE_TIMEOUT) "
+            f"for the other ranks, and {crash}. One of the others is alive but stopped "
+            "training (a hang in its input pipeline or code, slow work of its own, or a "
+            "different number of steps): its output shows where. If a rank legitimately works "
+            "alone that long, raise TFDIST_COLLECTIVE_TIMEOUT.")
 
 
 def install(environment: ClusterEnvironment, seconds: float) -> None:
