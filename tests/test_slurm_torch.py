@@ -20,8 +20,10 @@ rendezvous across two nodes and the synchronisation, not NCCL.
   ``SLURM_*`` variables and meets on the first node at the port derived from the job and step.
 - DeepSpeed under srun (``backend: torch-deepspeed``, ``launcher: srun``): the same example
   with ``TFDIST_BACKEND=deepspeed`` from the rendered script, DeepSpeed's engine (ZeRO stage 2,
-  on the CPU over gloo) over tfdist's process group; its 4 ranks end with the DDP srun job's
-  digest, bit for bit.
+  on the CPU over gloo) over tfdist's process group; its 4 ranks end identical, within 1e-5 of
+  the DDP srun job's weights (ZeRO's reduce-scatter adds the 4 ranks' gradients in another
+  order than DDP's all-reduce: the two differ by rounding, about 6e-7 at most), and far from
+  the weights both started from.
 
 Each job's ``python`` is a small wrapper written in the job's directory: it prints the node its
 srun task runs on, then runs the checkout's python. A rank's lines land in the output file of
@@ -295,5 +297,22 @@ def test_deepspeed_srun_job_trains_what_the_ddp_srun_job_trains(
     digest = check_in_sync(job)
     check_chief(job, digest, backend="deepspeed")  # final.pt: the model, not the engine
     assert "Building extension" not in job.all_output(), job.describe()  # nothing compiled
-    # ZeRO stage 2 over 4 ranks, fp32, the example's optimizer: DDP's steps, bit for bit.
-    assert digest == check_in_sync(srun_job[0]), job.describe()
+    # ZeRO stage 2 over 4 ranks, fp32, the example's optimizer: DDP's steps. Its reduce-scatter
+    # sums the 4 ranks' gradients in another order than DDP's all-reduce, so the weights agree
+    # to rounding, not bit for bit; the training itself moved them 1000 times further.
+    ours, ddp = _final_state(job), _final_state(srun_job[0])
+    example = _example_module()
+    torch.manual_seed(example.FLAGS["seed"].default)  # as the example does before it builds
+    start = example.build_model().state_dict()
+    assert ours.keys() == ddp.keys() == start.keys(), job.describe()
+    rounding = max(float((ours[k] - ddp[k]).abs().max()) for k in ours)
+    trained = max(float((ddp[k] - start[k]).abs().max()) for k in ddp)
+    assert rounding < 1e-5 and trained > 1e-2, \
+        f"DeepSpeed's weights differ from DDP's by {rounding} (at most 1e-5 expected); " \
+        f"training moved DDP's by {trained}\n{job.describe()}"
+
+
+def _final_state(job: RenderedJob) -> dict[str, Any]:
+    """The chief's final.pt (checked by :func:`check_chief`): the model's state dict."""
+    state: dict[str, Any] = torch.load(job.model_dir / "final.pt", weights_only=True)
+    return state
