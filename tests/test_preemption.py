@@ -63,20 +63,49 @@ def _one_process() -> SingleDistributed:
                              SimpleNamespace(num_replicas_in_sync=1), "none", 0)
 
 
+@pytest.mark.parametrize(("previous", "proposal", "expected"), [
+    (1, 212.0, 2),  # a fast first step proposes 212: the interval only doubles
+    (32, 40.5, 40),  # the mean of the ranks' proposals, rounded down
+    (64, 37.0, 37),  # steps got slower: down at once
+    (512, 5000.0, preemption.MAX_INTERVAL),
+    (8, 0.4, 1),  # slower than check_seconds per step: every step
+])
+def test_the_check_interval_follows_the_proposals_doubling_at_most(previous, proposal, expected):
+    assert preemption.next_interval(previous, proposal) == expected
+
+
 def test_a_signal_is_recorded_and_stops_at_the_next_check():
     watch = preemption.Watch(_one_process(), check_seconds=3600, catch=[signal.SIGUSR2])
     previous = signal.getsignal(signal.SIGUSR2)
     watch.install()
     try:
-        assert not watch.step()  # step 1 always checks: nothing yet
+        # However fast the steps, the interval after step 1's check doubles: 2, 4, 8, 16...
+        checked = []
+        for step in range(1, 33):
+            before = watch.checks
+            assert not watch.step()
+            checked += [step] * (watch.checks - before)
+        assert checked == [1, 3, 7, 15, 31]
         os.kill(os.getpid(), signal.SIGUSR2)
         assert watch.signal == signal.SIGUSR2
-        assert not any(watch.step() for _ in range(5))  # the next check is an hour away
+        assert not any(watch.step() for _ in range(30))  # the next check: step 31 + 32
+        assert watch.step() and watch.checks == 6 and watch.step()  # then it stays stopped
+        assert watch.checks == 6
+    finally:
+        watch.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) is previous
+
+
+def test_an_epochs_end_checks_at_once():
+    watch = preemption.Watch(_one_process(), check_seconds=3600, catch=[signal.SIGUSR2])
+    watch.install()
+    try:
+        assert not watch.step()
+        os.kill(os.getpid(), signal.SIGUSR2)
         assert watch.check() and watch.step()  # an epoch's end checks; then it stays stopped
         assert watch.checks == 2
     finally:
         watch.uninstall()
-    assert signal.getsignal(signal.SIGUSR2) is previous
 
 
 def test_a_signal_never_acted_on_goes_to_the_previous_handler():
