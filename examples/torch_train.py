@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 
 import torch
@@ -122,6 +123,13 @@ def evaluate(dist: tfdist.torch.TorchDistributed, model: nn.Module, loader: Data
 
 def main(argv: list[str]) -> None:
     del argv
+    try:
+        train()
+    except tfdist.TfdistError as error:  # a setup mistake: print the fix, not a traceback
+        sys.exit(f"tfdist: {error}")
+
+
+def train() -> None:
     torch.manual_seed(FLAGS.seed)
     # tfdist: the process group first: torchrun, srun, tfdist launch or one process.
     with tfdist.torch.distributed(given("collective"), backend=given("backend")) as dist:

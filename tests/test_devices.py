@@ -28,6 +28,10 @@ def test_share_of_counted_gpus(count, local_rank, local_world_size, expected):
 def test_share_refuses_gpus_that_do_not_divide():
     with pytest.raises(ConfigError, match="3 GPUs cannot be shared evenly by 2 processes"):
         devices.share(3, 0, 2)
+    # Two processes on a one-GPU machine (seen with torchrun --nproc-per-node 2 on an H100).
+    with pytest.raises(ConfigError, match=r"^1 GPU cannot be shared evenly by 2 processes on this "
+                       r"node: start 1 process per node, one per GPU$"):
+        devices.share(1, 1, 2)
 
 
 @pytest.mark.parametrize(("visible", "local_rank", "local_world_size", "bound", "expected"), [

@@ -101,6 +101,11 @@ CASES = {
                               for r in range(2)],
                              [("error", rank, "8 tasks share the node's 4 GPUs")
                               for rank in range(2)]),
+    "two tasks on a one-GPU node": ([_report(r, local_world_size=2, node_gpus=1, gpus="0")
+                                     for r in range(2)],
+                                    [*[("error", rank, "2 tasks share the node's only GPU")
+                                       for rank in range(2)],
+                                     ("error", 1, "GPU 0 is driven by ranks 0, 1")]),
     "two ranks on one GPU": ([_report(0, gpus="0"), _report(1, gpus="0")],
                              [("error", 1, "GPU 0 is driven by ranks 0, 1")]),
     "the same GPU id on two hosts is two GPUs": (

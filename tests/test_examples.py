@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -70,8 +71,10 @@ def test_bad_backend_flag_is_rejected_with_the_choices(tmp_path):
     assert "value should be one of <auto|mwms|horovod|single>" in run.stderr
 
 
-@pytest.mark.parametrize("example", ["keras_train.py", "custom_loop.py"])
+@pytest.mark.parametrize("example", ["keras_train.py", "custom_loop.py", "torch_train.py"])
 def test_a_launch_that_cannot_train_stops_with_the_fix_not_a_traceback(example):
+    if example.startswith("torch") and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (requirements/torch.txt)")
     # The batch shell of a 4-task Slurm job, outside srun: detection refuses before TensorFlow.
     env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "5", "SLURM_NTASKS": "4"}
     run = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--epochs=1"],

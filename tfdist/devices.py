@@ -76,8 +76,10 @@ def share(count: int, local_rank: int, local_world_size: int) -> range:
     if count == 0 or local_world_size == 1:
         return range(count)
     if count % local_world_size:
-        raise ConfigError(f"{count} GPUs cannot be shared evenly by {local_world_size} processes "
-                          f"on this node: start {count} processes per node, one per GPU")
+        gpus = "1 GPU" if count == 1 else f"{count} GPUs"
+        raise ConfigError(f"{gpus} cannot be shared evenly by {local_world_size} processes on "
+                          f"this node: start {count} process{'es' * (count > 1)} per node, one "
+                          "per GPU")
     per_task = count // local_world_size
     return range(local_rank * per_task, (local_rank + 1) * per_task)
 

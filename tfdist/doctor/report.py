@@ -244,7 +244,8 @@ def _shape(r: RankReport) -> list[Problem]:
     problems = []
     if r.node_gpus and r.local_world_size > r.node_gpus and r.gpus_per_task is None:
         problems.append(Problem(
-            r.rank, r.host, f"{r.local_world_size} tasks share the node's {r.node_gpus} GPUs",
+            r.rank, r.host, f"{r.local_world_size} tasks share the node's "
+            + ("only GPU" if r.node_gpus == 1 else f"{r.node_gpus} GPUs"),
             f"start one task per GPU: `srun --ntasks-per-node={r.node_gpus}`"))
     if r.gpus_per_task is not None and r.local_world_size > 1 and r.collective == "nccl":
         problems.append(Problem(
