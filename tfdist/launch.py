@@ -770,10 +770,13 @@ def _signal_group(proc: _Popen, sig: signal.Signals) -> None:
 
 
 def _collective_timeout(spec: WorkerSpec) -> float | None:
-    """The worker's TFDIST_COLLECTIVE_TIMEOUT in seconds, if it has a valid one."""
+    """The worker's collective timeout in seconds, if it has a valid one (the worker itself
+    reports an invalid one)."""
+    from tfdist.settings import resolve
+
     try:
-        return float(spec.env.get("TFDIST_COLLECTIVE_TIMEOUT", "")) if spec.env else None
-    except ValueError:
+        return resolve("collective_timeout", environ=spec.env)
+    except ConfigError:
         return None
 
 
