@@ -8,9 +8,12 @@ functions (then update the wrappers).
 from __future__ import annotations
 
 import inspect
+import json
+import subprocess
+import sys
 
 import pytest
-from helpers import WORKERS, launch
+from helpers import WORKERS, clean_env, launch
 
 from tfdist import keras_compat
 
@@ -151,3 +154,23 @@ def test_step_logs_setting_overrides_the_callbacks(mode):
     for callbacks in _callbacks().values():
         assert keras_compat.step_logs_global(mode, callbacks) == (
             mode == "global", f"TFDIST_STEP_LOGS={mode}")
+
+
+def test_init_repairs_keras2_after_tensorflow_214_started_inside_absl(tmp_path):
+    """TensorFlow <= 2.14 imported inside absl's app.run (tfdist's examples, any absl-flags
+    script importing TensorFlow in main) creates its eager context before eager execution is on;
+    Keras 2 then builds graph placeholders and no model can be built. Checked by hand on
+    TensorFlow 2.14.1 with examples/keras_train.py (2 workers, equal digests once repaired);
+    here, where TensorFlow starts well, the worker makes that state itself, and the first build
+    must fail as on 2.14 (the control) before init repairs it."""
+    env = clean_env(TF_CPP_MIN_LOG_LEVEL="2")
+    if KERAS3:  # tf.keras is Keras 3 here: Keras 2 is tf_keras
+        env["TF_USE_LEGACY_KERAS"] = "1"
+    run = subprocess.run([sys.executable, str(WORKERS / "eager_record_worker.py")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["whole_record_repaired"] is False
+    assert "must be the output of a TensorFlow `Layer`" in result["broken"], result["broken"]
+    assert result["entries_after_init"] == 1
+    assert result["params"] == 4 * 3 + 3 + 3 * 2 + 2

@@ -42,8 +42,9 @@ from typing import Any
 from tfdist.settings import resolve
 
 __all__ = ["AFFECTED", "LOG_SAFE_CALLBACKS", "apply", "compile_without_xla", "is_keras3",
-           "keras2_package", "keras2_random_generator", "legacy_keras_requested", "needs_fix",
-           "random_states", "refuse_mixed_keras", "step_logs_global", "steps_in_chunk"]
+           "keras2_module", "keras2_package", "keras2_random_generator",
+           "legacy_keras_requested", "needs_fix", "random_states", "refuse_mixed_keras",
+           "repair_eager_record", "step_logs_global", "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -93,6 +94,51 @@ def keras2_package() -> str | None:
     return "keras" if str(version).startswith("2.") else None
 
 
+def keras2_module(name: str) -> Any:
+    """Keras 2's internal module ``name`` (``"backend"``, ``"engine.training"``) in the package
+    that is ``tf.keras`` (:func:`keras2_package`; tf_keras where none is): under ``src`` from
+    Keras 2.13 on, at the package's top in Keras 2.12 (TensorFlow 2.12's)."""
+    package = keras2_package() or "tf_keras"
+    try:
+        return importlib.import_module(f"{package}.src.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{package}.src":
+            raise
+        return importlib.import_module(f"{package}.{name}")
+
+
+def repair_eager_record() -> bool:
+    """Gives TensorFlow's eager context back its record of being eager, where TensorFlow 2.14
+    and older lost it: imported inside absl's ``app.run`` (an absl-flags script that imports
+    TensorFlow in ``main``, as tfdist's examples do).
+
+    There ``import tensorflow`` imports ``tensorflow.python.distribute.combinations``, which
+    asks absl to count the GPUs once absl has started (``app.call_after_init``); absl, started
+    already, does it at once, and so creates the eager context before ``import tensorflow``
+    turns eager execution on. The context's per-thread record of context switches then lacks its
+    first, eager entry: inside Keras 2's graph ``executing_eagerly_outside_functions()`` is
+    False, ``keras.Input`` makes a graph placeholder instead of a KerasTensor, and building a
+    model fails ("Output tensors of a Sequential model must be the output of a TensorFlow
+    `Layer`"). TensorFlow 2.15 and newer import that module later. The repair swaps in the
+    record the context's constructor makes with eager execution on; where the record is whole,
+    or TensorFlow is not eager, it changes nothing.
+
+    Returns whether it repaired.
+    """
+    if "tensorflow" not in sys.modules:  # nothing started yet, and importing it here would
+        return False
+    from tensorflow.python.eager import context
+
+    eager_context = context.context()
+    record = getattr(eager_context, "_context_switches", None)
+    if record is None or record.stack or not eager_context.executing_eagerly():
+        return False
+    eager_context._context_switches = type(record)(True)
+    logger.debug("tfdist: TensorFlow's eager context was created before eager execution was "
+                 "on (TensorFlow <= 2.14 imported inside absl's app.run): repaired")
+    return True
+
+
 def keras2_random_generator() -> bool:
     """On Keras 2, makes the random layers created from now on (Dropout, noise, random
     initializers without a seed) draw from a ``tf.random.Generator``, whose state is a variable
@@ -105,7 +151,7 @@ def keras2_random_generator() -> bool:
     package = keras2_package()
     if package is None:
         return False
-    backend = importlib.import_module(f"{package}.src.backend")
+    backend = keras2_module("backend")
     if not backend.is_tf_random_generator_enabled():
         backend.enable_tf_random_generator()
         logger.debug("tfdist: %s's random layers draw from tf.random.Generator", package)

@@ -17,12 +17,11 @@ it in ``on_train_begin``).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from typing import Any, NamedTuple
 
-from tfdist.keras_compat import keras2_package
+from tfdist.keras_compat import keras2_module, keras2_package
 
 __all__ = ["Keras3Input", "Position", "Resume", "TfKerasInput", "current", "plan", "track"]
 
@@ -190,10 +189,10 @@ def _track_keras3() -> None:
     cls.__init__, cls._get_iterator, cls._tfdist_tracked = __init__, _get_iterator, True
 
 
-def _track_tf_keras(package: str) -> None:
-    # tf_keras, or TensorFlow 2.15's keras 2.15: the same engine under another package name
-    data_adapter = importlib.import_module(f"{package}.src.engine.data_adapter")
-    training = importlib.import_module(f"{package}.src.engine.training")
+def _track_keras2() -> None:
+    # tf_keras, or TensorFlow 2.15's keras 2.15 and older: the same engine under another name
+    data_adapter = keras2_module("engine.data_adapter")
+    training = keras2_module("engine.training")
 
     cls = data_adapter.DataHandler
     if getattr(cls, "_tfdist_tracked", False):
@@ -243,8 +242,7 @@ def track() -> bool:
     """Installs the counting hooks for the Keras in use, once. False where they cannot be (a
     Keras without the classes hooked): a resumed ``fit`` then starts with the epoch."""
     try:
-        package = keras2_package()
-        _track_tf_keras(package) if package else _track_keras3()
+        _track_keras2() if keras2_package() else _track_keras3()
     except (ImportError, AttributeError) as error:
         logger.info("tfdist: cannot follow fit's input on this Keras (%s): a preempted fit "
                     "resumes at its epoch", error)

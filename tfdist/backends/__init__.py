@@ -89,7 +89,10 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     handle: Distributed = module.create(environment, settings)
     from tfdist import keras_compat
 
-    # Before the script builds its model: Keras 2's random layers then keep their state in a
-    # variable that a preempted run saves, and the resumed run draws the same masks.
+    # Before the script builds its model: Keras 2 makes KerasTensors again where an early
+    # start of TensorFlow <= 2.14 lost the record of eager execution; its random layers keep
+    # their state in a variable that a preempted run saves, so a resumed run draws the same
+    # masks.
+    keras_compat.repair_eager_record()
     keras_compat.keras2_random_generator()
     return handle

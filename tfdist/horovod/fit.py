@@ -137,11 +137,9 @@ def _in_order(model: Any, logs: dict[str, float]) -> Any:
     """``evaluate``'s list result (a scalar for one metric), in Keras's order."""
     if hasattr(model, "_flatten_metrics_in_order"):  # Keras 3
         return model._flatten_metrics_in_order(logs)
-    import importlib
+    from tfdist.keras_compat import keras2_module
 
-    from tfdist.keras_compat import keras2_package
-
-    training = importlib.import_module(f"{keras2_package() or 'tf_keras'}.src.engine.training")
+    training = keras2_module("engine.training")
     return training.flatten_metrics_in_order(logs, model.metrics_names)
 
 
