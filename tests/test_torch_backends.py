@@ -89,6 +89,11 @@ def runs(tmp_path_factory):
         "deepspeed torchrun stage 1": _run(
             tmp / "deepspeed-torchrun", "torchrun", TFDIST_BACKEND="deepspeed",
             TFDIST_DEEPSPEED_CONFIG='{"zero_optimization": {"stage": 1}}'),
+        "deepspeed stage 3": _run(
+            tmp / "deepspeed-stage3", "tfdist-launch", TFDIST_BACKEND="deepspeed",
+            TFDIST_DEEPSPEED_CONFIG=json.dumps({"zero_optimization": {
+                "stage": 3, "stage3_param_persistence_threshold": 0}}),  # even small layers
+            LOADER_AFTER_WRAP="1"),
         "control": _run(tmp / "control", "tfdist-launch", "control"),
     }
     if _NO_HOROVOD is None:
@@ -110,6 +115,7 @@ CASES = {  # run: (backend, launcher, collective)
     "ddp": ("ddp", "local", "gloo"),
     "deepspeed": ("deepspeed", "local", "gloo"),
     "deepspeed torchrun stage 1": ("deepspeed", "torchrun", "gloo"),
+    "deepspeed stage 3": ("deepspeed", "local", "gloo"),
     "horovod": ("horovod", "local", "gloo"),
     "horovodrun": ("horovod", "horovodrun", "gloo"),
     "mpirun": ("horovod", "mpirun", "mpi"),
@@ -154,13 +160,34 @@ def test_the_control_without_averaging_differs(runs):
 
 
 @pytest.mark.multiprocess
-def test_the_chief_saves_the_model_not_the_engine(runs, tmp_path_factory):
+@pytest.mark.parametrize(("name", "folder"), [("deepspeed", "deepspeed"),
+                                              ("deepspeed stage 3", "deepspeed-stage3")])
+def test_the_chief_saves_the_model_not_the_engine(runs, tmp_path_factory, name, folder):
+    # Stage 3: no rank holds the whole model; save gathers it on the chief, which writes a
+    # plain model's state_dict as under the other stages.
     import torch
 
-    final = tmp_path_factory.getbasetemp() / "torch-backends0" / "deepspeed" / "final.pt"
+    final = tmp_path_factory.getbasetemp() / "torch-backends0" / folder / "final.pt"
     state = torch.load(final, weights_only=True)
     saved = [tensor.numpy() for tensor in state.values()]  # parameters() order: no buffers
-    assert _largest_difference(saved, runs["deepspeed"][0]["weights"]) == 0.0
+    assert [tensor.shape for tensor in saved] == [(16, 8), (16,), (3, 16), (3,)]
+    assert _largest_difference(saved, runs[name][0]["weights"]) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_zero_stage_3_partitions_what_the_other_stages_keep_whole(runs):
+    # The control for the stage 3 case: its ranks really held only their halves of the
+    # parameters (stage 2 keeps them whole), so equal whole weights there come from gathering.
+    # Both engines train with the loader's micro batch (32 over 2 ranks), whether the loader
+    # came before wrap (the stage 2 run) or after it (stage 3, the example's order).
+    whole = 16 * 8 + 16 + 3 * 16 + 3
+    assert [r["partition"] for r in runs["deepspeed"]] == [
+        {"stage": 2, "micro_batch": 16, "seen": whole, "partition": 0}] * 2
+    stage3 = [r["partition"] for r in runs["deepspeed stage 3"]]
+    assert [p["micro_batch"] for p in stage3] == [16, 16]
+    assert [(p["stage"], p["seen"]) for p in stage3] == [(3, 0), (3, 0)]
+    assert all(0 < p["partition"] < whole for p in stage3)
+    assert sum(p["partition"] for p in stage3) >= whole
 
 
 @pytest.mark.multiprocess

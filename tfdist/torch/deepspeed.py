@@ -35,7 +35,7 @@ import torch
 
 from tfdist.errors import ConfigError
 from tfdist.settings import resolve
-from tfdist.torch.handle import TorchDistributed, count_steps
+from tfdist.torch.handle import TorchDistributed, count_steps, unwrap
 
 __all__ = ["DEFAULT_CONFIG", "DeepSpeedDistributed", "EngineOptimizer", "merge_config"]
 
@@ -120,6 +120,7 @@ class DeepSpeedDistributed(TorchDistributed):
     """The torch handle with DeepSpeed's engine; the process group is tfdist's."""
 
     backend = "deepspeed"
+    batch_from_loader = True  # whether dist.loader sets the micro batch (the config names none)
 
     def prepare(self) -> None:
         """Before ``import deepspeed``: its accelerator, ``LOCAL_RANK``, its logger; after: no
@@ -154,14 +155,19 @@ class DeepSpeedDistributed(TorchDistributed):
                               "optimizer)`")
         import deepspeed
 
-        config = self.config(options.pop("config", None))
+        given = options.pop("config", None)
+        config = self.config(given)
         engine, _, _, _ = deepspeed.initialize(model=model.to(self.device), optimizer=optimizer,
                                                config=config, **options)
         engine.register_forward_pre_hook(count_steps)
         self.engine = engine
+        # A loader made after wrap still sets the micro batch, unless the config names one.
+        self.batch_from_loader = "train_micro_batch_size_per_gpu" not in merge_config(
+            config_from_setting(resolve("deepspeed_config")), given)
+        micro = ("from dist.loader" if self.batch_from_loader and not self.loader_batch else
+                 f"{config['train_micro_batch_size_per_gpu']}")
         self.log("tfdist: DeepSpeed %s engine, ZeRO stage %s, micro batch %s per replica",
-                 self.version, config.get("zero_optimization", {}).get("stage", 0),
-                 config["train_micro_batch_size_per_gpu"])
+                 self.version, config.get("zero_optimization", {}).get("stage", 0), micro)
         return engine, EngineOptimizer(engine, optimizer)
 
     def config(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -171,6 +177,17 @@ class DeepSpeedDistributed(TorchDistributed):
         return merge_config(DEFAULT_CONFIG, batch,
                             config_from_setting(resolve("deepspeed_config")), given)
 
+    def loader(self, dataset: Any, batch_size: int, **options: Any) -> Any:
+        """As :meth:`TorchDistributed.loader`; the first loader made after :meth:`wrap` sets
+        the engine's micro batch, as one made before sets the config's, unless the config
+        names it."""
+        first = not self.loader_batch
+        loader = super().loader(dataset, batch_size, **options)
+        engine = getattr(self, "engine", None)
+        if first and engine is not None and self.batch_from_loader:
+            engine.set_train_micro_batch_size(self.per_replica_batch_size(batch_size))
+        return loader
+
     def backward(self, loss: torch.Tensor) -> None:
         """The engine's backward (it scales the loss and reduces the gradients)."""
         engine = getattr(self, "engine", None)
@@ -179,14 +196,38 @@ class DeepSpeedDistributed(TorchDistributed):
                               "optimizer)` before dist.backward(loss)")
         engine.backward(loss)
 
+    def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """As :meth:`TorchDistributed.state_dict`; under ZeRO stage 3 every rank gathers the
+        whole model for the copy (every rank must call it), and holds only its partition
+        again afterwards."""
+        if not self._partitioned(model):
+            return super().state_dict(model)
+        import deepspeed
+
+        module = unwrap(model)
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {name: tensor.detach().clone() for name, tensor in
+                    module.state_dict().items()}
+
     def save(self, obj: Any, path: str | os.PathLike[str]) -> bool:
         """As :meth:`TorchDistributed.save`; the engine is saved as its model's state_dict.
+        Under ZeRO stage 3, where each rank holds a partition of the parameters, every rank
+        must call it: DeepSpeed gathers the model on the chief one layer at a time, and the
+        chief writes it as from any other stage (a plain model's state_dict).
 
         Raises:
-            ConfigError: ZeRO stage 3, where no rank holds the whole model.
+            ConfigError: a DeepSpeed without the consolidating call (stage 3 only).
         """
+        if not self._partitioned(obj):
+            return super().save(obj, path)
+        gather = getattr(obj, "_zero3_consolidated_16bit_state_dict", None)
+        if gather is None:
+            raise ConfigError(f"DeepSpeed {self.version} cannot gather a ZeRO stage 3 model on "
+                              "one rank: save with `model.save_checkpoint(DIR)` on every rank")
+        state = gather()  # the parameters as they train (fp32 here): on the chief, else None
+        return super().save(state, path) if self.is_chief else False
+
+    def _partitioned(self, obj: Any) -> bool:
+        """Whether ``obj`` is this handle's engine under ZeRO stage 3."""
         engine = getattr(self, "engine", None)
-        if obj is engine and engine is not None and engine.zero_optimization_stage() >= 3:
-            raise ConfigError("ZeRO stage 3 partitions the parameters, so no rank holds the whole "
-                              "model: save with `model.save_checkpoint(DIR)` on every rank")
-        return super().save(obj, path)
+        return obj is engine and engine is not None and engine.zero_optimization_stage() >= 3

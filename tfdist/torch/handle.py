@@ -228,12 +228,19 @@ class TorchDistributed(ReplicaMath):
         else:
             torch_dist.barrier()
 
+    def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict`` (unwrapped: it loads into a plain model), on every
+        rank. Call it on every rank: under DeepSpeed's ZeRO stage 3 it gathers the parameters
+        that stage partitions."""
+        return unwrap(model).state_dict()
+
     def save(self, obj: Any, path: str | os.PathLike[str]) -> bool:
         """Saves ``obj`` with ``torch.save`` on the chief only, atomically.
 
         A model (DDP-wrapped or not) is saved as its unwrapped ``state_dict``, so it loads into
         a plain model. The file appears complete or not at all (a temporary file in the same
-        directory, then a rename). Not a collective: other ranks return at once; call
+        directory, then a rename). Call it on every rank: other ranks return at once (under
+        DeepSpeed's ZeRO stage 3, once the chief has the parameters they hold); call
         :meth:`barrier` before they read the file.
 
         Returns:
