@@ -174,3 +174,29 @@ def test_init_repairs_keras2_after_tensorflow_214_started_inside_absl(tmp_path):
     assert "must be the output of a TensorFlow `Layer`" in result["broken"], result["broken"]
     assert result["entries_after_init"] == 1
     assert result["params"] == 4 * 3 + 3 + 3 * 2 + 2
+
+
+@pytest.mark.parametrize(("layout", "found"), [
+    ({"src/__init__.py": "", "src/engine/__init__.py": "",
+      "src/engine/training.py": "where = 'src'"}, "src"),  # Keras 2.13 on (tf_keras, TF 2.15)
+    ({"engine/__init__.py": "", "engine/training.py": "where = 'top'"}, "top"),  # Keras 2.12
+])
+def test_keras2_internals_are_found_with_or_without_src(tmp_path, monkeypatch, layout, found):
+    package = f"oldkeras_{found}"
+    for name, text in {"__init__.py": "__version__ = '2.12.0'", **layout}.items():
+        (tmp_path / package / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(keras_compat, "keras2_package", lambda: package)
+    assert keras_compat.keras2_module("engine.training").where == found
+
+
+def test_a_keras2_module_that_fails_inside_is_not_hidden(tmp_path, monkeypatch):
+    (tmp_path / "brokenkeras" / "src").mkdir(parents=True)
+    for name in ("__init__.py", "src/__init__.py"):
+        (tmp_path / "brokenkeras" / name).write_text("")
+    (tmp_path / "brokenkeras" / "src" / "backend.py").write_text("import no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(keras_compat, "keras2_package", lambda: "brokenkeras")
+    with pytest.raises(ModuleNotFoundError, match="no_such_module_here"):
+        keras_compat.keras2_module("backend")

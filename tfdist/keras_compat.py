@@ -125,7 +125,7 @@ def repair_eager_record() -> bool:
 
     Returns whether it repaired.
     """
-    if "tensorflow" not in sys.modules:  # nothing started yet, and importing it here would
+    if "tensorflow" not in sys.modules:  # not started: nothing lost (and nothing to import)
         return False
     from tensorflow.python.eager import context
 
