@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tfdist import quiet
 from tfdist.doctor.collective import bus_bandwidth
 from tfdist.doctor.probe import replicas
 from tfdist.doctor.report import (
+    TESTED_TENSORFLOW,
     Problem,
     RankReport,
     check,
@@ -130,6 +132,18 @@ CASES = {
          for rank in range(2)]),
     "MWMS drives 4 GPUs per process": (
         [_report(0, local_world_size=1, gpus="0,1,2,3", gpu_share=4, replicas=4)], []),
+    "TensorFlow 2.13 from a site's module": (
+        [_report(r, versions={**VERSIONS, "tensorflow": "2.13.1"}) for r in range(2)],
+        [("warning", None, "TensorFlow 2.13.1 is older than the oldest release tfdist is "
+                           "tested on (2.15 to 2.21)")]),
+    "a TensorFlow newer than tested": (
+        [_report(0, versions={**VERSIONS, "tensorflow": "2.22.0rc1"})],
+        [("warning", None, "TensorFlow 2.22.0rc1 is newer than the newest release")]),
+    "the oldest tested TensorFlow": (
+        [_report(0, versions={**VERSIONS, "tensorflow": "2.15.1"})], []),
+    "an old TensorFlow beside a torch job": (
+        [_report(0, backend="ddp", versions={**VERSIONS, "tensorflow": "2.11.0"})], []),
+    "no TensorFlow": ([_report(0, backend="horovod", versions={"python": "3.11.7"})], []),
     "ranks on different backends": (
         [_report(0), _report(1), _report(2, backend="horovod")],
         [("error", 2, "will use backend 'horovod' where the others use 'mwms'")]),
@@ -144,6 +158,16 @@ def test_checks(case):
     for problem, (_, _, words) in zip(found, expected, strict=True):
         assert words in problem.what
         assert problem.severity == "warning" or problem.fix or problem.what.startswith("backend")
+
+
+def test_the_tested_tensorflow_range_is_the_lanes_pins():
+    def pinned(lane: str) -> tuple[int, ...]:
+        text = (ROOT / "requirements" / lane).read_text()
+        version = re.search(r"^tensorflow[-_]cpu==(\d+)\.(\d+)", text, re.M)
+        assert version, lane
+        return tuple(map(int, version.groups()))
+
+    assert (pinned("tf215.txt"), pinned("test.txt")) == TESTED_TENSORFLOW
 
 
 @pytest.mark.parametrize(("backend", "gpus", "cpu_replicas", "expected"), [
@@ -266,6 +290,18 @@ def test_a_good_plan_passes(framework):
     assert f"all-reduce across 2 rank(s) over {engine}: correct" in out
     assert "1 MB all-reduce:" in out and "GB/s bus bandwidth" in out
     assert "tfdist doctor: ready: 2 rank(s) on 1 host(s)" in out
+
+
+def test_one_process_is_checked_too():
+    # A one-process doctor has no meeting and no engine gather: its own report is checked
+    # alone (it once said "ready" here).
+    done = subprocess.run([sys.executable, "-m", "tfdist", "doctor"], cwd=ROOT,
+                          env=_env(NCCL_SOCKET_IFNAME="nosuch0"), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "error: rank 0" in done.stderr and "NCCL_SOCKET_IFNAME=nosuch0 selects no " \
+        "network interface" in done.stderr
+    assert "ready" not in done.stdout
 
 
 @pytest.mark.parametrize("entry", ["import tfdist.torch", "tfdist doctor --framework torch"])

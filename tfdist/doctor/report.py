@@ -16,7 +16,8 @@ from typing import Any
 
 from tfdist.devices import one_gpu_per_process
 
-__all__ = ["INTERFACE_VARIABLES", "Problem", "RankReport", "check", "interface_problem",
+__all__ = ["INTERFACE_VARIABLES", "TESTED_TENSORFLOW", "Problem", "RankReport", "check",
+           "interface_problem", "untested_tensorflow",
            "ranges", "table", "version_problems"]
 
 # Variables naming network interfaces, and how each reads them: NCCL's and Gloo's take a list of
@@ -25,6 +26,9 @@ INTERFACE_VARIABLES = {"NCCL_SOCKET_IFNAME": "nccl", "GLOO_SOCKET_IFNAME": "list
                        "HOROVOD_GLOO_IFACE": "exact"}
 # Packages whose versions must agree on every rank (absent ones are left out of the table).
 PACKAGES = ("python", "tensorflow", "keras", "tf_keras", "tfdist", "horovod", "torch", "deepspeed")
+# The TensorFlow releases `make test` runs tfdist's tests on, oldest and newest (major, minor):
+# the TensorFlow 2.15 lane's and .venv's pins (tests/test_doctor.py holds them to the files).
+TESTED_TENSORFLOW = ((2, 15), (2, 21))
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ def check(reports: Sequence[RankReport]) -> list[Problem]:
     """Every problem in the reports of all ranks: each rank's own, then across ranks."""
     problems = [problem for report in reports for problem in _own(report)]
     problems += version_problems(reports)
+    problems += untested_tensorflow(reports)
     problems += _plan_problems(reports)
     problems += _shared_gpus(reports)
     return problems
@@ -170,6 +175,29 @@ def version_problems(reports: Sequence[RankReport]) -> list[Problem]:
                     "start every rank with the same environment (the same venv, module or "
                     "image on every node); `python -m pip list` there shows what differs"))
     return problems
+
+
+def untested_tensorflow(reports: Sequence[RankReport]) -> list[Problem]:
+    """A warning for the launch when the TensorFlow the ranks mostly run lies outside
+    :data:`TESTED_TENSORFLOW` (not for the torch backends, which do not use it)."""
+    if not reports or all(r.backend in ("ddp", "deepspeed") for r in reports):
+        return []
+    version = Counter(r.versions.get("tensorflow", "") for r in reports).most_common(1)[0][0]
+    try:
+        found = tuple(int("".join(c for c in part if c.isdigit())) for part in
+                      version.split(".")[:2])
+    except ValueError:
+        return []
+    oldest, newest = TESTED_TENSORFLOW
+    if len(found) != 2 or oldest <= found <= newest:
+        return []
+    side = "older than the oldest" if found < oldest else "newer than the newest"
+    tested = f"{'.'.join(map(str, oldest))} to {'.'.join(map(str, newest))}"
+    return [Problem(None, "", f"TensorFlow {version} is {side} release tfdist is tested on "
+                    f"({tested}); the README's Supported versions says what was checked on "
+                    "others",
+                    f"if something fails, load a TensorFlow module of {tested}, or install one "
+                    "into a venv", severity="warning")]
 
 
 def ranges(cores: Iterable[int]) -> str:
