@@ -110,7 +110,8 @@ def train() -> None:
                 loss = tf.nn.compute_average_loss(per_example_loss(labels, logits),
                                                   global_batch_size=FLAGS.batch_size)
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            # No strict=: TensorFlow 2.12's autograph, which converts this zip, takes none.
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # noqa: B905
             return (loss, *counts(labels, logits))
 
         # tfdist: job-wide sums, from strategy.reduce or Horovod's all-reduce.

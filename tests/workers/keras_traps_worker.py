@@ -334,8 +334,8 @@ def _custom_train_step(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
             with tf.GradientTape() as tape:
                 loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
             variables = self.trainable_variables
-            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables,
-                                               strict=True))
+            # No strict=: TensorFlow 2.12's autograph, which converts this zip, takes none.
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))  # noqa: B905
             return {"loss": loss}
 
     keras.utils.set_random_seed(1)

@@ -54,7 +54,8 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
                 loss = tf.nn.compute_average_loss(per_example(labels, logits),
                                                   global_batch_size=GLOBAL_BATCH)
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            # No strict=: TensorFlow 2.12's autograph, which converts this zip, takes none.
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # noqa: B905
 
         strategy.run(replica_step, args=(features, labels))
 

@@ -116,7 +116,8 @@ def _custom(out: Path, dist: tfdist.Distributed, model: Any) -> None:
                 loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
                                                   global_batch_size=GLOBAL_BATCH)
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            # No strict=: TensorFlow 2.12's autograph, which converts this zip, takes none.
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # noqa: B905
             return loss
 
         return dist.strategy.run(replica_step, args=(x, y))

@@ -101,7 +101,8 @@ def _custom_loop(dist, model, optimizer, dataset, global_batch):  # type: ignore
                 loss = tf.nn.compute_average_loss(per_example(y, model(x, training=True)),
                                                   global_batch_size=global_batch)
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            # No strict=: TensorFlow 2.12's autograph, which converts this zip, takes none.
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # noqa: B905
             return loss
 
         return dist.reduce("sum", strategy.run(replica_step, args=(x, y)))

@@ -72,7 +72,9 @@ def DistributedOptimizer(optimizer: Any) -> Any:  # noqa: N802 (Horovod's name)
         def averaged_apply_gradients(grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
             pairs = list(grads_and_vars)
             grads = ops.allreduce_gradients([g for g, _ in pairs], "average")
-            return apply_gradients(list(zip(grads, [v for _, v in pairs], strict=True)),
+            # No strict=: this runs in fit's tf.function, and TensorFlow 2.12's autograph zip
+            # takes none.
+            return apply_gradients(list(zip(grads, [v for _, v in pairs])),  # noqa: B905
                                    *args, **kwargs)
 
         object.__setattr__(optimizer, "apply_gradients", averaged_apply_gradients)

@@ -51,7 +51,9 @@ def allreduce_gradients(grads: Sequence[Any], op: str = "average",
         sent = [tf.cast(g, tf.float16) if g.dtype == tf.float32 else g for g in sent]
     reduced = hvd.grouped_allreduce(sent, op=_op(op))
     result = list(dense)
-    for i, value in zip(present, reduced, strict=True):
+    # No strict=: this runs in the caller's tf.function, and TensorFlow 2.12's autograph zip
+    # takes none.
+    for i, value in zip(present, reduced):  # noqa: B905
         result[i] = tf.cast(value, dense[i].dtype) if value.dtype != dense[i].dtype else value
     return result
 
