@@ -149,8 +149,8 @@ def check_chief(job: RenderedJob, digest: str, backend: str = "ddp") -> str:
         model.load_state_dict(torch.load(job.model_dir / "final.pt", weights_only=True))
     except Exception as err:  # any failure to load is the finding
         pytest.fail(f"final.pt does not load: {type(err).__name__}: {err}\n{job.describe()}")
-    assert example.digest(model) == digest, \
-        f"final.pt holds weights {example.digest(model)}, not the ranks' {digest}\n" \
+    held = example.digest(model.state_dict())
+    assert held == digest, f"final.pt holds weights {held}, not the ranks' {digest}\n" \
         f"{job.describe()}"
     return chief
 
