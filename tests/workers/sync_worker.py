@@ -131,14 +131,16 @@ def _custom(out: Path, dist: tfdist.Distributed, model: Any) -> None:
     if dist.rank == 1:
         _nudge_local_copy(dist, model.trainable_variables[-1], replica=0)
     mismatch = _error_of(lambda: sync.check(dist, variables, step=2), ReplicaMismatchError)
-    timeout = ""
+    # Written before the timeout: TensorFlow sometimes crashes while it aborts the timed-out
+    # collective (SIGABRT or SIGSEGV inside its collective executor, TensorFlow 2.21), and
+    # what was found up to here must reach the test either way.
+    _write(out, dist.rank, seconds=seconds, mismatch=mismatch, variables=len(variables))
     if dist.rank == 0:  # the mistake: only the chief checks; rank 1 never joins
         timeout = _error_of(lambda: sync.check(dist, variables, step=3, timeout_s=3),
                             TfdistError)
+        _write(out, dist.rank, name="timeout", timeout=timeout)
     else:
-        _wait_for(out / "result-0.json")
-    _write(out, dist.rank, seconds=seconds, mismatch=mismatch, timeout=timeout,
-           variables=len(variables))
+        _wait_for(out / "timeout-0.json")
 
 
 def _replicas(out: Path) -> None:
@@ -185,10 +187,10 @@ def _wait_for(path: Path, timeout_s: float = 60) -> None:
         time.sleep(0.1)
 
 
-def _write(out: Path, rank: int, **result: Any) -> None:
-    partial = out / f".result-{rank}.json"
+def _write(out: Path, rank: int, name: str = "result", **result: Any) -> None:
+    partial = out / f".{name}-{rank}.json"
     partial.write_text(json.dumps({"rank": rank, **result}))
-    os.replace(partial, out / f"result-{rank}.json")  # atomic: the other rank polls for it
+    os.replace(partial, out / f"{name}-{rank}.json")  # atomic: the other rank polls for it
 
 
 if __name__ == "__main__":
