@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import socket
 import subprocess
@@ -367,8 +368,10 @@ def _assert_ddp_run(out: Path, launcher: str) -> list[dict]:
 
 
 def _free_job_id() -> int:
-    """A job id whose derived port block is free on this machine right now."""
-    for job in range(int(time.time()) % 50000, 10**6):
+    """A job id whose derived port block is free on this machine right now. The search starts
+    at random: two tests that start steps at once (two test processes) must not both take the
+    first free block."""
+    for job in range(random.randrange(50000), 10**6):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", slurm.port_base({"SLURM_JOB_ID": str(job)}, 2)))
