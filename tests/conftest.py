@@ -1,3 +1,3 @@
 """pytest plugins for the suite; shared helpers live in helpers.py."""
 
-pytest_plugins = ["slurmtest"]
+pytest_plugins = ["slurmtest", "parallel"]
