@@ -1,7 +1,9 @@
 # Two commands set everything up on a fresh machine (see README):
 #   make train   trains examples/keras_train.py on 2 local workers (offline digits data)
-#   make test    installs the system packages (as root), builds both environments, runs ruff,
-#                mypy and every test; the tests start their own Slurm cluster.
+#   make test    installs the system packages (as root), builds the three environments at once,
+#                runs ruff, mypy and every test (two test processes each run, pytest-xdist);
+#                the tests start their own Slurm cluster. It ends with a table of where the
+#                time went (tools/timed.py; the figures are kept in .test-times/).
 # Nothing installed by hand is needed.
 
 PYTHON ?= python3
@@ -15,8 +17,15 @@ HVD_STAMP := $(HVD_VENV)/.tfdist-installed
 TF215_VENV := .venv-tf215
 TF215_STAMP := $(TF215_VENV)/.tfdist-installed
 MODEL_DIR ?= runs/keras_train
+# Each step of `make test` and of the environments' builds is timed into $(TIMES).
+TIMES := .test-times
+TIMED := $(PYTHON) tools/timed.py run $(TIMES)
+# Two test processes (tests/parallel.py says which tests stay together).
+XDIST := -n 2 --dist loadgroup
+# The editable installs of tfdist write tfdist.egg-info in the checkout: one at a time.
+EDITABLE_LOCK := flock $(CURDIR)/.editable.lock
 
-.PHONY: system venv venv-horovod venv-tf215 train test lint clean
+.PHONY: system venv venv-horovod venv-tf215 envs train test test-steps lint clean
 
 system:
 	bash tools/system-packages.sh
@@ -25,28 +34,29 @@ venv: $(STAMP)
 
 $(STAMP): requirements/bootstrap.txt requirements/test.txt requirements/no-deps.txt \
 		requirements/torch.txt requirements/deepspeed.txt setup.cfg
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/bootstrap.txt
-	$(BIN)/pip install --quiet -r requirements/test.txt
-	$(BIN)/pip install --quiet --no-deps -r requirements/no-deps.txt
-	$(BIN)/pip install --quiet --no-deps -r requirements/torch.txt
-	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-deps -r requirements/deepspeed.txt
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(TIMED) $(VENV) -- bash -c 'test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)'
+	$(TIMED) $(VENV) -- $(BIN)/python -m pip install --quiet --disable-pip-version-check \
+		-r requirements/bootstrap.txt
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet -r requirements/test.txt
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps -r requirements/no-deps.txt
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps -r requirements/torch.txt
+	$(TIMED) $(VENV) -- env DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-deps \
+		-r requirements/deepspeed.txt
+	$(TIMED) $(VENV) -- $(EDITABLE_LOCK) $(BIN)/pip install --quiet --no-deps \
+		--no-build-isolation -e .
 	touch $@
 
 venv-horovod: $(HVD_STAMP)
 
 $(HVD_STAMP): tools/horovod-env.sh requirements/bootstrap.txt requirements/horovod.txt \
-		requirements/horovod-no-deps.txt requirements/torch.txt setup.cfg
-	$(MAKE) system
-	bash tools/horovod-env.sh $(HVD_VENV) $(PYTHON) horovod
+		requirements/horovod-no-deps.txt requirements/torch.txt setup.cfg | system
+	$(TIMED) $(HVD_VENV) -- bash tools/horovod-env.sh $(HVD_VENV) $(PYTHON) horovod
 
 venv-tf215: $(TF215_STAMP)
 
 $(TF215_STAMP): tools/horovod-env.sh requirements/bootstrap.txt requirements/tf215.txt \
-		requirements/tf215-no-deps.txt setup.cfg
-	$(MAKE) system
-	bash tools/horovod-env.sh $(TF215_VENV) $(PYTHON) tf215
+		requirements/tf215-no-deps.txt setup.cfg | system
+	$(TIMED) $(TF215_VENV) -- bash tools/horovod-env.sh $(TF215_VENV) $(PYTHON) tf215
 
 train: $(STAMP)
 	$(BIN)/tfdist launch -n 2 examples/keras_train.py --epochs=8 --batch_size=64 \
@@ -65,9 +75,23 @@ TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_k
 	tests/test_slurm_jobs.py::test_preempted_job_requeues_itself_and_ends_bit_identical \
 	tests/test_slurm_horovod.py::test_srun_pmix_mpi_job_trains_in_sync_and_chief_saves_once
 
-test: system lint $(HVD_STAMP) $(TF215_STAMP)
-	$(BIN)/python -m pytest
-	$(TF215_VENV)/bin/python -m pytest -k 'not tf_keras' $(TF215_TESTS)
+# The three environments at once: their pip installs overlap the two Horovod compiles.
+envs:
+	$(MAKE) --no-print-directory -j3 venv venv-horovod venv-tf215
+
+# make test: the steps below, then the table of their times (also when a step failed).
+test:
+	@rm -rf $(TIMES)
+	@$(MAKE) --no-print-directory test-steps; status=$$?; \
+		$(PYTHON) tools/timed.py report $(TIMES); exit $$status
+
+test-steps:
+	$(TIMED) system -- bash tools/system-packages.sh
+	$(MAKE) --no-print-directory envs
+	$(TIMED) lint -- $(MAKE) --no-print-directory lint
+	$(TIMED) "pytest $(VENV)" -- $(BIN)/python -m pytest $(XDIST) --junitxml=$(TIMES)/venv.xml
+	$(TIMED) "pytest $(TF215_VENV)" -- $(TF215_VENV)/bin/python -m pytest $(XDIST) \
+		--junitxml=$(TIMES)/venv-tf215.xml -k 'not tf_keras' $(TF215_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check tfdist examples tests benchmarks
@@ -75,4 +99,5 @@ lint: $(STAMP)
 	bash tools/shellcheck.sh
 
 clean:
-	rm -rf $(VENV) $(HVD_VENV) $(TF215_VENV) runs .cache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(HVD_VENV) $(TF215_VENV) runs .cache .pytest_cache .mypy_cache .ruff_cache \
+		$(TIMES) .editable.lock

@@ -151,7 +151,9 @@ EOF
 
 make_venv
 install_horovod
-"$bin/pip" install "${quiet[@]}" --no-deps --no-build-isolation -e .
+# The editable install writes tfdist.egg-info in the checkout: one at a time (make builds the
+# environments at once).
+flock "$root/.editable.lock" "$bin/pip" install "${quiet[@]}" --no-deps --no-build-isolation -e .
 verify
 touch "$venv/.tfdist-installed"
 log "ready: $venv"
