@@ -19,6 +19,8 @@ only that order remains.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 _SHARED_SCOPES = ("module", "package", "session")
@@ -26,7 +28,7 @@ _SHARED_SCOPES = ("module", "package", "session")
 
 def shared_fixtures(item: pytest.Item) -> list[str]:
     """The module-scoped (or wider) fixtures of a test module that ``item`` uses, each with its
-    parameter: ``tests/test_x.py::run[mwms-keras3]``. The plugins' and pytest's own
+    parameter: ``tests/test_x.py::run=mwms-keras3``. The plugins' and pytest's own
     (``tmp_path_factory``, ``slurm_cluster``) are left out: cheap per process, or grouped as
     ``slurm``."""
     info = getattr(item, "_fixtureinfo", None)
@@ -38,8 +40,9 @@ def shared_fixtures(item: pytest.Item) -> list[str]:
     for name in getattr(item, "fixturenames", ()):
         definitions = info.name2fixturedefs.get(name) or ()
         if definitions and definitions[-1].scope in _SHARED_SCOPES and definitions[-1].baseid:
-            shared.append(f"{module}::{name}" + (f"[{params[name]}]" if name in params else ""))
-    return shared
+            shared.append(f"{module}::{name}" + (f"={params[name]}" if name in params else ""))
+    # xdist reads the group from the node id's end, after an "@" that comes after any "]".
+    return [re.sub(r"[\[\]@]", "_", key) for key in shared]
 
 
 def groups(items: list[pytest.Item]) -> dict[str, str]:
