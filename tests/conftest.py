@@ -1,3 +1,5 @@
 """pytest plugins for the suite; shared helpers live in helpers.py."""
 
-pytest_plugins = ["slurmtest", "parallel"]
+# slurmtest: the Slurm test cluster; parallel: how tests share out over xdist's processes;
+# hermetic: no test sees the machine's GPUs, except those marked gpu.
+pytest_plugins = ["slurmtest", "parallel", "hermetic"]

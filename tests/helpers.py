@@ -1,10 +1,12 @@
-"""Helpers the test modules share: paths, `tfdist launch` runs, worker outputs.
+"""Helpers the test modules share: paths, `tfdist launch` runs, worker outputs, and the skips
+of tests whose optional packages are not installed.
 
 Imported by name (`from helpers import launch`); conftest.py only loads pytest plugins.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -15,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -31,6 +34,97 @@ def _horovod_python() -> Path:
 
 # The Horovod tests' workers run under this Python; horovodrun is in its bin/.
 HOROVOD_PYTHON = _horovod_python()
+
+# The optional packages tests need, by import name: what pip installs, and how to get it.
+OPTIONAL = {
+    "tensorflow_datasets": ("tensorflow-datasets", "tfdist[datasets]"),
+    "sklearn": ("scikit-learn", "tfdist[datasets]"),
+    "tensorboard": ("tensorboard", "pip install tensorboard: TensorFlow 2.21 no longer "
+                                   "installs it"),
+    "matplotlib": ("matplotlib", "tfdist[plot]"),
+    "horovod": ("horovod", "make venv-horovod"),
+    "deepspeed": ("deepspeed", "requirements/deepspeed.txt"),
+    "torch": ("torch", "requirements/torch.txt"),
+}
+# What the examples in examples/ import of them (examples/synthetic_benchmark.py: none).
+EXAMPLE_NEEDS = {
+    "keras_train.py": ("tensorflow_datasets", "sklearn"),
+    "custom_loop.py": ("tensorflow_datasets", "sklearn"),
+    "torch_train.py": ("torch", "sklearn"),
+}
+
+
+def _shown(python: Path) -> str:
+    return str(python.relative_to(ROOT)) if python.is_relative_to(ROOT) else str(python)
+
+
+@functools.cache
+def _installed(python: str) -> frozenset[str] | str:
+    """The modules of :data:`OPTIONAL` that ``python`` finds (without importing them), or why
+    it cannot say."""
+    if python == sys.executable:
+        return frozenset(m for m in OPTIONAL if importlib.util.find_spec(m) is not None)
+    path = Path(python)
+    if not path.exists():
+        venv = path.parent.parent.name
+        build = f": build it with `make {venv[1:]}`" if venv.startswith(".venv") else ""
+        return f"{_shown(path)} does not exist{build}"
+    code = (f"import importlib.util, json; print(json.dumps([m for m in {sorted(OPTIONAL)!r} "
+            "if importlib.util.find_spec(m) is not None]))")
+    run = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=False)
+    if run.returncode:
+        return f"{_shown(path)} does not start: {run.stderr.strip()[-300:]}"
+    return frozenset(json.loads(run.stdout.strip().splitlines()[-1]))
+
+
+def missing(*modules: str, python: str | os.PathLike[str] | None = None) -> str | None:
+    """Why a test that needs ``modules`` (keys of :data:`OPTIONAL`) in ``python`` cannot run,
+    in the words of its skip: ``"tensorflow-datasets is not installed (tfdist[datasets])"``;
+    None when all are installed.
+
+    Args:
+        modules: import names, e.g. ``"sklearn"``.
+        python: the Python that runs the code that imports them (a worker's, an example's);
+            default: this one. Another Python is asked once per session, in a subprocess.
+    """
+    python = sys.executable if python is None else os.fspath(python)
+    found = _installed(python)
+    if isinstance(found, str):
+        return found
+    where = "" if python == sys.executable else f" in {_shown(Path(python))}"
+    reasons = [f"{OPTIONAL[m][0]} is not installed{where} ({OPTIONAL[m][1]})"
+               for m in modules if m not in found]
+    return "; ".join(reasons) or None
+
+
+def installed(module: str, python: str | os.PathLike[str] | None = None) -> bool:
+    """Whether ``python`` (default: this one) has ``module``, a key of :data:`OPTIONAL`; for a
+    check whose expectation follows the package (TensorBoard's logs are written or not)."""
+    return missing(module, python=python) is None
+
+
+def tensorboard_logs(python: str | os.PathLike[str] | None = None) -> list[str]:
+    """``["logs"]`` where ``python`` (default: this one) has tensorboard, else ``[]``: the
+    folder of TensorBoard's logs in a ``model_dir``, which ``dist.callbacks`` leaves out, with a
+    warning, without the package."""
+    return ["logs"] if installed("tensorboard", python) else []
+
+
+def needs(*modules: str, python: str | os.PathLike[str] | None = None) -> pytest.MarkDecorator:
+    """A mark that skips the test, with the reason of :func:`missing`, where ``python`` lacks
+    one of ``modules``: ``@needs("tensorflow_datasets", "sklearn")``."""
+    reason = missing(*modules, python=python)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def require(*modules: str, python: str | os.PathLike[str] | None = None) -> None:
+    """Skips the running test or fixture, with the reason of :func:`missing`, where ``python``
+    lacks one of ``modules``: for a Python or a module only known at run time."""
+    __tracebackhide__ = True  # the skip is reported at the caller's line
+    reason = missing(*modules, python=python)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 # Variables by which a process would think a launcher started it (tfdist.env reads them).

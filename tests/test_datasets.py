@@ -2,7 +2,9 @@
 
 No test touches the network: the data come from scikit-learn's package files. The multiprocess
 test starts 3 real workers of a MultiWorkerMirroredStrategy on loopback that prepare one fresh
-data directory at the same moment. Every data directory is a fresh temporary one.
+data directory at the same moment. Every data directory is a fresh temporary one. Where
+tensorflow-datasets or scikit-learn is not installed (tfdist[datasets]), the tests of the data
+skip with the reason; those of the import, the names and the data directory still run.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import needs, require
 
 import tfdist.datasets
 from tfdist.errors import ConfigError, TfdistError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ("tensorflow_datasets", "sklearn")  # what the digits dataset is built with
 
 # sha256 of the sorted test-split rows of load_digits. If scikit-learn changes its
 # StratifiedShuffleSplit, this changes: bump TfdistDigits.VERSION, because data directories
@@ -161,6 +165,7 @@ def test_import_loads_no_tensorflow() -> None:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    require(*DATA)
     path = tmp_path_factory.mktemp("tfds")
     tfdist.datasets.prepare("digits", path)
     return path
@@ -209,6 +214,7 @@ def test_content_matches_sklearn(arrays: dict[str, tuple[np.ndarray, np.ndarray]
         assert as_set(got_images, got_labels) == as_set(images[rows], source.target[rows])
 
 
+@needs(*DATA)
 def test_split_rows_are_pinned() -> None:
     from sklearn.datasets import load_digits
 
@@ -229,6 +235,7 @@ def test_pixel_range(arrays: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     assert 128 in set(np.unique(images))
 
 
+@needs("tensorflow_datasets")
 def test_to_uint8_rounding() -> None:
     from tfdist.datasets import digits
 
@@ -333,6 +340,7 @@ def prepare_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureF
         yield caplog
 
 
+@needs(*DATA)
 def test_second_load_does_not_rewrite(
     tmp_path: pathlib.Path, prepare_log: pytest.LogCaptureFixture
 ) -> None:

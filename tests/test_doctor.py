@@ -18,9 +18,10 @@ import sys
 import time
 
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, clean_env
+from helpers import HOROVOD_PYTHON, ROOT, clean_env, needs
 
 from tfdist import quiet
+from tfdist.devices import node_gpus
 from tfdist.doctor.collective import bus_bandwidth
 from tfdist.doctor.probe import replicas
 from tfdist.doctor.report import (
@@ -109,6 +110,11 @@ CASES = {
                                     [*[("error", rank, "2 tasks share the node's only GPU")
                                        for rank in range(2)],
                                      ("error", 1, "GPU 0 is driven by ranks 0, 1")]),
+    "two tasks counting a one-GPU node's GPUs": (
+        [_report(r, local_world_size=2, node_gpus=1, gpus="?") for r in range(2)],
+        [("error", rank, "2 tasks share the node's only GPU") for rank in range(2)]),
+    "a CPU run on a GPU node (CUDA_VISIBLE_DEVICES='')": (
+        [_report(r, local_world_size=2, node_gpus=1, gpus="") for r in range(2)], []),
     "two ranks on one GPU": ([_report(0, gpus="0"), _report(1, gpus="0")],
                              [("error", 1, "GPU 0 is driven by ranks 0, 1")]),
     "the same GPU id on two hosts is two GPUs": (
@@ -222,7 +228,8 @@ def _tfdist_env(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("extra", "backend", "gpus", "replicas"), [
-    ({"TFDIST_CPU_REPLICAS": "3"}, "mirrored", "counted by the framework", 3),
+    # CUDA_VISIBLE_DEVICES unset: a replica on each GPU the framework counts, else the CPU's.
+    ({"TFDIST_CPU_REPLICAS": "3"}, "mirrored", "counted by the framework", node_gpus() or 3),
     ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "mirrored", "0,1,2,3", 4),
     ({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "TFDIST_BACKEND": "horovod"}, "horovod", "0,1,2,3", 1),
     ({"CUDA_VISIBLE_DEVICES": "", "TFDIST_CPU_REPLICAS": "2", "TFDIST_BACKEND": "single"},
@@ -243,6 +250,21 @@ def test_tfdist_env_warns_of_idle_gpus_on_stderr():
     assert "gpus: 0,1\nreplicas: 1\n" in run.stdout
     assert run.stderr.startswith("tfdist env: warning: rank 0 (host ")
     assert "Horovod drives one GPU per process, and this process was given 2" in run.stderr
+
+
+@pytest.mark.gpu
+def test_tfdist_env_shows_the_machines_gpus():
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the machine's: the gpu mark
+    run = _tfdist_env("--json", **({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}))
+    assert run.returncode == 0, run.stderr
+    shown = json.loads(run.stdout)
+    if visible is None:  # the framework counts them: a replica on each of the node's GPUs
+        expected = ("counted by the framework", node_gpus())
+    else:
+        ids = [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+        expected = (",".join(ids), len(ids))
+    assert (shown["backend"], shown["gpus"], shown["replicas"]) == ("mirrored", *expected)
+    assert not shown["problems"], shown["problems"]
 
 
 # --- real processes ----------------------------------------------------------------------------
@@ -324,7 +346,7 @@ def test_a_python_without_torch_is_told_how_to_install_it(entry):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not HVD_PY.exists(), reason="needs .venv-horovod (make venv-horovod)")
+@needs("horovod", python=HVD_PY)
 def test_a_good_plan_passes_under_horovod():
     # tfdist launch --backend horovod gives no address per rank: the reports travel through
     # Horovod's own allgather, after its all-reduce.

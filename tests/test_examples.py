@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -10,10 +9,20 @@ import subprocess
 import sys
 
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, final_weights, launch
+from helpers import (
+    EXAMPLE_NEEDS,
+    HOROVOD_PYTHON,
+    ROOT,
+    final_weights,
+    launch,
+    needs,
+    require,
+    tensorboard_logs,
+)
 
 pytestmark = pytest.mark.multiprocess
 EXAMPLE = str(ROOT / "examples" / "keras_train.py")
+needs_data = needs(*EXAMPLE_NEEDS["keras_train.py"])
 
 
 def _accuracy(output: str) -> float:
@@ -22,6 +31,7 @@ def _accuracy(output: str) -> float:
     return float(found[-1])
 
 
+@needs_data
 def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
     flagfile = tmp_path / "flags.txt"
     flagfile.write_text(f"--epochs=6\n--batch_size=64\n--scale_lr\n--model_dir={tmp_path}/m\n"
@@ -37,13 +47,14 @@ def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
     # Only the chief reports, and only the chief's files exist.
     assert "[1] test loss" not in run.stdout and "[1] Epoch" not in run.stdout
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
-        "checkpoint.keras", "final.keras", "logs", "throughput.jsonl"]
+        "checkpoint.keras", "final.keras", *tensorboard_logs(), "throughput.jsonl"]
     # The throughput meter: a line per epoch from the chief, and the same in its file
     meter = [line for line in run.stdout.splitlines() if "examples/s (" in line]
     assert len(meter) == 6 and all(line.startswith("[0] ") for line in meter), meter
     assert len((tmp_path / "m" / "throughput.jsonl").read_text().splitlines()) == 6
 
 
+@needs_data
 def test_tf_keras_with_a_model_dir_saves_from_the_chief_without_breaking_the_others(tmp_path):
     # The chief's checkpoint once ran a metric all-reduce the others never joined, and the
     # job died at the start of epoch 2; every rank now runs the save, only the chief's lands.
@@ -53,9 +64,10 @@ def test_tf_keras_with_a_model_dir_saves_from_the_chief_without_breaking_the_oth
     weights = final_weights([run.stdout])
     assert sorted(weights) == [0, 1] and len(set(weights.values())) == 1, weights
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
-        "checkpoint.keras", "final.keras", "logs", "throughput.jsonl"]
+        "checkpoint.keras", "final.keras", *tensorboard_logs(), "throughput.jsonl"]
 
 
+@needs_data
 def test_one_plain_process_runs_the_same_script(tmp_path):
     run = subprocess.run([sys.executable, EXAMPLE, "--epochs=3", f"--data_dir={tmp_path}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -73,8 +85,8 @@ def test_bad_backend_flag_is_rejected_with_the_choices(tmp_path):
 
 @pytest.mark.parametrize("example", ["keras_train.py", "custom_loop.py", "torch_train.py"])
 def test_a_launch_that_cannot_train_stops_with_the_fix_not_a_traceback(example):
-    if example.startswith("torch") and importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed (requirements/torch.txt)")
+    if example.startswith("torch"):
+        require("torch")  # it stops before the data: torch is all it imports
     # The batch shell of a 4-task Slurm job, outside srun: detection refuses before TensorFlow.
     env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "5", "SLURM_NTASKS": "4"}
     run = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--epochs=1"],
@@ -84,6 +96,7 @@ def test_a_launch_that_cannot_train_stops_with_the_fix_not_a_traceback(example):
     assert "Traceback" not in run.stderr
 
 
+@needs(*EXAMPLE_NEEDS["custom_loop.py"])
 def test_the_custom_loop_example_resumes_after_a_preemption(tmp_path):
     # As a user tries it on one machine: SIGUSR1 to the launcher after epoch 1; every rank
     # stops at one step and saves in --model_dir, exits 75, and --max-restarts starts the
@@ -125,8 +138,7 @@ BENCHMARK = [str(ROOT / "examples" / "synthetic_benchmark.py"), "--model", "Mobi
 def test_horovods_synthetic_benchmark_runs_with_its_own_flags(backend):
     # Horovod's tensorflow2_synthetic_benchmark.py flags, a small model and images for CPUs.
     if backend == "horovod":
-        if not HVD_PY.exists():
-            pytest.skip("needs .venv-horovod (make venv-horovod)")
+        require("horovod", python=HVD_PY)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "TFDIST_", "OMPI_", "PMI", "HOROVOD_", "TF_CONFIG"))}
         run = subprocess.run([str(HVD_PY), "-m", "tfdist", "launch", "--backend", "horovod",

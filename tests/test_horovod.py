@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS, load_weights
+from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, ROOT, WORKERS, load_weights, needs
 
 HVD_PY = HOROVOD_PYTHON
 HVD_BIN = HVD_PY.parent
@@ -193,6 +193,7 @@ def _example(launcher: str, script: str, *flags: str, env: dict[str, str] | None
     return job.stdout
 
 
+@needs(*EXAMPLE_NEEDS["keras_train.py"], python=HVD_PY)
 def test_keras_train_example_with_horovod_backend():
     out = _example("tfdist-launch", "keras_train.py", "--backend=horovod", "--epochs=6",
                    "--scale_lr")
@@ -204,6 +205,8 @@ def test_keras_train_example_with_horovod_backend():
     assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], out[-3000:]
 
 
+@needs(*EXAMPLE_NEEDS["custom_loop.py"], python=HVD_PY)
+@needs(*EXAMPLE_NEEDS["custom_loop.py"])
 def test_custom_loop_example_same_loop_under_mwms_and_horovod():
     """The same script: MWMS in .venv (TF 2.21), Horovod in .venv-horovod (TF 2.18)."""
     flags = ["--epochs=5", "--learning_rate=0.002"]

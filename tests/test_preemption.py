@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS
+from helpers import HOROVOD_PYTHON, ROOT, WORKERS, require
 
 from tfdist import keras_input, preemption
 from tfdist.backends.single import SingleDistributed
@@ -235,8 +235,8 @@ CASES = {
 def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_state_saved(tmp_path, case):
     backend, legacy, rank, step, sig = CASES[case]
     python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod" and not HVD_PY.exists():
-        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
+    if backend == "horovod":
+        require("horovod", python=HVD_PY)
     out, model = tmp_path / "out", tmp_path / "model"
     out.mkdir()
     # Checks every 20 ms of training, so that the agreement also falls inside an epoch.
@@ -255,8 +255,8 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_state_saved(
 @pytest.mark.parametrize("backend", ["mwms", "horovod"])
 def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, backend):
     python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod" and not HVD_PY.exists():
-        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
+    if backend == "horovod":
+        require("horovod", python=HVD_PY)
     out, model = tmp_path / "out", tmp_path / "model"
     out.mkdir()
     proc = subprocess.Popen(_launch(python, backend, [str(out), str(model), backend, "-1",
@@ -313,8 +313,8 @@ RESUME = {
 def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, case):
     backend, legacy, data, rank, step, total = RESUME[case]
     python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod" and not HVD_PY.exists():
-        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
+    if backend == "horovod":
+        require("horovod", python=HVD_PY)
     # The dataset reshuffles every epoch: the resumed run must see the stopped run's order, and
     # draw the stopped run's Dropout masks.
     env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
@@ -463,8 +463,8 @@ def test_kill_9_while_saving_leaves_the_last_good_state(tmp_path, when):
                          ids=["mwms-keras3", "mwms-tf_keras", "horovod-keras3"])
 def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backend, legacy):
     python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod" and not HVD_PY.exists():
-        pytest.skip(f"{HVD_PY} does not exist: build it with `make venv-horovod`")
+    if backend == "horovod":
+        require("horovod", python=HVD_PY)
     worker = str(WORKERS / "preempt_loop_worker.py")
     straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0",
                     worker=worker, TF_USE_LEGACY_KERAS=legacy)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env
+from helpers import EXAMPLE_NEEDS, clean_env, require
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^( *)```bash\n(.*?)^\1```", re.S | re.M)
@@ -82,13 +82,16 @@ def workdir(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("command", README_COMMANDS)
 def test_the_readme_command_runs(command, workdir):
+    words = shlex.split(command)
+    if words[1] == "launch":  # it runs this Python's tfdist, and the examples it names
+        require(*(m for w in words if w.startswith("examples/")
+                  for m in EXAMPLE_NEEDS.get(w.removeprefix("examples/"), ())))
     env = clean_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["TFDS_DATA_DIR"] = str(workdir / "data")  # the example's digits, written locally
     run = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True,
                          text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    words = shlex.split(command)
     if words[1] == "job":
         script = (workdir / words[words.index("--save") + 1]).read_text() \
             if "--save" in words else run.stdout

@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ROOT, WORKERS
+from helpers import ROOT, WORKERS, installed, needs
 
 from tfdist import cli, scaling
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.scaling import Epoch, Run
 
 multiprocess = pytest.mark.multiprocess  # starts real worker processes on loopback
-HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+HAS_MATPLOTLIB = installed("matplotlib")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -315,7 +315,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (tfdist[plot])")
+@needs("matplotlib")
 def test_the_plot_draws_the_reports_points(tmp_path: Path) -> None:
     report = scaling.summarize([make_run(1, [1000.0]), make_run(2, [1800.0]),
                                 make_run(4, [3000.0])])

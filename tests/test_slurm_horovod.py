@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import HOROVOD_PYTHON
+from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, require
 from slurm_jobs import (
     EXAMPLE,
     ROOT,
@@ -116,6 +116,7 @@ def horovod_job(cluster: SlurmCluster, data_dir: Path, *, workdir: Path | None =
     """Renders a Horovod job of examples/keras_train.py (by default for n9 and n10, 2 fake GPUs
     each) and runs it; returns it and its rendering. ``keys`` go to :func:`cluster_config`;
     without a ``venv``, ``python`` is the :func:`host_python` wrapper."""
+    require(*EXAMPLE_NEEDS["keras_train.py"], python=HVD_PYTHON)  # the control runs it too
     workdir = workdir or cluster.new_workdir()
     # The doctor's step would run the wrapper and Horovod's start-up once more: the checks
     # below count their lines. The MWMS jobs of test_slurm_jobs.py run the doctor.
@@ -190,7 +191,7 @@ def check_training(job: RenderedJob, *, collective: str, launched_by: str, world
 
     (digest,) = digests
     # .keras files written by Keras 3.15 in .venv-horovod load in this process's TF 2.21.
-    check_saved_models(job, digest)
+    check_saved_models(job, digest, python=HVD_PYTHON)
     return digest
 
 
@@ -331,6 +332,7 @@ def test_torch_horovod_job_over_srun_mpi_trains_in_sync(slurm_cluster: SlurmClus
     # (compiled with PyTorch in .venv-horovod) under srun --mpi=pmix, MPI from Slurm's PMIx. The
     # ranks' data shards differ, so equal digests need the averaging (the loopback control in
     # tests/test_torch_backends.py shows the ranks differ without it).
+    require(*EXAMPLE_NEEDS["torch_train.py"], python=HVD_PYTHON)
     workdir = slurm_cluster.new_workdir()
     config = cluster_config(slurm_cluster, backend="torch-horovod", job_name="torch-hvd",
                             script=TORCH_EXAMPLE, args=train_args(data_dir), doctor=False,

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import EXAMPLE_NEEDS, needs, require
 from slurm_jobs import (
     EXAMPLE,
     NODELIST,
@@ -66,6 +67,7 @@ _ACCURACY = re.compile(r"^test loss (\S+)\s+test accuracy (\S+)\s", re.M)
 def data_dir(slurm_cluster: SlurmCluster) -> Path:
     """One tensorflow-datasets directory for the module's jobs: the first task to need the
     digits writes them (under a lock), the rest read them."""
+    require(*EXAMPLE_NEEDS["keras_train.py"], python=slurm_cluster.python)
     return slurm_cluster.new_workdir()
 
 
@@ -166,6 +168,7 @@ def test_mwms_job_ranks_follow_slurm_node_order(mwms_job: RenderedJob) -> None:
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+@needs("tensorboard")  # the jobs run this Python (the cluster's `python`)
 def test_mwms_job_tensorboard_logs_come_from_the_chief_only(mwms_job: RenderedJob) -> None:
     job = mwms_job
     assert job.ok, job.describe()

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import EXAMPLE_NEEDS, require
 from slurm_jobs import ROOT, TWO_NODES, RenderedJob, cluster_config, final_weights, run_rendered
 from slurmtest import SlurmCluster
 
@@ -86,6 +87,8 @@ def host_python(cluster: SlurmCluster, workdir: Path) -> Path:
 def torch_job(cluster: SlurmCluster, **keys: Any) -> tuple[RenderedJob, str]:
     """Renders a torch job for n9 and n10 (2 fake GPUs each), runs it; returns it and its
     rendering. ``keys`` go to :func:`cluster_config` (``launcher``, ``script``, ``args``...)."""
+    if Path(keys.get("script", "")) == TORCH_EXAMPLE:
+        require(*EXAMPLE_NEEDS["torch_train.py"], python=cluster.python)
     workdir = cluster.new_workdir()
     # 4 ranks share 2 cores; a rank killed by a signal prints every thread's Python stack.
     env = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}

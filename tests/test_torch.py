@@ -25,7 +25,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from helpers import ROOT, WORKERS, final_weights, load_weights
+from helpers import EXAMPLE_NEEDS, ROOT, WORKERS, final_weights, load_weights, needs
 
 import tfdist.datasets
 from tfdist.env import detect, slurm
@@ -37,6 +37,7 @@ from tfdist.torch.rendezvous import Rendezvous, plan  # noqa: E402
 
 WORKER = str(WORKERS / "torch_worker.py")
 EXAMPLE = str(ROOT / "examples" / "torch_train.py")
+needs_example = needs(*EXAMPLE_NEEDS["torch_train.py"])
 # Launcher variables that must not leak from the machine running the tests into a worker.
 _LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "HOROVOD_", "TFDIST_")
 _LAUNCH_NAMES = ("TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -290,6 +291,7 @@ def test_batch_arithmetic_and_lr_warmup_on_two_replicas():
 
 # --- Offline digits as numpy arrays ----------------------------------------------------------
 
+@needs("sklearn")
 def test_arrays_load_neither_tensorflow_nor_torch():
     code = ("import sys, tfdist.datasets as d; x, y = d.arrays('digits', 'test'); "
             "print(x.shape, x.dtype, y.dtype, sorted(m for m in ('tensorflow', 'torch') "
@@ -300,6 +302,7 @@ def test_arrays_load_neither_tensorflow_nor_torch():
     assert run.stdout.strip() == "(360, 8, 8, 1) uint8 int64 []"
 
 
+@needs("tensorflow_datasets", "sklearn")
 def test_arrays_hold_the_same_examples_as_the_tensorflow_loader(tmp_path):
     from tfdist.datasets import digits
 
@@ -510,6 +513,7 @@ def _accuracy(output: str) -> float:
 
 
 @pytest.mark.multiprocess
+@needs_example
 def test_example_on_two_workers_with_the_keras_flags(tmp_path):
     flagfile = tmp_path / "flags.txt"
     flagfile.write_text(f"--epochs=6\n--batch_size=64\n--scale_lr\n--warmup_epochs=1\n"
@@ -533,6 +537,7 @@ def test_example_on_two_workers_with_the_keras_flags(tmp_path):
 
 
 @pytest.mark.multiprocess
+@needs_example
 def test_example_under_torchrun(tmp_path):
     run = _torchrun([EXAMPLE, "--epochs=5"])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -543,6 +548,7 @@ def test_example_under_torchrun(tmp_path):
 
 
 @pytest.mark.multiprocess
+@needs_example
 def test_example_in_one_plain_process():
     # One thread: the test machines' 2 cores are shared, where torch's default spins.
     run = subprocess.run([sys.executable, EXAMPLE, "--epochs=3", "--seed=1"], cwd=ROOT,
@@ -551,4 +557,22 @@ def test_example_in_one_plain_process():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert ("tfdist: 1 worker(s), 1 replica(s), backend ddp, collective gloo, device cpu"
             in run.stdout)
+    assert _accuracy(run.stdout) > 0.8
+
+
+@pytest.mark.gpu
+@needs_example
+def test_example_trains_on_the_gpu_under_tfdist_launch():
+    # The machine's GPUs (the gpu mark): one worker trains on the first through NCCL, as
+    # checked by hand in the README's Supported versions.
+    if torch.version.cuda is None:  # read from the build, without starting CUDA here
+        pytest.skip(f"torch {torch.__version__} is a CPU build: a CUDA build trains on the GPU")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_NAMES}
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "1", EXAMPLE,
+                          "--epochs=3"], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert ("tfdist: 1 worker(s), 1 replica(s), backend ddp, collective nccl, device cuda:0"
+            in run.stdout), run.stdout[-3000:]
     assert _accuracy(run.stdout) > 0.8

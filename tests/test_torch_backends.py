@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env
+from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
 
 pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (requirements/deepspeed.txt)")
@@ -248,6 +248,7 @@ def test_the_example_trains_under_each_backend(backend):
     if backend == "horovod" and _NO_HOROVOD:
         pytest.skip(_NO_HOROVOD)
     python = str(HVD_PY) if backend == "horovod" else sys.executable
+    require(*EXAMPLE_NEEDS["torch_train.py"], python=python)
     launch = ["--backend", "horovod"] if backend == "horovod" else []
     run = subprocess.run([python, "-m", "tfdist", "launch", *launch, "-n", "2", EXAMPLE,
                           "--epochs=2", f"--backend={backend}"], cwd=ROOT,

@@ -270,7 +270,9 @@ def _own(report: RankReport) -> list[Problem]:
 
 def _shape(r: RankReport) -> list[Problem]:
     problems = []
-    if r.node_gpus and r.local_world_size > r.node_gpus and r.gpus_per_task is None:
+    # gpus "" (CUDA_VISIBLE_DEVICES="", "-1"...): a CPU run, which shares none of the node's GPUs.
+    if (r.gpus and r.node_gpus and r.local_world_size > r.node_gpus
+            and r.gpus_per_task is None):
         problems.append(Problem(
             r.rank, r.host, f"{r.local_world_size} tasks share the node's "
             + ("only GPU" if r.node_gpus == 1 else f"{r.node_gpus} GPUs"),
