@@ -305,6 +305,9 @@ RESUME = {
     # 8 validation batches per epoch: the tenth is in the second epoch's validation, after
     # which the resumed run starts with epoch 3.
     "mwms-keras3-validation": ("mwms", "0", "validation", "1", "v10", 3 * STEPS_PER_EPOCH),
+    # Signalled at the last step of the last epoch: the resumed fit has nothing left to train,
+    # and must still remove the state (left behind, the next fit would resume from it).
+    "mwms-keras3-at-the-last-epochs-end": ("mwms", "0", "repeat", "0", "36", 36),
 }
 
 
@@ -336,6 +339,8 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, c
     if step.startswith("v"):  # stopped while validating epoch 2: only epoch 3 is left
         assert [r["steps"] for r in stopped] == [2 * STEPS_PER_EPOCH] * 2, stopped
         assert [r["tested"] for r in resumed] == [8, 8], resumed  # epoch 3's validation only
+    elif int(step) == total:  # stopped at the end of training: the resumed fit trains nothing
+        assert [r["steps"] for r in resumed] == [0, 0], resumed
     else:  # stopped inside an epoch
         assert stopped[0]["step"] > 0 and stopped[0]["steps"] < total, stopped
     assert not list((tmp_path / "m2").glob("preempted*"))  # removed once an epoch finished

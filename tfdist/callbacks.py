@@ -227,7 +227,8 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     saved epoch and step, and the input continues at the saved batch with the order the stopped
     run would have seen, also for a dataset that reshuffles every epoch and for
     ``steps_per_epoch`` over a repeated dataset. The folder is removed at the end of the first
-    epoch the resumed run completes, when the epoch's backup is newer.
+    epoch the resumed run completes, when the epoch's backup is newer, or at the end of a fit
+    that resumed at the end of its last epoch and so had no epoch left to train.
 
     Args:
         dist: the handle.
@@ -261,6 +262,16 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     def on_train_end(self, logs: Any = None) -> None:
         self._in_fit = False
         self.watch.uninstall()
+        # Resumed at the end of the last epoch: fit ran no epoch, and the state is used up. Left
+        # behind, the next fit with this model_dir would resume from it and train nothing.
+        self._discard_state()
+
+    def _discard_state(self) -> None:
+        """Removes the state this fit resumed from (on the chief), once it is used up."""
+        if self._state_found and self.dist.is_chief:
+            for folder in (preemption.CHECKPOINT_DIR, f"{preemption.CHECKPOINT_DIR}.old"):
+                shutil.rmtree(os.path.join(self.model_dir, folder), ignore_errors=True)
+        self._state_found = False
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self._input is not None and epoch != self._resumed_epoch:
@@ -276,11 +287,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             self._save_and_exit(validating=False)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if self._state_found and self.dist.is_chief:
-            # This epoch's backup, written before this callback, is newer than the state.
-            for folder in (preemption.CHECKPOINT_DIR, f"{preemption.CHECKPOINT_DIR}.old"):
-                shutil.rmtree(os.path.join(self.model_dir, folder), ignore_errors=True)
-        self._state_found = False
+        self._discard_state()  # this epoch's backup, written before this callback, is newer
         # Every epoch ends with a check, however long the interval between checks has grown.
         if self.watch.check():
             self._save_and_exit(validating=False, epoch_done=True)
