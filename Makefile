@@ -1,8 +1,9 @@
 # Two commands set everything up on a fresh machine (see README):
 #   make train   trains examples/keras_train.py on 2 local workers (offline digits data)
 #   make test    installs the system packages (as root), builds the three environments at once,
-#                runs ruff, mypy and every test; the tests start their own Slurm cluster. It ends with a table of where the
-#                time went (tools/timed.py; the figures are kept in .test-times/).
+#                runs ruff, mypy and every test; the tests start their own Slurm cluster. It
+#                ends with a table of where the time went (tools/timed.py; the figures are
+#                kept in .test-times/).
 # Nothing installed by hand is needed.
 
 PYTHON ?= python3

@@ -1,9 +1,9 @@
 """pytest plugin: how the tests share out over pytest-xdist's processes.
 
-`make test` runs ``pytest -n 2 --dist loadgroup``: most tests are real worker processes that
-spend much of their time waiting (on a collective, a timeout, a Slurm job), so two test
-processes on two cores finish the suite in about half the time of one. Each test goes to
-whichever process is free, except these, which stay together as one xdist group:
+``pytest -n 2 --dist loadgroup`` (``make test XDIST="-n 2 --dist loadgroup"``) runs the tests
+in two processes: most are real worker processes that spend part of their time waiting (on a
+collective, a timeout, a Slurm job). Each test goes to whichever process is free, except these,
+which stay together as one xdist group:
 
 - every test on the Slurm test cluster (group ``slurm``): one process runs them in turn, so two
   tests' jobs never share the cluster's three nodes (the preemption test needs its partition to

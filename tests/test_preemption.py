@@ -193,6 +193,14 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _python(backend: str) -> str:
+    """The Python that runs ``backend``'s workers; skips the test where Horovod's lacks it."""
+    if backend != "horovod":
+        return sys.executable
+    require("horovod", python=HVD_PY)
+    return str(HVD_PY)
+
+
 def _launch(python: str, backend: str, args: list[str], *extra: str, workers: int = 2,
             worker: str = WORKER) -> list[str]:
     horovod = ["--backend", "horovod"] if backend == "horovod" else []
@@ -234,9 +242,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_state_saved(tmp_path, case):
     backend, legacy, rank, step, sig = CASES[case]
-    python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod":
-        require("horovod", python=HVD_PY)
+    python = _python(backend)
     out, model = tmp_path / "out", tmp_path / "model"
     out.mkdir()
     # Checks every 20 ms of training, so that the agreement also falls inside an epoch.
@@ -254,9 +260,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_state_saved(
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ["mwms", "horovod"])
 def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, backend):
-    python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod":
-        require("horovod", python=HVD_PY)
+    python = _python(backend)
     out, model = tmp_path / "out", tmp_path / "model"
     out.mkdir()
     proc = subprocess.Popen(_launch(python, backend, [str(out), str(model), backend, "-1",
@@ -315,9 +319,7 @@ RESUME = {
 @pytest.mark.parametrize("case", sorted(RESUME))
 def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, case):
     backend, legacy, data, rank, step, total = RESUME[case]
-    python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod":
-        require("horovod", python=HVD_PY)
+    python = _python(backend)
     # The dataset reshuffles every epoch: the resumed run must see the stopped run's order, and
     # draw the stopped run's Dropout masks.
     env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
@@ -467,9 +469,7 @@ def test_kill_9_while_saving_leaves_the_last_good_state(tmp_path, when):
 @pytest.mark.parametrize(("backend", "legacy"), [("mwms", "0"), ("mwms", "1"), ("horovod", "0")],
                          ids=["mwms-keras3", "mwms-tf_keras", "horovod-keras3"])
 def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backend, legacy):
-    python = str(HVD_PY) if backend == "horovod" else sys.executable
-    if backend == "horovod":
-        require("horovod", python=HVD_PY)
+    python = _python(backend)
     worker = str(WORKERS / "preempt_loop_worker.py")
     straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0",
                     worker=worker, TF_USE_LEGACY_KERAS=legacy)
