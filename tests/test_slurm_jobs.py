@@ -52,7 +52,7 @@ from slurm_jobs import (
     submit_rendered,
     train_args,
 )
-from slurmtest import SlurmCluster
+from slurmtest import TERMINAL_STATES, SlurmCluster
 
 from tfdist.jobs import render
 
@@ -60,6 +60,12 @@ WORLD = 4  # 2 nodes x 2 tasks (one per fake GPU)
 # A training job (2 epochs, 4 workers on 2 shared cores) takes 20-30 s; sbatch's --time is 5 min.
 TRAIN_TIMEOUT = 240
 MIN_ACCURACY = 0.5  # 10 classes: chance is 0.1; 2 epochs reach about 0.9
+# The jobs preempted after their chief's first epoch (and mwms_job, their uninterrupted
+# reference) train this many: the signal must reach the tasks while fit still runs. Slurm takes
+# 0.7-1 s from the urgent job's submission to the signal, and an epoch takes about 0.7 s: with
+# 2 epochs, the signal came after fit had returned in two full runs on a loaded machine (the
+# tasks died of it: tfdist's handler is gone then, issue 29).
+PREEMPTED_EPOCHS = 5
 _ACCURACY = re.compile(r"^test loss (\S+)\s+test accuracy (\S+)\s", re.M)
 
 
@@ -140,7 +146,8 @@ def hosts_by_rank(views: dict[int, dict[str, Any]]) -> list[str]:
 def mwms_job(slurm_cluster: SlurmCluster, data_dir: Path) -> RenderedJob:
     """The MWMS training job on n9 and n10, 2 tasks each with --gpus-per-node (run once)."""
     config = cluster_config(slurm_cluster, **recording(
-        slurm_cluster, job_name="mwms", script=str(EXAMPLE), args=train_args(data_dir)))
+        slurm_cluster, job_name="mwms", script=str(EXAMPLE),
+        args=train_args(data_dir, epochs=PREEMPTED_EPOCHS)))
     assert config.effective_tasks_per_node == 2, render(config)
     assert f"#SBATCH --gpus-per-node={slurm_cluster.gres_type}:2" in render(config), \
         render(config)
@@ -335,8 +342,9 @@ def test_apptainer_standin_runs_the_rendered_mwms_job_and_its_script_requeues_it
     config = cluster_config(slurm_cluster, **recording(
         slurm_cluster, job_name="mwms-apptainer", runtime="apptainer", image=str(image),
         binds=binds, env={"APPTAINER_STANDIN_LOG": str(log), "TFDIST_PREEMPT_CHECK_SECONDS":
-                          "0.05"}, script=str(EXAMPLE), args=train_args(data_dir),
-        requeue=True, sbatch_args=[NODELIST, "--open-mode=append"],
+                          "0.05"}, script=str(EXAMPLE),
+        args=train_args(data_dir, epochs=PREEMPTED_EPOCHS), requeue=True,
+        sbatch_args=[NODELIST, "--open-mode=append"],
         doctor=False))  # one apptainer call per training task below
     assert "apptainer exec --nv -B" in render(config), render(config)
     job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
@@ -359,7 +367,7 @@ def test_apptainer_standin_runs_the_rendered_mwms_job_and_its_script_requeues_it
         assert record.startswith("apptainer stand-in: exec ") and f"image={image} " in record \
             and f"binds={','.join(binds)} " in record and "flags=--nv " in record \
             and " slurm=hidden " in record, f"{record}\n{job.describe()}"
-        assert f"command={RECORDING_PYTHON} {EXAMPLE} --epochs=2" in record, \
+        assert f"command={RECORDING_PYTHON} {EXAMPLE} --epochs={PREEMPTED_EPOCHS}" in record, \
             f"{record}\n{job.describe()}"
     assert sorted(r.split(" host=")[1].split()[0] for r in records) == \
         ["n10"] * 4 + ["n9"] * 4, f"{records}\n{job.describe()}"
@@ -449,7 +457,8 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
     # done, and it resumes at that step.
     reference = check_training(mwms_job)
     config = cluster_config(slurm_cluster, job_name="preempted", script=str(EXAMPLE),
-                            args=train_args(data_dir), requeue=True, signal="USR1@60",
+                            args=train_args(data_dir, epochs=PREEMPTED_EPOCHS), requeue=True,
+                            signal="USR1@60",
                             env={"TFDIST_PREEMPT_CHECK_SECONDS": "0.05"},
                             sbatch_args=[NODELIST, "--open-mode=append"])
     assert "#SBATCH --requeue" in render(config), render(config)
@@ -493,6 +502,11 @@ def preempt_once(cluster: SlurmCluster, config: Any, job_id: str, script: Path,
     while (info := cluster.job_info(job_id)).get("JobState") != "PENDING":
         if info.get("Restarts", "0") != "0" and info.get("JobState") in ("RUNNING", "COMPLETED"):
             break  # requeued and already started again: nothing to release
+        state = info.get("JobState", "")
+        assert state == "PREEMPTED" or state not in TERMINAL_STATES, \
+            f"job {job_id} ended {state} (exit {info.get('ExitCode')}) instead of being " \
+            f"requeued; did the signal come after fit had returned?\n" \
+            f"{RenderedJob(config=config, script=script, result=cluster.wait(job_id)).describe()}"
         assert time.monotonic() < deadline, f"never requeued: {info}"
         time.sleep(0.2)
     else:
