@@ -21,6 +21,7 @@ import pytest
 from helpers import HOROVOD_PYTHON, ROOT, clean_env, needs
 
 from tfdist import quiet
+from tfdist.backends import facts
 from tfdist.devices import node_gpus
 from tfdist.doctor.collective import bus_bandwidth
 from tfdist.doctor.probe import replicas
@@ -188,7 +189,8 @@ def test_the_tested_tensorflow_range_is_the_lanes_pins():
     ("single", 4, 2, 1),     # TensorFlow's default strategy
 ])
 def test_replicas_per_process(backend, gpus, cpu_replicas, expected):
-    assert replicas(backend, gpus, cpu_replicas) == expected
+    framework = "torch" if backend == "ddp" else "tf"
+    assert replicas(facts.backend(backend, framework), gpus, cpu_replicas) == expected
 
 
 def test_a_problem_reads_as_one_line_with_the_fix():

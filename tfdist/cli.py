@@ -16,7 +16,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 import tfdist
+from tfdist.backends.facts import BACKENDS
 from tfdist.errors import TfdistError
+from tfdist.settings import setting
 
 __all__ = ["build_parser", "main"]
 
@@ -38,6 +40,9 @@ _GPUS_PER_WORKER_HELP = (
     "visible. With K > 1 each worker trains one replica per GPU (MultiWorkerMirroredStrategy; "
     "not --backend horovod). Example: -n 2 --gpus-per-worker 4 on an 8-GPU node."
 )
+
+# `tfdist launch --backend`: the backends it starts local workers for (the first by default).
+_LAUNCHABLE = tuple(row.name for row in BACKENDS if row.launchable)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,8 +134,8 @@ def _add_launch_workers(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--backend",
-        choices=("mwms", "horovod"),
-        default="mwms",
+        choices=_LAUNCHABLE,
+        default=_LAUNCHABLE[0],
         help="mwms: a TF_CONFIG per worker (default); horovod: serve Horovod's Gloo rendezvous "
         "and set horovodrun's HOROVOD_* variables, like `horovodrun --gloo` (needs horovod in "
         "this Python)",
@@ -271,8 +276,7 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         "5 GB/s for NCCL across nodes)")
     parser.add_argument("--framework", choices=("auto", "tf", "torch"), default="auto",
                         help="the engine to check (default: tf when TensorFlow is installed)")
-    parser.add_argument("--backend", choices=("auto", "mwms", "horovod", "mirrored", "single",
-                                              "ddp", "deepspeed"),
+    parser.add_argument("--backend", choices=setting("backend").choices,
                         help="the backend to start: TensorFlow's, or with --framework torch "
                         "auto, ddp, horovod, deepspeed (default: TFDIST_BACKEND, else auto)")
     parser.add_argument("--dry-run", action="store_true",

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TextIO
 
 from tfdist import quiet, timeouts
+from tfdist.backends import facts
+from tfdist.backends.facts import BACKENDS
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
 
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 LOCALHOST = "127.0.0.1"
-LAUNCH_BACKENDS = ("mwms", "horovod")
+LAUNCH_BACKENDS = tuple(row.name for row in BACKENDS if row.launchable)
 # Once one worker has exited preempted (75), how long the others may take to do the same.
 PREEMPT_WAIT_S = 120.0
 _POLL_S = 0.05
@@ -447,18 +449,19 @@ def launch(
         raise ConfigError("--cpus-per-worker pins workers; do not combine it with --no-pin.")
     if backend not in LAUNCH_BACKENDS:
         raise ConfigError(f"--backend {backend!r} is not one of {LAUNCH_BACKENDS}.")
+    horovod = facts.backend(backend).horovod  # Horovod's rendezvous and variables
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}.")
     if port_base is not None:  # Checked before anything starts; used per run below.
-        port_range(port_base, 1 if backend == "horovod" else num_workers)
+        port_range(port_base, 1 if horovod else num_workers)
     if gpus_per_worker is not None and gpus_per_worker < 1:
         raise ConfigError(f"--gpus-per-worker must be at least 1, got {gpus_per_worker}.")
-    if backend == "horovod" and (gpus_per_worker or 1) > 1:
+    if horovod and (gpus_per_worker or 1) > 1:
         raise ConfigError(f"--gpus-per-worker {gpus_per_worker} with --backend horovod: Horovod "
                           "drives one GPU per process. Start one worker per GPU "
                           "(--gpus-per-worker 1), or leave out --backend horovod: "
                           "MultiWorkerMirroredStrategy drives several GPUs per worker.")
-    if backend == "horovod":
+    if horovod:
         _require_horovod()
     base = os.environ if base_env is None else base_env
     quiet_output = quiet.wanted(base)  # TensorFlow's start-up noise off (TFDIST_VERBOSE=1: on)
@@ -480,7 +483,7 @@ def launch(
     check_command(command)
     if dry_run:
         env = {**base, "TFDIST_RESTART_COUNT": "0"}
-        if backend == "horovod":
+        if horovod:
             port = free_ports(1)[0] if port_base is None else port_range(port_base, 1)[0]
             workers = build_horovod_workers(num_workers, command, port, env, cpu_sets)
         else:
@@ -495,7 +498,7 @@ def launch(
                                    "logs": logs, "hide_noise": quiet_output}
         for restart in range(max_restarts + 1):
             env = {**base, "TFDIST_RESTART_COUNT": str(restart)}
-            if backend == "horovod":
+            if horovod:
                 code = _launch_horovod(command, num_workers, port_base, env, cpu_sets, options)
             else:
                 workers = build_workers(num_workers, command, _ports(port_base, num_workers),

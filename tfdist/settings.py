@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist.backends.facts import BACKENDS
 from tfdist.errors import ConfigError
 
 __all__ = ["SETTINGS", "Setting", "current", "flag", "markdown_table", "resolve", "setting",
@@ -152,7 +153,7 @@ def _choice(name: str, variable: str, choices: tuple[str, ...], doc: str,
 
 SETTINGS: tuple[Setting, ...] = (
     _choice("backend", "TFDIST_BACKEND",
-            ("auto", "mwms", "horovod", "mirrored", "single", "ddp", "deepspeed"),
+            ("auto", *dict.fromkeys(row.name for row in BACKENDS)),
             "the data-parallel engine. TensorFlow (`init`): `auto`, `mwms`, `horovod`, "
             "`mirrored`, `single`; `auto`: Horovod under horovodrun/mpirun, else MWMS when "
             "several processes were launched, else one process: MirroredStrategy over its GPUs "

@@ -114,7 +114,7 @@ def averages_batch_statistics(dist: Distributed) -> bool:
         return False
     from tfdist.keras_compat import is_keras3
 
-    return dist.backend not in ("mwms", "mirrored") or is_keras3(keras)
+    return not dist.facts.keras2_synced_batch_norm or is_keras3(keras)
 
 
 def average_batch_statistics(dist: Distributed, model: Any) -> int:

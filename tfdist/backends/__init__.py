@@ -1,34 +1,35 @@
 """The TensorFlow backends, one module each, and the small factory that picks one.
 
 To add a backend: write ``tfdist/backends/<name>.py`` with a :class:`~tfdist.backends.base.
-Distributed` subclass and ``create(environment, settings)``, add its name to :data:`MODULES` and
-to the ``backend`` setting's choices (:mod:`tfdist.settings`), and say in :func:`choose` when
-``auto`` picks it. Nothing else names a backend.
+Distributed` subclass and ``create(environment, settings)``, give it a row in
+:data:`tfdist.backends.facts.BACKENDS` (the settings' choices, :data:`MODULES` and the rooms
+that behave differently per backend read it), and say in :func:`choose` when ``auto`` picks it.
 
-Importing this package loads no framework; :func:`create` imports the chosen module only.
+Importing this package loads no framework, nor the handle interface; :func:`create` imports
+the chosen module only.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from tfdist.backends.base import Distributed, Settings
-from tfdist.env import ClusterEnvironment
+from tfdist.backends.facts import BACKENDS, TF, TORCH, names
 from tfdist.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tfdist.backends.base import Distributed, Settings
+    from tfdist.env import ClusterEnvironment
 
 __all__ = ["MODULES", "TORCH_BACKENDS", "choose", "choose_torch", "create"]
 
-MODULES = {
-    "mwms": "tfdist.backends.mwms",
-    "horovod": "tfdist.backends.horovod",
-    "mirrored": "tfdist.backends.mirrored",
-    "single": "tfdist.backends.single",
-}
+# TensorFlow's backends and their modules.
+MODULES = {row.name: row.module for row in BACKENDS if row.framework == TF}
 # Launchers that start MPI/Horovod processes: auto picks Horovod there (MWMS would need an
 # address per process, which they do not give).
 HOROVOD_LAUNCHERS = ("horovodrun", "mpirun")
 # tfdist.torch's backends: the same TFDIST_BACKEND setting, its own engines.
-TORCH_BACKENDS = ("ddp", "horovod", "deepspeed")
+TORCH_BACKENDS = names(TORCH)
 
 
 def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:

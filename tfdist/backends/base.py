@@ -11,9 +11,11 @@ check). TensorFlow is imported inside the functions that need it only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from tfdist.backends import facts
+from tfdist.backends.facts import Backend
 from tfdist.devices import affinity_thread_count
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import InitOrderError
@@ -60,6 +62,11 @@ class Distributed(ReplicaMath):
         self.collective = collective
         self.num_gpus = num_gpus
         self.sharded_batch_size: int | None = None
+
+    @property
+    def facts(self) -> Backend:
+        """This backend's row of the backend table (:mod:`tfdist.backends.facts`)."""
+        return facts.backend(self.backend, facts.TF)
 
     # --- place in the job --------------------------------------------------------------------
 
@@ -226,6 +233,25 @@ class Distributed(ReplicaMath):
         many values. Agreements (a preemption, a check interval) are built on it.
         """
         return [float(v) for v in values]  # one process: its own values are the sum
+
+    @property
+    def label(self) -> str:
+        """The engine and its collective, as the doctor and the logs name them
+        (``"mwms ring"``, ``"horovod gloo"``)."""
+        return f"{self.backend} {self.collective}"
+
+    def probe_all_reduce(self, n: int) -> Callable[..., float]:
+        """``tfdist doctor``'s all-reduce: a function that sums a float32 vector of ``n``
+        copies of ``value`` over the ranks, over the transport training uses, and returns the
+        first element of the sum (one process: ``value``)."""
+        del n
+        return lambda value=1.0: float(value)
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, on every rank, where the engine can gather Python objects;
+        None where it cannot (the doctor then gathers its reports over its own TCP meeting)."""
+        del obj
+        return None
 
     def exit_barrier(self) -> None:
         """Returns once every rank has reached it, after which this process may end at once

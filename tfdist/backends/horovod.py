@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfdist import devices, quiet
@@ -118,6 +118,19 @@ class HorovodDistributed(Distributed):
         total = self.hvd.allreduce(tf.constant([float(v) for v in values], tf.float32),
                                    op=self.hvd.Sum, name=f"tfdist_sum_{len(values)}")
         return [float(v) for v in total.numpy()]
+
+    def probe_all_reduce(self, n: int) -> Callable[..., float]:
+        import tensorflow as tf
+
+        def reduce(value: float = 1.0) -> float:
+            total = self.hvd.allreduce(tf.fill([n], value), op=self.hvd.Sum,
+                                       name=f"tfdist_doctor_{n}")
+            return float(total[0])
+
+        return reduce
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        return list(self.hvd.allgather_object(obj))
 
     def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
         # Horovod bounds a missing rank with HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, not per call.

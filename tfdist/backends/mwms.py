@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfdist import devices, quiet
@@ -69,6 +69,18 @@ class MultiWorkerDistributed(Distributed):
         summed = _sum_function(self.strategy)(
             tf.constant([float(v) / self.local_replicas for v in values], tf.float32))
         return [float(v) for v in self.strategy.experimental_local_results(summed)[0].numpy()]
+
+    def probe_all_reduce(self, n: int) -> Callable[..., float]:
+        import tensorflow as tf
+
+        function = _sum_function(self.strategy)
+        replicas = self.local_replicas  # each replica of this worker contributes value / replicas
+
+        def reduce(value: float = 1.0) -> float:
+            total = function(tf.fill([n], value / replicas))
+            return float(self.strategy.experimental_local_results(total)[0][0])
+
+        return reduce
 
     def exit_barrier(self) -> None:
         """A collective, then a handshake through the chief's coordination service.

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tfdist import hostlist, settings
+from tfdist.backends import facts
 from tfdist.doctor import meet, probe
 from tfdist.doctor.report import Problem, RankReport, check, table
 from tfdist.env import ClusterEnvironment, detect
@@ -85,8 +86,9 @@ def _framework(requested: str) -> str:
     if requested != "auto":
         return requested
     with contextlib.suppress(TfdistError):  # an invalid value is reported by the probe
-        if settings.resolve("backend") in ("ddp", "deepspeed"):
-            return "torch"  # PyTorch's only backends
+        if settings.resolve("backend") in set(facts.names(facts.TORCH)) - set(
+                facts.names(facts.TF)):
+            return "torch"  # one of PyTorch's only backends
     return "tf" if importlib.util.find_spec("tensorflow") else "torch"
 
 
@@ -160,8 +162,9 @@ def _all_reduce(environment: ClusterEnvironment, mine: RankReport, framework: st
         engine = collective.start(framework, options.backend)
         correct, took = engine.sum_check()
         reports: list[RankReport] = []
-        if not met and engine.gather is not None:
-            reports = [RankReport.from_dict(r) for r in engine.gather(mine.to_dict())]
+        gathered = None if met or engine.gather is None else engine.gather(mine.to_dict())
+        if gathered is not None:
+            reports = [RankReport.from_dict(r) for r in gathered]
         rate = engine.bandwidth(options.bandwidth_mb) if options.bandwidth_mb > 0 else None
     # Met ranks were checked at the meeting; otherwise the engine's gather, or this one rank.
     problems = [] if met else check(reports or [mine])

@@ -34,7 +34,9 @@ class Engine:
     rank: int
     world_size: int
     all_reduce: Callable[[int], Callable[..., float]]  # n -> reduce(value=1.0): one all-reduce
-    gather: Callable[[Any], list[Any]] | None  # every rank's object, on every rank
+    # Every rank's object, on every rank; None, or a function returning None, where the
+    # engine gathers no Python objects.
+    gather: Callable[[Any], list[Any] | None] | None
 
     def sum_check(self) -> tuple[bool, float]:
         """Sums ``rank + 1`` over the ranks twice; whether the total is right, and the second
@@ -86,57 +88,22 @@ def watchdog(seconds: float, message: Callable[[], str]) -> Iterator[None]:
 
 
 def start(framework: str, backend: str | None) -> Engine:
-    """Starts the engine as training would, and wraps its all-reduce."""
-    if framework == "torch":
-        return _torch(backend)
+    """Starts the engine as training would (``tfdist.init`` or ``tfdist.torch.init``), and
+    wraps the handle's all-reduce and object gather."""
+    dist = _torch(backend) if framework == "torch" else _tensorflow(backend)
+    if not dist.facts.crosses_processes:  # one process: nothing to check across processes
+        return Engine("single", 0, 1, dist.probe_all_reduce, None)
+    return Engine(dist.label, dist.rank, dist.world_size, dist.probe_all_reduce,
+                  dist.gather_objects)
+
+
+def _tensorflow(backend: str | None) -> Any:
     import tfdist
 
-    dist = tfdist.init(backend)
-    if dist.backend == "horovod":
-        return _horovod(dist)
-    if dist.backend == "mwms":
-        return _mwms(dist)
-    def alone(n: int) -> Callable[..., float]:
-        return lambda value=1.0: float(value)
-
-    return Engine("single", 0, 1, alone, None)
+    return tfdist.init(backend)
 
 
-def _mwms(dist: Any) -> Engine:
-    import tensorflow as tf
-
-    from tfdist.backends.mwms import _sum_function
-
-    def all_reduce(n: int) -> Callable[..., Any]:
-        function = _sum_function(dist.strategy)
-        replicas = dist.local_replicas
-
-        def reduce(value: float = 1.0) -> float:
-            total = function(tf.fill([n], value / replicas))
-            return float(dist.strategy.experimental_local_results(total)[0][0])
-
-        return reduce
-
-    return Engine(f"mwms {dist.collective}", dist.rank, dist.world_size, all_reduce, None)
-
-
-def _horovod(dist: Any) -> Engine:
-    import tensorflow as tf
-
-    hvd = dist.hvd
-
-    def all_reduce(n: int) -> Callable[..., Any]:
-        def reduce(value: float = 1.0) -> float:
-            total = hvd.allreduce(tf.fill([n], value), op=hvd.Sum, name=f"tfdist_doctor_{n}")
-            return float(total[0])
-
-        return reduce
-
-    return Engine(f"horovod {dist.collective}", dist.rank, dist.world_size, all_reduce,
-                  hvd.allgather_object)
-
-
-def _torch(backend: str | None) -> Engine:
+def _torch(backend: str | None) -> Any:
     try:
         import tfdist.torch
     except ModuleNotFoundError as err:
@@ -144,31 +111,4 @@ def _torch(backend: str | None) -> Engine:
             raise
         raise ConfigError(f"--framework torch: {err}; or check TensorFlow with --framework tf"
                           ) from None
-    import torch
-    import torch.distributed as torch_dist
-
-    dist = tfdist.torch.init(backend=backend)
-    hvd = getattr(dist, "hvd", None)  # Horovod's collectives, no process group
-
-    def all_reduce(n: int) -> Callable[..., Any]:
-        def reduce(value: float = 1.0) -> float:
-            tensor = torch.full((n,), value, dtype=torch.float32, device=dist.device)
-            if hvd is not None:
-                tensor = hvd.allreduce(tensor, op=hvd.Sum, name=f"tfdist_doctor_{n}")
-            elif dist.world_size > 1:
-                torch_dist.all_reduce(tensor)
-            return float(tensor[0])
-
-        return reduce
-
-    def gather(obj: Any) -> list[Any]:
-        if dist.world_size == 1:
-            return [obj]
-        if hvd is not None:
-            return list(hvd.allgather_object(obj))
-        found: list[Any] = [None] * dist.world_size
-        torch_dist.all_gather_object(found, obj)
-        return found
-
-    name = "torch" if dist.backend == "ddp" else f"torch {dist.backend}"
-    return Engine(f"{name} {dist.collective}", dist.rank, dist.world_size, all_reduce, gather)
+    return tfdist.torch.init(backend=backend)

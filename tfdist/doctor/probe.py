@@ -14,7 +14,8 @@ import socket
 from collections.abc import Mapping
 
 from tfdist import devices, settings
-from tfdist.backends import choose, choose_torch
+from tfdist.backends import choose, choose_torch, facts
+from tfdist.backends.facts import Backend
 from tfdist.doctor.report import INTERFACE_VARIABLES, RankReport, ranges
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import TfdistError
@@ -63,14 +64,15 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
     except TfdistError as error:
         errors.append(str(error))
         chosen, why = requested, str(error)
-    if collective == "auto":
-        has_gpus = bool(gpus) if gpus is not None else node_gpus > 0
-        collective = ("nccl" if has_gpus else "ring" if framework == "tf" else "gloo")
-    if chosen == "horovod":  # Horovod's controller, decided when it starts unless set
+    row = _row(chosen, framework)
+    if row.horovod:  # Horovod's controller, decided when it starts unless set
         controller = settings.resolve("horovod_controller", environ=environ)
         collective = "" if controller == "auto" else controller
-    if chosen in ("single", "mirrored"):  # one process: nothing crosses processes
+    elif not row.crosses_processes:  # one process: nothing crosses processes
         collective = ""
+    elif collective == "auto":
+        has_gpus = bool(gpus) if gpus is not None else node_gpus > 0
+        collective = row.collective_on_gpus if has_gpus else row.collective_on_cpus
     share = (node_gpus // environment.local_world_size if gpus is None else
              len([gpu for gpu in gpus.split(",") if gpu]))
     try:
@@ -85,7 +87,7 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
         cpus=ranges(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "",
         gpus="?" if gpus is None else gpus, slurm_gpus=environment.slurm_gpus or "",
         node_gpus=node_gpus, gpus_per_task=environment.gpus_per_task,
-        replicas=replicas(chosen, share, cpu_replicas), gpu_share=share, backend=chosen,
+        replicas=replicas(row, share, cpu_replicas), gpu_share=share, backend=chosen,
         collective=collective, why=why, versions=versions(),
         interfaces=tuple(name for _, name in socket.if_nameindex()),
         network=_network(environ),
@@ -94,17 +96,27 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
         errors=tuple(errors))
 
 
-def replicas(backend: str, gpus: int, cpu_replicas: int) -> int:
+def replicas(backend: Backend, gpus: int, cpu_replicas: int) -> int:
     """The devices a process trains a replica on (pure).
 
     Args:
-        backend: the chosen backend (``"ddp"`` for torch).
+        backend: the chosen backend's facts.
         gpus: the GPUs in this process's share.
         cpu_replicas: ``TFDIST_CPU_REPLICAS`` (1 when unset), used without GPUs.
     """
-    if backend not in ("mwms", "mirrored"):
+    if not backend.several_devices:
         return 1  # Horovod, DDP, TensorFlow's default strategy: one device per process
     return gpus or cpu_replicas
+
+
+def _row(name: str, framework: str) -> Backend:
+    """The facts of backend ``name``; for a name that is none of ``framework``'s (an error the
+    report names), those of its first backend that crosses processes."""
+    try:
+        return facts.backend(name, framework)
+    except TfdistError:
+        return next(row for row in facts.BACKENDS
+                    if row.framework == framework and row.crosses_processes)
 
 
 def versions() -> dict[str, str]:

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tfdist.backends import facts
+from tfdist.backends.facts import Backend
 from tfdist.devices import one_gpu_per_process
 
 __all__ = ["INTERFACE_VARIABLES", "TESTED_TENSORFLOW", "Problem", "RankReport", "check",
@@ -180,7 +182,7 @@ def version_problems(reports: Sequence[RankReport]) -> list[Problem]:
 def untested_tensorflow(reports: Sequence[RankReport]) -> list[Problem]:
     """A warning for the launch when the TensorFlow the ranks mostly run lies outside
     :data:`TESTED_TENSORFLOW` (not for the torch backends, which do not use it)."""
-    if not reports or all(r.backend in ("ddp", "deepspeed") for r in reports):
+    if not reports or all(r.backend not in facts.names(facts.TF) for r in reports):
         return []
     version = Counter(r.versions.get("tensorflow", "") for r in reports).most_common(1)[0][0]
     try:
@@ -283,12 +285,9 @@ def _shape(r: RankReport) -> list[Problem]:
             "use NVLink or PCIe peer-to-peer between the tasks of a node",
             "request the GPUs per node (`--gpus-per-node`) with one task per GPU; tfdist gives "
             "each task its own", "warning"))
-    if r.gpu_share > r.replicas == 1:  # Horovod, torch: one GPU per process
-        engine = "Horovod" if r.backend == "horovod" else (
-            "DistributedDataParallel" if r.backend == "ddp" else
-            f"TensorFlow's default strategy (backend {r.backend})")
-        alternative = {"horovod": "backend mwms", "single": "backend auto (MirroredStrategy)"}
-        idle = one_gpu_per_process(engine, r.gpu_share, alternative.get(r.backend, ""))
+    if r.gpu_share > r.replicas == 1 and (row := _facts(r.backend)):  # one GPU per process
+        engine = row.engine if row.crosses_processes else f"{row.engine} (backend {row.name})"
+        idle = one_gpu_per_process(engine, r.gpu_share, row.several_gpus_instead)
         if idle:
             what, _, fix = idle.partition(" Fix: ")
             problems.append(Problem(r.rank, r.host, what, fix, "warning"))
@@ -331,3 +330,10 @@ def _shared_gpus(reports: Sequence[RankReport]) -> list[Problem]:
     return [Problem(ranks[1], host, f"GPU {gpu} is driven by ranks {', '.join(map(str, ranks))}",
                     "give each task its own GPU: one task per GPU, or `--gpus-per-task=1`")
             for (host, gpu), ranks in sorted(owners.items()) if len(ranks) > 1]
+
+
+def _facts(name: str) -> Backend | None:
+    """The facts of the backend a rank reported: TensorFlow's of that name, else torch's (the
+    Horovod rows agree on what the report reads); None for a name that is no backend's (the
+    rank reported that error)."""
+    return next((row for row in facts.BACKENDS if row.name == name), None)

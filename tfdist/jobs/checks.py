@@ -8,11 +8,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from tfdist.backends.facts import job_backend
 from tfdist.errors import ConfigError
 from tfdist.jobs.choices import (
     BACKEND_LAUNCHERS,
     BACKENDS,
-    ENGINES,
     KINDS,
     LAUNCHERS,
     RUNTIME_LAUNCHERS,
@@ -162,9 +162,8 @@ def _check_tasks(c: JobConfig) -> None:
         raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus}: each task drives "
                           f"gpus_per_node / tasks_per_node GPUs, so tasks_per_node must divide "
                           f"{gpus}; allowed: {', '.join(divisors)}")
-    elif gpus > tasks and c.backend != "mwms":
-        engine = {"horovod": "Horovod", "ddp": "DistributedDataParallel",
-                  "deepspeed": "DeepSpeed"}[ENGINES[c.backend]]
+    elif gpus > tasks and not (facts := job_backend(c.backend)).several_devices:
+        engine = facts.engine
         raise ConfigError(f"tasks_per_node {tasks} with gpus_per_node {gpus} and backend "
                           f"{c.backend}: {engine} drives one GPU per process, so "
                           f"{gpus - tasks} GPU(s) per node would stay idle; set tasks_per_node "

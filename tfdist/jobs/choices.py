@@ -4,31 +4,25 @@ combine: shared by the config (:mod:`tfdist.jobs.config`) and its checks
 
 from __future__ import annotations
 
+from tfdist.backends.facts import BACKENDS as _FACTS
+
 __all__ = ["BACKENDS", "BACKEND_LAUNCHERS", "ENGINES", "KINDS", "LAUNCHERS", "RUNTIMES",
            "RUNTIME_LAUNCHERS", "TORCH_BACKENDS"]
 
 # train: one training run; scaling: the same training on 1..nodes nodes, one srun step each,
 # and the report of `tfdist scaling`; build-venv: a venv built on a compute node.
 KINDS = ("train", "build-venv", "scaling")
-BACKENDS = ("mwms", "horovod", "torch", "torch-horovod", "torch-deepspeed")
-# The PyTorch backends (tfdist.torch), and the engine each backend's TFDIST_BACKEND names.
-TORCH_BACKENDS = ("torch", "torch-horovod", "torch-deepspeed")
-ENGINES = {"mwms": "mwms", "horovod": "horovod", "torch": "ddp", "torch-horovod": "horovod",
-           "torch-deepspeed": "deepspeed"}
+# The backends of tfdist.backends.facts that have a job script, under their job names; the
+# engine each one's TFDIST_BACKEND names; the PyTorch ones (tfdist.torch).
+BACKENDS = tuple(row.job_name for row in _FACTS if row.job_name)
+ENGINES = {row.job_name: row.name for row in _FACTS if row.job_name}
+TORCH_BACKENDS = tuple(row.job_name for row in _FACTS if row.job_name and row.framework == "torch")
 LAUNCHERS = ("srun", "mpirun", "horovodrun", "torchrun")
 RUNTIMES = ("venv", "apptainer", "enroot")
 
-# The launchers that can start each backend; the first is its default.
+# The launchers that can start each backend; the first is its default (the facts' reasons).
 BACKEND_LAUNCHERS: dict[str, tuple[str, ...]] = {
-    # TensorFlow's workers take their address table from the srun step (tfdist.env.slurm);
-    # mpirun and horovodrun give no per-rank addresses.
-    "mwms": ("srun",),
-    "horovod": ("srun", "mpirun", "horovodrun"),
-    # tfdist.torch reads torchrun's store, or derives a rendezvous from the srun step.
-    "torch": ("torchrun", "srun"),
-    "torch-horovod": ("srun", "mpirun", "horovodrun"),
-    "torch-deepspeed": ("torchrun", "srun"),
-}
+    row.job_name: row.job_launchers for row in _FACTS if row.job_name}
 # The launchers that can run inside each runtime.
 RUNTIME_LAUNCHERS: dict[str, tuple[str, ...]] = {
     "venv": LAUNCHERS,

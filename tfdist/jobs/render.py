@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import posixpath
 
+from tfdist.backends.facts import Backend, job_backend
 from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
-from tfdist.jobs.choices import ENGINES, TORCH_BACKENDS
 from tfdist.jobs.config import JobConfig
 from tfdist.jobs.shell import word, words
 from tfdist.settings import resolve
@@ -100,7 +100,7 @@ def _header(c: JobConfig, source: str | None) -> str:
         title = "Build a Python venv on the node type that will train"
     else:
         title = _TITLES[(c.backend, c.effective_launcher)].format(unit=_unit(c))
-        if _engine(c) == "horovod" and c.effective_launcher == "srun" and not _horovod_mpi(c):
+        if _facts(c).horovod and c.effective_launcher == "srun" and not _horovod_mpi(c):
             title = title.replace("MPI started through PMIx", "Gloo rendezvous started by tfdist")
         title += _RUNTIME_TITLES[c.runtime]
     lines = ["#!/bin/bash", f"# {title}."]
@@ -216,9 +216,9 @@ def _venv(c: JobConfig) -> str:
 
 def _environment(c: JobConfig) -> str:
     lines = []
-    if c.kind != "build-venv" and c.backend != "torch":
+    if c.kind != "build-venv" and _facts(c).job_sets_backend:
         lines += ["# tfdist reads TFDIST_* variables (README: Settings and their precedence).",
-                  f"export TFDIST_BACKEND={_engine(c)}"]
+                  f"export TFDIST_BACKEND={_facts(c).name}"]
     if c.kind != "build-venv":
         lines += ["# Python prints each line when it is written, not in blocks.",
                   "export PYTHONUNBUFFERED=1"]
@@ -236,7 +236,7 @@ def _network(c: JobConfig) -> str:
     if c.gpus_per_node < 1:
         return ""
     lines = list(_NCCL_HINTS)
-    if c.backend == "mwms":
+    if _facts(c).dials_hosts:
         lines.append(_TF_HOST_HINT)
     if c.effective_launcher == "mpirun":
         lines.append("# With mpirun, also forward each one you set: -x NCCL_IB_HCA ...")
@@ -254,8 +254,8 @@ def _doctor(c: JobConfig) -> str | None:
                "names the rank, the host and", "# the fix, and ends the job here; the report "
                "goes to this job's output. (doctor: false", "# in the config, or --no-doctor, "
                "leaves this step out.)"]
-    torch = c.backend in TORCH_BACKENDS
-    if _engine(c) == "horovod" and c.effective_launcher != "srun":
+    torch = _facts(c).framework == "torch"
+    if _facts(c).horovod and c.effective_launcher != "srun":
         # The training's launcher starts Horovod; this step checks the nodes with the
         # framework's own collectives over srun, which the job has too.
         command += " --framework torch --backend ddp" if torch else " --backend mwms"
@@ -356,12 +356,13 @@ def _srun_segments(c: JobConfig, *, per_node: bool = False, doctor: bool = False
 
 def _horovod_mpi(c: JobConfig) -> bool:
     """Horovod under srun uses MPI through PMIx, unless the job forces tfdist's Gloo rendezvous."""
-    return _engine(c) == "horovod" and resolve("horovod_controller", environ=c.env) != "gloo"
+    return _facts(c).horovod and resolve("horovod_controller", environ=c.env) != "gloo"
 
 
-def _engine(c: JobConfig) -> str:
-    """What the job's TFDIST_BACKEND names: ``mwms``, ``horovod``, ``ddp`` or ``deepspeed``."""
-    return ENGINES[c.backend]
+def _facts(c: JobConfig) -> Backend:
+    """The facts of the job's backend (:mod:`tfdist.backends.facts`); its ``name`` is what the
+    job's TFDIST_BACKEND names: ``mwms``, ``horovod``, ``ddp`` or ``deepspeed``."""
+    return job_backend(c.backend)
 
 
 def _apptainer(c: JobConfig) -> str | None:
@@ -403,7 +404,7 @@ def _srun(c: JobConfig) -> str:
 
 def _mpirun(c: JobConfig) -> str:
     forwarded = ["PATH", "PYTHONUNBUFFERED"]
-    if c.backend != "torch":
+    if _facts(c).job_sets_backend:
         forwarded.append("TFDIST_BACKEND")
     forwarded += list(c.env)
     comment = ["# Launch (Open MPI): ppr:N:node puts --ntasks-per-node ranks on each node, in "

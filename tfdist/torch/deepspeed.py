@@ -33,11 +33,19 @@ from typing import Any
 
 import torch
 
+from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError
 from tfdist.settings import resolve
-from tfdist.torch.handle import TorchDistributed, count_steps, unwrap
+from tfdist.torch.handle import (
+    TorchDistributed,
+    TorchSettings,
+    count_steps,
+    start_group,
+    unwrap,
+)
 
-__all__ = ["DEFAULT_CONFIG", "DeepSpeedDistributed", "EngineOptimizer", "merge_config"]
+__all__ = ["DEFAULT_CONFIG", "DeepSpeedDistributed", "EngineOptimizer", "create",
+           "merge_config"]
 
 logger = logging.getLogger("tfdist")
 
@@ -116,11 +124,20 @@ class EngineOptimizer:
         return f"EngineOptimizer({type(self.client).__name__}, DeepSpeed engine)"
 
 
+def create(environment: ClusterEnvironment, settings: TorchSettings) -> DeepSpeedDistributed:
+    """The DeepSpeed backend's handle: tfdist's process group, DeepSpeed's engine in ``wrap``."""
+    return start_group(DeepSpeedDistributed, environment, settings)
+
+
 class DeepSpeedDistributed(TorchDistributed):
     """The torch handle with DeepSpeed's engine; the process group is tfdist's."""
 
     backend = "deepspeed"
     batch_from_loader = True  # whether dist.loader sets the micro batch (the config names none)
+
+    @property
+    def label(self) -> str:
+        return f"torch deepspeed {self.collective}"
 
     def prepare(self) -> None:
         """Before ``import deepspeed``: its accelerator, ``LOCAL_RANK``, its logger; after: no

@@ -15,9 +15,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, NoReturn, overload
+from typing import Any, NamedTuple, NoReturn, TypeVar, overload
 
 import torch
 import torch.distributed as torch_dist
@@ -26,15 +26,17 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
 from tfdist import devices, failures
+from tfdist.backends import facts
+from tfdist.backends.facts import Backend
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import LaunchError
 from tfdist.replicas import ReplicaMath
 from tfdist.torch import heartbeat
-from tfdist.torch.rendezvous import Rendezvous
+from tfdist.torch.rendezvous import Rendezvous, plan
 from tfdist.torch.sampler import EpochSampler
 
-__all__ = ["TorchDistributed", "close_group", "count_steps", "create_group", "pick_device",
-           "process_group_collective", "unwrap"]
+__all__ = ["TorchDistributed", "TorchSettings", "close_group", "count_steps", "create",
+           "create_group", "pick_device", "process_group_collective", "start_group", "unwrap"]
 
 logger = logging.getLogger("tfdist")
 
@@ -63,6 +65,11 @@ class TorchDistributed(ReplicaMath):
         self.collective = collective
         self.device = device
         self.loader_batch: int | None = None  # the global batch given to loader(), if any
+
+    @property
+    def facts(self) -> Backend:
+        """This backend's row of the backend table (:mod:`tfdist.backends.facts`)."""
+        return facts.backend(self.backend, facts.TORCH)
 
     def prepare(self) -> None:
         """Runs once the process group exists, before the handle is handed out: a backend's
@@ -186,6 +193,32 @@ class TorchDistributed(ReplicaMath):
         total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         torch_dist.all_reduce(total)
         return [float(v) for v in total.tolist()]
+
+    @property
+    def label(self) -> str:
+        """The engine and its collective, as the doctor and the logs name them
+        (``"torch nccl"``; the other backends add their name: ``"torch deepspeed nccl"``)."""
+        return f"torch {self.collective}"
+
+    def probe_all_reduce(self, n: int) -> Callable[..., float]:
+        """``tfdist doctor``'s all-reduce: a function that sums a float32 vector of ``n``
+        copies of ``value`` over the ranks on :attr:`device` and returns the first element."""
+
+        def reduce(value: float = 1.0) -> float:
+            tensor = torch.full((n,), value, dtype=torch.float32, device=self.device)
+            if self.world_size > 1:
+                torch_dist.all_reduce(tensor)
+            return float(tensor[0])
+
+        return reduce
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, on every rank (a collective)."""
+        if self.world_size == 1:
+            return [obj]
+        found: list[Any] = [None] * self.world_size
+        torch_dist.all_gather_object(found, obj)
+        return found
 
     def preemption(self, check_seconds: float | None = None) -> Any:
         """Watches for preemption signals (:func:`tfdist.preemption.watch`)::
@@ -324,6 +357,45 @@ def close_group(handle: TorchDistributed, barrier: bool) -> None:
         torch_dist.destroy_process_group()
     except Exception as error:  # the caller is already handling an error: keep it visible
         logger.warning("tfdist: destroying the process group failed: %s", error)
+
+
+class TorchSettings(NamedTuple):
+    """tfdist.torch's settings for one :func:`tfdist.torch.init`, resolved (the handle cache's
+    key: a call with other settings must shut the first handle down)."""
+
+    collective: str  # TFDIST_TORCH_COLLECTIVE: auto, nccl or gloo
+    timeout_s: float  # TFDIST_TORCH_TIMEOUT
+    backend: str  # TFDIST_BACKEND as requested: auto, ddp, horovod or deepspeed
+
+
+_Handle = TypeVar("_Handle", bound="TorchDistributed")
+
+
+def create(environment: ClusterEnvironment, settings: TorchSettings) -> TorchDistributed:
+    """The DDP backend's handle: tfdist's process group (:func:`start_group`)."""
+    return start_group(TorchDistributed, environment, settings)
+
+
+def start_group(kind: type[_Handle], environment: ClusterEnvironment,
+                settings: TorchSettings) -> _Handle:
+    """Pins this process's device, forms the process group (rank 0's store, the rendezvous of
+    :func:`tfdist.torch.rendezvous.plan`), names a failed or stopped peer from then on
+    (:mod:`tfdist.failures`, the heartbeat), and returns a ``kind`` handle over it."""
+    rendezvous = plan(environment)
+    device = pick_device(environment)
+    chosen = process_group_collective(settings.collective, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL creates its communicator on "the" device
+    create_group(rendezvous, chosen, settings.timeout_s)
+    # A peer that dies is named after the collective's error; one that stops, by the heartbeat.
+    failures.install(environment)
+    heartbeat.start(environment, rendezvous.rank, rendezvous.world_size, settings.timeout_s,
+                    store_rank=0 if (rendezvous.init_method or "").startswith("tcp://") else None)
+    handle = kind(environment, rendezvous, chosen, device)
+    handle.log("tfdist: torch process group, %d process(es), %s over %s, device %s; "
+               "rendezvous: %s; launched by %s", handle.world_size, handle.facts.engine,
+               chosen, device, rendezvous.reason, environment.reason)
+    return handle
 
 
 def pick_device(environment: ClusterEnvironment) -> torch.device:

@@ -11,7 +11,7 @@ parameters, which averages the gradients in ``step()``; the training loop is the
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from tfdist import failures
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError
-from tfdist.torch.handle import TorchDistributed, count_steps, pick_device
+from tfdist.torch.handle import TorchDistributed, TorchSettings, count_steps, pick_device
 from tfdist.torch.rendezvous import Rendezvous
 
 __all__ = ["HorovodTorchDistributed", "create"]
@@ -37,6 +37,21 @@ class HorovodTorchDistributed(TorchDistributed):
         super().__init__(environment, rendezvous, collective, device)
         self.hvd = hvd
         self._collectives = 0
+
+    @property
+    def label(self) -> str:
+        return f"torch horovod {self.collective}"
+
+    def probe_all_reduce(self, n: int) -> Callable[..., float]:
+        def reduce(value: float = 1.0) -> float:
+            tensor = torch.full((n,), value, dtype=torch.float32, device=self.device)
+            return float(self.hvd.allreduce(tensor, op=self.hvd.Sum,
+                                            name=f"tfdist_doctor_{n}")[0])
+
+        return reduce
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        return list(self.hvd.allgather_object(obj))
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
              **options: Any) -> Any:
@@ -85,13 +100,16 @@ class HorovodTorchDistributed(TorchDistributed):
             self.hvd.shutdown()
 
 
-def create(environment: ClusterEnvironment) -> HorovodTorchDistributed:
-    """Joins the launch with ``horovod.torch`` and returns the handle.
+def create(environment: ClusterEnvironment,
+           settings: TorchSettings | None = None) -> HorovodTorchDistributed:
+    """Joins the launch with ``horovod.torch`` and returns the handle (Horovod's controller
+    carries the collectives: ``settings``' collective and timeout are the process group's).
 
     Raises:
         ConfigError: Horovod is missing or built without PyTorch.
         LaunchError: a launch Horovod cannot join.
     """
+    del settings
     from tfdist.backends import horovod as joining
     from tfdist.horovod.install import import_horovod_torch
 

@@ -2,34 +2,28 @@
 creates its handle once per process; :func:`distributed` and :func:`shutdown` end it.
 
 The backends' handles live in :mod:`tfdist.torch.handle` (DDP), :mod:`tfdist.torch.horovod` and
-:mod:`tfdist.torch.deepspeed`; this module is the only one that names all three.
+:mod:`tfdist.torch.deepspeed`, each with ``create(environment, settings)``; the backend table
+(:mod:`tfdist.backends.facts`) names the module of the backend :func:`tfdist.backends.
+choose_torch` picks.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import logging
 from collections.abc import Iterator
 from datetime import timedelta
 
-import torch
 import torch.distributed as torch_dist
 
-from tfdist import failures
-from tfdist.backends import choose_torch
+from tfdist.backends import choose_torch, facts
 from tfdist.env import detect
 from tfdist.errors import ConfigError
 from tfdist.replicas import HandleCache
 from tfdist.settings import resolve
-from tfdist.torch import heartbeat
-from tfdist.torch.handle import (
-    TorchDistributed,
-    create_group,
-    pick_device,
-    process_group_collective,
-)
-from tfdist.torch.rendezvous import plan
+from tfdist.torch.handle import TorchDistributed, TorchSettings
 
 __all__ = ["current", "distributed", "init", "shutdown"]
 
@@ -38,6 +32,7 @@ logger = logging.getLogger("tfdist")
 _cache: HandleCache[TorchDistributed] = HandleCache(
     "tfdist.torch", "; call tfdist.torch.shutdown() first")
 _atexit_registered = False
+
 
 def init(collective: str | None = None, *, backend: str | None = None,
          timeout: float | timedelta | None = None) -> TorchDistributed:
@@ -66,7 +61,7 @@ def init(collective: str | None = None, *, backend: str | None = None,
         LaunchError: the launch cannot train as started, or the ranks did not meet in time.
         ConfigError: an invalid setting, or a process group created outside tfdist.
     """
-    settings = (*_settings(collective, timeout), resolve("backend", backend))
+    settings = TorchSettings(*_settings(collective, timeout), resolve("backend", backend))
     cached = _cache.get(settings)
     if cached is not None:
         return cached
@@ -74,41 +69,14 @@ def init(collective: str | None = None, *, backend: str | None = None,
         raise ConfigError("torch.distributed was initialised outside tfdist: remove your "
                           "init_process_group call and let tfdist.torch.init() create the group")
     environment = detect()
-    chosen_backend, why = choose_torch(settings[2], environment)
+    chosen, why = choose_torch(settings.backend, environment)
     if environment.is_chief:
-        logger.info("tfdist: torch backend %s: %s", chosen_backend, why)
-    if chosen_backend == "horovod":
-        from tfdist.torch import horovod
-
-        handle: TorchDistributed = _cache.put(horovod.create(environment), settings)
-        _register_atexit()
-        return handle
-    rendezvous = plan(environment)
-    device = pick_device(environment)
-    chosen = process_group_collective(settings[0], device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before NCCL creates its communicator on "the" device
-    create_group(rendezvous, chosen, settings[1])
-    # A peer that dies is named after the collective's error; one that stops, by the heartbeat.
-    failures.install(environment)
-    heartbeat.start(environment, rendezvous.rank, rendezvous.world_size, settings[1],
-                    store_rank=0 if (rendezvous.init_method or "").startswith("tcp://") else None)
-    if chosen_backend == "deepspeed":
-        from tfdist.torch.deepspeed import DeepSpeedDistributed
-
-        kind: type[TorchDistributed] = DeepSpeedDistributed
-    else:
-        kind = TorchDistributed
-    handle = _cache.put(kind(environment, rendezvous, chosen, device), settings)
+        logger.info("tfdist: torch backend %s: %s", chosen, why)
+    module = importlib.import_module(facts.backend(chosen, facts.TORCH).module)
+    handle: TorchDistributed = _cache.put(module.create(environment, settings), settings)
     _register_atexit()
     handle.prepare()
-    handle.log("tfdist: torch process group, %d process(es), %s over %s, device %s; "
-               "rendezvous: %s; launched by %s", handle.world_size, _NAMES[handle.backend],
-               chosen, device, rendezvous.reason, environment.reason)
     return handle
-
-
-_NAMES = {"ddp": "DDP", "deepspeed": "DeepSpeed", "horovod": "Horovod"}
 
 
 @contextlib.contextmanager
@@ -149,11 +117,9 @@ def shutdown(*, barrier: bool = True) -> None:
         handle.close(barrier)
 
 
-
 def _settings(collective: str | None, timeout: float | timedelta | None) -> tuple[str, float]:
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     return resolve("torch_collective", collective), resolve("torch_timeout", seconds)
-
 
 
 def _register_atexit() -> None:

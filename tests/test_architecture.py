@@ -1,0 +1,52 @@
+"""docs/architecture.md is held to the code: every module of tfdist is named in it, every path
+it names exists, every backend of the table appears, and the methods its recipe for a backend
+lists are the handle's."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers import ROOT
+
+from tfdist.backends import facts
+from tfdist.backends.base import Distributed
+
+DOC = ROOT / "docs" / "architecture.md"
+TEXT = DOC.read_text()
+MODULES = sorted(p.relative_to(ROOT) for p in (ROOT / "tfdist").rglob("*.py"))
+
+
+def named(module) -> bool:
+    """Its path, or its file name in the doc where its package is named too."""
+    package = f"{module.parent}/"
+    if str(module) in TEXT:
+        return True
+    if module.name == "__init__.py":
+        return package in TEXT
+    return package in TEXT and f"`{module.name}`" in TEXT
+
+
+@pytest.mark.parametrize("module", MODULES, ids=str)
+def test_every_module_is_named(module):
+    assert named(module), f"{module} is not in {DOC.name}: give it a line in its room's row"
+
+
+def test_every_path_the_doc_names_exists():
+    paths = set(re.findall(r"`((?:tfdist|tests|docs|tools|examples|jobscripts)/[\w./<>-]*)`",
+                           TEXT))
+    missing = sorted(p for p in paths if "<" not in p and not (ROOT / p).exists())
+    assert not missing, f"{DOC.name} names paths that do not exist: {missing}"
+
+
+def test_every_backend_of_the_table_appears():
+    names = {row.name for row in facts.BACKENDS} | {row.job_name for row in facts.BACKENDS
+                                                     if row.job_name}
+    assert {name for name in names if f"`{name}`" not in TEXT} == set()
+
+
+def test_the_recipe_for_a_backend_names_the_handles_methods():
+    recipe = TEXT[TEXT.index("**A backend.**"):TEXT.index("**A launcher.**")]
+    methods = set(re.findall(r"`(\w+)`", recipe.split("overriding what differs:")[1]
+                             .split("; and `create")[0]))
+    assert methods and {m for m in methods if not hasattr(Distributed, m)} == set(), methods
