@@ -4,6 +4,7 @@ lists are the handle's."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -50,3 +51,17 @@ def test_the_recipe_for_a_backend_names_the_handles_methods():
     methods = set(re.findall(r"`(\w+)`", recipe.split("overriding what differs:")[1]
                              .split("; and `create")[0]))
     assert methods and {m for m in methods if not hasattr(Distributed, m)} == set(), methods
+
+
+LONGEST = 60  # lines, docstring included
+
+
+def test_no_function_is_longer_than_the_bound():
+    long = []
+    for path in (ROOT / "tfdist").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert not long, f"functions longer than {LONGEST} lines: split them: {long}"

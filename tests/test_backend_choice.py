@@ -247,7 +247,7 @@ def _batches(dataset) -> list[list[int]]:
 def test_horovod_data_shard_slices_global_batches(count, batch, expected):
     import tensorflow as tf
 
-    from tfdist.horovod.data import shard
+    from tfdist.horovod.sharding import shard
 
     ds = tf.data.Dataset.range(count).batch(batch)
     assert [_batches(shard(ds, rank, 2)) for rank in (0, 1)] == expected
@@ -256,7 +256,7 @@ def test_horovod_data_shard_slices_global_batches(count, batch, expected):
 def test_horovod_data_shard_keeps_structure():
     import tensorflow as tf
 
-    from tfdist.horovod.data import shard
+    from tfdist.horovod.sharding import shard
 
     ds = tf.data.Dataset.from_tensor_slices(({"x": tf.range(4)}, tf.range(4) * 10)).batch(4)
     (features, labels), = list(shard(ds, 1, 2))
@@ -266,7 +266,7 @@ def test_horovod_data_shard_keeps_structure():
 def test_horovod_file_shard_and_off(tmp_path):
     import tensorflow as tf
 
-    from tfdist.horovod.data import shard
+    from tfdist.horovod.sharding import shard
 
     files = []
     for i in range(4):
@@ -291,7 +291,7 @@ def test_horovod_file_shard_and_off(tmp_path):
 def test_horovod_shard_refusals(policy, kwargs, message):
     import tensorflow as tf
 
-    from tfdist.horovod.data import shard
+    from tfdist.horovod.sharding import shard
 
     with pytest.raises(ConfigError, match=message):
         shard(tf.data.Dataset.range(8).batch(4), 0, 2, policy, **kwargs)
@@ -300,7 +300,7 @@ def test_horovod_shard_refusals(policy, kwargs, message):
 def test_horovod_shard_needs_a_divisible_batch():
     import tensorflow as tf
 
-    from tfdist.horovod.data import shard
+    from tfdist.horovod.sharding import shard
 
     with pytest.raises(ConfigError, match="global batch size 5 does not divide over 2 ranks"):
         shard(tf.data.Dataset.range(10).batch(5), 0, 2, "off")

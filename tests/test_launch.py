@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import pytest
 
 import tfdist.launch
+import tfdist.supervisor
 from tfdist.cli import build_parser, main
 from tfdist.devices import select_gpus, share
 from tfdist.doctor.report import ranges
@@ -691,7 +692,7 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> NoReturn:
         raise AssertionError(f"--dry-run started something: {args}")
 
-    monkeypatch.setattr(tfdist.launch.subprocess, "Popen", refuse)
+    monkeypatch.setattr(tfdist.supervisor.subprocess, "Popen", refuse)
     monkeypatch.setattr("tfdist.horovod.rendezvous.RendezvousServer", refuse)
     monkeypatch.setattr("tfdist.horovod.install.is_installed", lambda: True)
 

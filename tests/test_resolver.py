@@ -1,7 +1,7 @@
 """tfdist's SlurmClusterResolver against TensorFlow's stock one, one test per defect.
 
 Each ``test_defect_N_*`` feeds both resolvers the Slurm variables of defect N from
-``tfdist/resolver.py``'s docstring. The stock resolver runs on the real ``os.environ``
+``tfdist/backends/resolver.py``'s docstring. The stock resolver runs on the real ``os.environ``
 (patched, cleared, with an empty PATH so that ``nvidia-smi`` is missing as on these machines)
 and must fail the way that docstring describes: that proves the input
 exercises the defect. tfdist's resolver must then give the corrected result.
@@ -18,10 +18,10 @@ from unittest import mock
 import pytest
 import tensorflow as tf
 
+from tfdist.backends.resolver import SlurmClusterResolver
 from tfdist.devices import select_gpus
 from tfdist.env import detect, slurm
 from tfdist.errors import ConfigError, LaunchError
-from tfdist.resolver import SlurmClusterResolver
 
 StockResolver = tf.distribute.cluster_resolver.SlurmClusterResolver
 

@@ -21,20 +21,22 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import failures, keras_compat, keras_input, preemption, sync
-from tfdist.files import scratch_dir
+from tfdist import model_dir as layout
+from tfdist.scratch import scratch_dir
 from tfdist.settings import resolve
 from tfdist.throughput import StepMeter, throughput_file
 
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["AtomicCheckpoint", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
+__all__ = ["AtomicCheckpoint", "CallbackOptions", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
            "PreemptionCheckpoint", "ThroughputMeter", "WorkerBackupAndRestore", "build",
            "route_writer", "save", "scratch_dir"]
 
@@ -532,21 +534,13 @@ def _tensorboard_installed(dist: Distributed) -> bool:
     return False
 
 
-def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoint: bool = True,
-          tensorboard: bool = True, backup: bool = True, warmup_epochs: float = 0,
-          chief_only: tuple[Any, ...] = (), sync_check: bool | None = None,
-          sync_check_every: int | None = None, preempt: bool = True,
-          average_batch_statistics: bool | None = None, throughput: bool = True,
-          global_batch: int | None = None) -> list[Any]:
-    """Callbacks for ``model.fit`` that behave on any number of workers.
+@dataclass(frozen=True)
+class CallbackOptions:
+    """The options of :func:`build` (``dist.callbacks(**options)``).
 
-    Args:
-        dist: the handle from :func:`tfdist.init`.
-        *extra: your callbacks, run on every worker. File writers among them that would all
-            write one path are routed by :func:`route_writer`: Keras's ``ModelCheckpoint``,
-            ``CSVLogger`` and ``TensorBoard`` write once, from the chief; a Keras 3
-            ``BackupAndRestore`` writes one directory per rank.
-        model_dir: where outputs go; without it only warmup, progress and ``extra`` are set up.
+    Attributes:
+        model_dir: where outputs go (:mod:`tfdist.model_dir`); without it only warmup,
+            progress and the callbacks given are set up.
         checkpoint: save ``model_dir/checkpoint.keras`` after each epoch (chief only, atomic).
         tensorboard: write TensorBoard logs to ``model_dir/logs`` (chief only).
         backup: BackupAndRestore in ``model_dir/backup`` (per rank) to resume after preemption.
@@ -558,6 +552,9 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
             training, and stop with ReplicaMismatchError naming the ranks that differ
             (:class:`tfdist.sync.ReplicaSyncCheck`); env ``TFDIST_SYNC_CHECK`` (1/0), default on.
         sync_check_every: also check every N steps; env ``TFDIST_SYNC_CHECK_EVERY``.
+        preempt: with ``model_dir``, stop every rank at one agreed step after SIGTERM, SIGUSR1
+            or ``TFDIST_PREEMPT_SIGNAL``, save the state in ``model_dir/preempted`` and exit
+            with code 75 (:class:`PreemptionCheckpoint`).
         average_batch_statistics: at each epoch's end, replace each rank's BatchNormalization
             moving statistics by their mean over the ranks, before anything saves or compares
             (:class:`tfdist.sync.BatchStatisticsAverage`); env
@@ -567,47 +564,78 @@ def build(dist: Distributed, *extra: Any, model_dir: str | None = None, checkpoi
             and one JSON line in ``TFDIST_THROUGHPUT_FILE`` or ``model_dir/throughput.jsonl``.
         global_batch: examples per step over all workers, for the meter; default: the batch
             size of the dataset given to ``dist.shard``.
-        preempt: with ``model_dir``, stop every rank at one agreed step after SIGTERM, SIGUSR1
-            or ``TFDIST_PREEMPT_SIGNAL``, save the state in ``model_dir/preempted`` and exit
-            with code 75 (:class:`PreemptionCheckpoint`).
+    """
+
+    model_dir: str | None = None
+    checkpoint: bool = True
+    tensorboard: bool = True
+    backup: bool = True
+    warmup_epochs: float = 0
+    chief_only: tuple[Any, ...] = ()
+    sync_check: bool | None = None
+    sync_check_every: int | None = None
+    preempt: bool = True
+    average_batch_statistics: bool | None = None
+    throughput: bool = True
+    global_batch: int | None = None
+
+
+def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
+    """Callbacks for ``model.fit`` that behave on any number of workers.
+
+    Args:
+        dist: the handle from :func:`tfdist.init`.
+        *extra: your callbacks, run on every worker. File writers among them that would all
+            write one path are routed by :func:`route_writer`: Keras's ``ModelCheckpoint``,
+            ``CSVLogger`` and ``TensorBoard`` write once, from the chief; a Keras 3
+            ``BackupAndRestore`` writes one directory per rank.
+        **options: :class:`CallbackOptions`' fields.
 
     Returns:
         The list to pass as ``fit(callbacks=...)``. On non-chief workers it includes a silent
         progress bar, so only the chief prints progress whatever ``verbose`` is.
     """
+    o = CallbackOptions(**options)
+    model_dir = o.model_dir
     # The backend's own first (Horovod: broadcast from rank 0, then metric averaging, which
     # must run before anything reads the epoch's logs).
     callbacks: list[Any] = list(dist.backend_callbacks())
-    averaged = (resolve("batch_statistics", average_batch_statistics)
+    averaged = (resolve("batch_statistics", o.average_batch_statistics)
                 and sync.averages_batch_statistics(dist))
     if averaged:  # first at an epoch's end: backups, checkpoints and checks see the mean
         callbacks.append(sync.BatchStatisticsAverage(dist))
-    if model_dir and backup:
+    if model_dir and o.backup:
         callbacks.append(WorkerBackupAndRestore(
-            os.path.join(model_dir, "backup"), dist.rank,
+            layout.path(model_dir, layout.BACKUP), dist.rank,
             strategy_spans_workers=_strategy_spans_workers(dist)))
-    if warmup_epochs:
-        callbacks.append(LearningRateWarmup(warmup_epochs, dist.num_replicas))
+    if o.warmup_epochs:
+        callbacks.append(LearningRateWarmup(o.warmup_epochs, dist.num_replicas))
     callbacks += [route_writer(dist, callback, announce=True) for callback in extra]
-    check = sync.sync_check_callback(dist, sync_check, sync_check_every,
+    check = sync.sync_check_callback(dist, o.sync_check, o.sync_check_every,
                                      batch_statistics_at_end=averaged)
     callbacks += [check] if check is not None else []  # after `extra`: it sees their changes
-    writers = [writer if _path_attribute(writer) else ChiefOnly(writer, dist.is_chief)
-               for writer in chief_only]
-    if model_dir and checkpoint:
-        writers.append(AtomicCheckpoint(os.path.join(model_dir, "checkpoint.keras")))
-    if model_dir and tensorboard and _tensorboard_installed(dist):
-        writers.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
-    callbacks += [route_writer(dist, writer) for writer in writers]
-    if model_dir and preempt:  # last: a stop at an epoch's end comes after its backup
+    callbacks += [route_writer(dist, writer) for writer in _chief_writers(dist, o)]
+    if model_dir and o.preempt:  # last: a stop at an epoch's end comes after its backup
         callbacks.append(PreemptionCheckpoint(dist, model_dir, logs=[
             callback for callback in callbacks if _keeps_logs_open(callback)]))
     callbacks.append(_Progress())
-    if throughput:
-        callbacks.append(ThroughputMeter(dist, global_batch, throughput_file(model_dir)))
+    if o.throughput:
+        callbacks.append(ThroughputMeter(dist, o.global_batch, throughput_file(model_dir)))
     if not dist.is_chief:
         callbacks.append(_SilentProgbar())
     return callbacks
+
+
+def _chief_writers(dist: Distributed, o: CallbackOptions) -> list[Any]:
+    """The callbacks that write files from the chief: ``chief_only``, the epoch checkpoint and
+    TensorBoard's logs."""
+    writers = [writer if _path_attribute(writer) else ChiefOnly(writer, dist.is_chief)
+               for writer in o.chief_only]
+    if o.model_dir and o.checkpoint:
+        writers.append(AtomicCheckpoint(layout.path(o.model_dir, layout.CHECKPOINT)))
+    if o.model_dir and o.tensorboard and _tensorboard_installed(dist):
+        writers.append(keras.callbacks.TensorBoard(layout.path(o.model_dir, layout.LOGS)))
+    return writers
 
 
 class ThroughputMeter(keras.callbacks.Callback):

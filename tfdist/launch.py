@@ -13,27 +13,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn, TextIO
+from typing import Any, BinaryIO, TextIO
 
-from tfdist import quiet, timeouts
+from tfdist import quiet
 from tfdist.backends import facts
 from tfdist.backends.facts import BACKENDS
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
+from tfdist.supervisor import WorkerSpec, exit_code, run_workers, split_lines, warn
 
 __all__ = [
     "WorkerSpec",
@@ -58,28 +54,6 @@ __all__ = [
 
 LOCALHOST = "127.0.0.1"
 LAUNCH_BACKENDS = tuple(row.name for row in BACKENDS if row.launchable)
-# Once one worker has exited preempted (75), how long the others may take to do the same.
-PREEMPT_WAIT_S = 120.0
-_POLL_S = 0.05
-_JOIN_S = 2.0
-# The lines of each worker kept to explain its death by a signal (timeouts.crashed).
-_TAIL_LINES = 200
-# "\r" ends a line too, so a Keras progress bar prints one line per update instead of one
-# endless line; "\r\n" is a single line end.
-_LINE_END = re.compile(rb"\r\n|\r|\n")
-
-_Popen = subprocess.Popen[bytes]
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """One worker process: its ``rank`` (index in ``TF_CONFIG`` and local rank), ``argv``, full
-    ``env``, and the ``cpus`` it is pinned to (``None``: inherit the launcher's affinity)."""
-
-    rank: int
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    cpus: frozenset[int] | None
 
 
 def build_command(
@@ -257,27 +231,6 @@ def build_horovod_workers(
     ]
 
 
-def split_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """Split the complete lines off ``buffer``; return them and the unfinished rest.
-
-    ``\\n``, ``\\r\\n`` and ``\\r`` end a line; empty ``\\r``-ended lines are dropped. A final
-    ``\\r`` stays in the rest: it may be the first half of ``\\r\\n``.
-    """
-    lines, start = [], 0
-    for match in _LINE_END.finditer(buffer):
-        if match.group() == b"\r" and match.end() == len(buffer):
-            break
-        if match.start() > start or match.group() != b"\r":
-            lines.append(buffer[start : match.start()])
-        start = match.end()
-    return lines, buffer[start:]
-
-
-def exit_code(returncode: int) -> int:
-    """Map a ``Popen.returncode`` to a shell exit code (killed by signal N -> 128 + N)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def log_path(log_dir: str | os.PathLike[str], rank: int) -> Path:
     """Return the file that holds worker ``rank``'s output with ``--log-dir``."""
     return Path(log_dir) / f"rank-{rank}.log"
@@ -390,49 +343,155 @@ def _gpu_note(env: Mapping[str, str]) -> str:
     return f"{chosen} (tfdist.init() keeps these of {visible})" if chosen else f"none ({visible})"
 
 
-def launch(
-    command: Sequence[str],
-    num_workers: int,
-    *,
-    port_base: int | None = None,
-    pin: bool = True,
-    cpus_per_worker: int | None = None,
-    grace_period: float = 10.0,
-    prefix: bool = True,
-    base_env: Mapping[str, str] | None = None,
-    out: TextIO | None = None,
-    backend: str = "mwms",
-    max_restarts: int = 0,
-    log_dir: str | os.PathLike[str] | None = None,
-    dry_run: bool = False,
-    gpus_per_worker: int | None = None,
-) -> int:
+@dataclass(frozen=True)
+class LaunchOptions:
+    """``tfdist launch``'s options (:func:`launch` takes them as keywords).
+
+    Attributes:
+        command: the workers' argv (:func:`build_command`); the script, module or executable
+            must exist (:func:`check_command`).
+        num_workers: how many local workers.
+        port_base: the workers' ports ``P, P+1, ...`` (Horovod: its rendezvous' port); default:
+            free ones.
+        pin, cpus_per_worker: pin each worker to one core of the launcher's affinity (or to
+            ``cpus_per_worker`` consecutive cores).
+        grace_period: seconds between SIGTERM and SIGKILL when the workers are stopped.
+        prefix: each output line starts with ``[rank] ``.
+        backend: a ``launchable`` row of the backend table: ``mwms`` gives each worker a
+            ``TF_CONFIG``; ``horovod`` serves Horovod's Gloo rendezvous and gives the workers
+            horovodrun's variables.
+        max_restarts: start every worker again after a failure or a preemption (exit code 75:
+            every worker saved its state at an agreed step), as a requeue would; each run's
+            workers see ``TFDIST_RESTART_COUNT``.
+        log_dir: created if missing; each worker's output also goes, unprefixed, to
+            :func:`log_path` (``log_dir/rank-R.log``, emptied at the start, the runs one after
+            the other), flushed as it arrives.
+        gpus_per_worker: K: every worker gets the first ``num_workers * K`` GPU ids
+            (:func:`tfdist.devices.launch_gpus`), of which its ``tfdist.init()`` keeps its own
+            K; more than one is MultiWorkerMirroredStrategy's. Without it the workers share the
+            GPUs they inherit equally.
+    """
+
+    command: tuple[str, ...]
+    num_workers: int
+    port_base: int | None = None
+    pin: bool = True
+    cpus_per_worker: int | None = None
+    grace_period: float = 10.0
+    prefix: bool = True
+    backend: str = "mwms"
+    max_restarts: int = 0
+    log_dir: str | os.PathLike[str] | None = None
+    gpus_per_worker: int | None = None
+
+    def check(self) -> _Mode:
+        """Checks the options before anything starts; returns the backend's launch mode.
+
+        Raises:
+            ConfigError: an option is impossible; the message says which to change.
+        """
+        if self.grace_period < 0:
+            raise ConfigError(f"--grace-period must be >= 0 seconds, got {self.grace_period}.")
+        if self.cpus_per_worker is not None and not self.pin:
+            raise ConfigError("--cpus-per-worker pins workers; do not combine it with --no-pin.")
+        if self.backend not in LAUNCH_BACKENDS:
+            raise ConfigError(f"--backend {self.backend!r} is not one of {LAUNCH_BACKENDS}.")
+        mode = _HOROVOD if facts.backend(self.backend).horovod else _TF_CONFIG
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")
+        if self.port_base is not None:
+            port_range(self.port_base, mode.ports(self.num_workers))
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 1:
+            raise ConfigError(f"--gpus-per-worker must be at least 1, got "
+                              f"{self.gpus_per_worker}.")
+        mode.check(self)
+        return mode
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every run of a launch gives its workers: the variables (``env``: the launcher's,
+    ``inherited`` before tfdist's changes) and the cores, and whether TensorFlow's start-up
+    lines are hidden."""
+
+    env: dict[str, str]
+    inherited: Mapping[str, str]
+    cpu_sets: list[frozenset[int]] | None
+    quiet_output: bool
+
+
+class _Mode:
+    """How ``tfdist launch`` starts the workers of one kind of backend: the ports it needs, its
+    checks, the workers of a dry run, and one run."""
+
+    def ports(self, num_workers: int) -> int:
+        return num_workers
+
+    def check(self, options: LaunchOptions) -> None:
+        del options
+
+    def workers(self, options: LaunchOptions, env: Mapping[str, str],
+                cpu_sets: Sequence[frozenset[int]] | None) -> list[WorkerSpec]:
+        """The workers with ports picked now (a dry run's; a run picks them again)."""
+        return build_workers(options.num_workers, options.command,
+                             _ports(options.port_base, options.num_workers), env, cpu_sets)
+
+    def run(self, options: LaunchOptions, env: Mapping[str, str],
+            cpu_sets: Sequence[frozenset[int]] | None,
+            supervise: Callable[[list[WorkerSpec]], int]) -> int:
+        return supervise(self.workers(options, env, cpu_sets))
+
+
+class _HorovodMode(_Mode):
+    """Horovod's: one port, its Gloo rendezvous served by the launcher, horovodrun's
+    variables."""
+
+    def ports(self, num_workers: int) -> int:
+        return 1
+
+    def check(self, options: LaunchOptions) -> None:
+        if (options.gpus_per_worker or 1) > 1:
+            raise ConfigError(f"--gpus-per-worker {options.gpus_per_worker} with --backend "
+                              "horovod: Horovod drives one GPU per process. Start one worker "
+                              "per GPU (--gpus-per-worker 1), or leave out --backend horovod: "
+                              "MultiWorkerMirroredStrategy drives several GPUs per worker.")
+        _require_horovod()
+
+    def workers(self, options: LaunchOptions, env: Mapping[str, str],
+                cpu_sets: Sequence[frozenset[int]] | None) -> list[WorkerSpec]:
+        port = (free_ports(1)[0] if options.port_base is None
+                else port_range(options.port_base, 1)[0])
+        return build_horovod_workers(options.num_workers, options.command, port, env, cpu_sets)
+
+    def run(self, options: LaunchOptions, env: Mapping[str, str],
+            cpu_sets: Sequence[frozenset[int]] | None,
+            supervise: Callable[[list[WorkerSpec]], int]) -> int:
+        from tfdist.horovod.rendezvous import RendezvousServer, slots
+
+        port = 0 if options.port_base is None else port_range(options.port_base, 1)[0]
+        server = RendezvousServer(port, slots(["localhost"] * options.num_workers))
+        try:
+            return supervise(build_horovod_workers(options.num_workers, options.command,
+                                                   server.port, env, cpu_sets))
+        finally:
+            server.stop()
+
+
+_TF_CONFIG, _HOROVOD = _Mode(), _HorovodMode()
+
+
+def launch(command: Sequence[str], num_workers: int, *, base_env: Mapping[str, str] | None = None,
+           out: TextIO | None = None, dry_run: bool = False, **options: Any) -> int:
     """Run ``command`` as ``num_workers`` local workers: ``tfdist launch``.
 
-    Ports are free ones unless ``port_base`` is given. With ``pin`` each worker is pinned to
-    one core of the launcher's affinity (or ``cpus_per_worker`` consecutive cores). With
-    ``backend="horovod"`` the launcher serves Horovod's Gloo rendezvous (on ``port_base`` when
-    given) and gives the workers horovodrun's variables instead of ``TF_CONFIG``.
-
-    With ``log_dir`` (created if missing) each worker's output also goes, unprefixed, to
-    :func:`log_path` (``log_dir/rank-R.log``, emptied at the start, the runs of
-    ``max_restarts`` one after the other), flushed as it arrives.
-
-    With ``gpus_per_worker`` K every worker gets the first ``num_workers * K`` GPU ids
-    (:func:`tfdist.devices.launch_gpus`), of which its ``tfdist.init()`` keeps its own K; more
-    than one is MultiWorkerMirroredStrategy's (Horovod drives one GPU per process). Without it
-    the workers share the GPUs they inherit equally.
-
-    The script, module or executable must exist (:func:`check_command`). With ``dry_run`` the
-    options are checked as for a launch, then :func:`format_plan` of the
+    ``options`` are :class:`LaunchOptions`' fields. The workers get ``base_env`` (default: this
+    process's variables) with tfdist's changes; their output goes to ``out`` (default: stdout).
+    With ``dry_run`` the options are checked as for a launch, then :func:`format_plan` of the
     first run's workers is written to ``out`` and nothing is started (no process, no rendezvous
     server, no ``log_dir``); its free ports are picked again by a real launch.
 
     SIGUSR1 to the launcher goes to every worker (a walltime warning, as srun forwards it), and
-    SIGTERM too, before they are stopped. Workers that exit with
-    :data:`~tfdist.preemption.EXIT_PREEMPTED` (75) saved their state at an agreed step: the
-    launcher waits for all of them and, with ``max_restarts``, starts them all again (as a
-    requeue would), as it does after a failure; each run's workers see ``TFDIST_RESTART_COUNT``.
+    SIGTERM too, before they are stopped (:func:`tfdist.supervisor.run_workers`).
 
     Returns:
         0 if every worker succeeds (or for a dry run); 75 if they were preempted; else the first
@@ -443,73 +502,60 @@ def launch(
         ConfigError: If an option is impossible; the message says which to change.
         LaunchError: If a worker cannot be started.
     """
-    if grace_period < 0:
-        raise ConfigError(f"--grace-period must be >= 0 seconds, got {grace_period}.")
-    if cpus_per_worker is not None and not pin:
-        raise ConfigError("--cpus-per-worker pins workers; do not combine it with --no-pin.")
-    if backend not in LAUNCH_BACKENDS:
-        raise ConfigError(f"--backend {backend!r} is not one of {LAUNCH_BACKENDS}.")
-    horovod = facts.backend(backend).horovod  # Horovod's rendezvous and variables
-    if max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}.")
-    if port_base is not None:  # Checked before anything starts; used per run below.
-        port_range(port_base, 1 if horovod else num_workers)
-    if gpus_per_worker is not None and gpus_per_worker < 1:
-        raise ConfigError(f"--gpus-per-worker must be at least 1, got {gpus_per_worker}.")
-    if horovod and (gpus_per_worker or 1) > 1:
-        raise ConfigError(f"--gpus-per-worker {gpus_per_worker} with --backend horovod: Horovod "
-                          "drives one GPU per process. Start one worker per GPU "
-                          "(--gpus-per-worker 1), or leave out --backend horovod: "
-                          "MultiWorkerMirroredStrategy drives several GPUs per worker.")
-    if horovod:
-        _require_horovod()
-    base = os.environ if base_env is None else base_env
+    checked = LaunchOptions(tuple(command), num_workers, **options)
+    mode = checked.check()
+    plan = _plan(checked, os.environ if base_env is None else base_env)
+    if not dry_run:
+        return _run(checked, mode, plan, out)
+    workers = mode.workers(checked, {**plan.env, "TFDIST_RESTART_COUNT": "0"}, plan.cpu_sets)
+    (out or sys.stdout).write(_plan_header(checked) + format_plan(workers, plan.inherited,
+                                                                  log_dir=checked.log_dir))
+    return 0
+
+
+def _plan(options: LaunchOptions, base: Mapping[str, str]) -> _Plan:
+    """The variables and cores of every run's workers (a dry run's too)."""
     quiet_output = quiet.wanted(base)  # TensorFlow's start-up noise off (TFDIST_VERBOSE=1: on)
-    base = inherited = quiet.quiet_env(base)
-    if gpus_per_worker is not None:
+    env = inherited = quiet.quiet_env(base)
+    if options.gpus_per_worker is not None:
         from tfdist import devices
 
-        base = {**base, "CUDA_VISIBLE_DEVICES": devices.launch_gpus(
-            base.get("CUDA_VISIBLE_DEVICES"), devices.node_gpus(), num_workers, gpus_per_worker)}
+        env = {**env, "CUDA_VISIBLE_DEVICES": devices.launch_gpus(
+            env.get("CUDA_VISIBLE_DEVICES"), devices.node_gpus(), options.num_workers,
+            options.gpus_per_worker)}
     cpu_sets = None
-    if pin and hasattr(os, "sched_getaffinity"):
+    if options.pin and hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
-        cpu_sets = assign_cpus(num_workers, cores, cpus_per_worker)
-        if cpus_per_worker is None and num_workers > len(cores):
-            _warn(
-                f"{num_workers} workers on {len(cores)} cores {cores}: workers share cores "
-                "(worker i runs on core i mod cores); pass --no-pin to leave it to the OS."
-            )
-    check_command(command)
-    if dry_run:
-        env = {**base, "TFDIST_RESTART_COUNT": "0"}
-        if horovod:
-            port = free_ports(1)[0] if port_base is None else port_range(port_base, 1)[0]
-            workers = build_horovod_workers(num_workers, command, port, env, cpu_sets)
-        else:
-            workers = build_workers(num_workers, command, _ports(port_base, num_workers), env,
-                                    cpu_sets)
-        (out or sys.stdout).write(_plan_header(backend, num_workers, port_base, max_restarts)
-                                  + format_plan(workers, inherited, log_dir=log_dir))
-        return 0
+        cpu_sets = assign_cpus(options.num_workers, cores, options.cpus_per_worker)
+        if options.cpus_per_worker is None and options.num_workers > len(cores):
+            warn(f"{options.num_workers} workers on {len(cores)} cores {cores}: workers share "
+                 "cores (worker i runs on core i mod cores); pass --no-pin to leave it to the "
+                 "OS.")
+    check_command(options.command)
+    return _Plan(dict(env), inherited, cpu_sets, quiet_output)
+
+
+def _run(options: LaunchOptions, mode: _Mode, plan: _Plan, out: TextIO | None) -> int:
+    """Every run of the launch: the first, and up to ``max_restarts`` more."""
+    restarts = options.max_restarts
     with ExitStack() as files:
-        logs = None if log_dir is None else _open_logs(log_dir, num_workers, files)
-        options: dict[str, Any] = {"grace_period": grace_period, "prefix": prefix, "out": out,
-                                   "logs": logs, "hide_noise": quiet_output}
-        for restart in range(max_restarts + 1):
-            env = {**base, "TFDIST_RESTART_COUNT": str(restart)}
-            if horovod:
-                code = _launch_horovod(command, num_workers, port_base, env, cpu_sets, options)
-            else:
-                workers = build_workers(num_workers, command, _ports(port_base, num_workers),
-                                        env, cpu_sets)
-                code = run_workers(workers, **options)
-            if code == 0 or code in (130, 128 + signal.SIGTERM) or restart == max_restarts:
+        logs = None if options.log_dir is None else _open_logs(options.log_dir,
+                                                               options.num_workers, files)
+
+        def supervise(workers: list[WorkerSpec]) -> int:
+            return run_workers(workers, grace_period=options.grace_period,
+                               prefix=options.prefix, out=out, logs=logs,
+                               hide_noise=plan.quiet_output)
+
+        for restart in range(restarts + 1):
+            env = {**plan.env, "TFDIST_RESTART_COUNT": str(restart)}
+            code = mode.run(options, env, plan.cpu_sets, supervise)
+            if code == 0 or code in (130, 128 + signal.SIGTERM) or restart == restarts:
                 break
-            _warn(f"restarting all workers ({restart + 1} of --max-restarts {max_restarts}) "
-                  "after " + ("a preemption" if code == EXIT_PREEMPTED else f"exit code {code}"))
-    if code and max_restarts and code not in (130, 128 + signal.SIGTERM):
-        _warn(f"giving up after {max_restarts} restart(s): the last run ended with code {code}")
+            warn(f"restarting all workers ({restart + 1} of --max-restarts {restarts}) after "
+                 + ("a preemption" if code == EXIT_PREEMPTED else f"exit code {code}"))
+    if code and restarts and code not in (130, 128 + signal.SIGTERM):
+        warn(f"giving up after {restarts} restart(s): the last run ended with code {code}")
     return code
 
 
@@ -517,14 +563,14 @@ def _ports(port_base: int | None, num_workers: int) -> list[int]:
     return free_ports(num_workers) if port_base is None else port_range(port_base, num_workers)
 
 
-def _plan_header(backend: str, num_workers: int, port_base: int | None, max_restarts: int) -> str:
-    lines = [f"tfdist launch --dry-run: {num_workers} worker(s), --backend {backend}; nothing "
-             "was started."]
-    if port_base is None:
+def _plan_header(options: LaunchOptions) -> str:
+    lines = [f"tfdist launch --dry-run: {options.num_workers} worker(s), --backend "
+             f"{options.backend}; nothing was started."]
+    if options.port_base is None:
         lines.append("Ports are free ones picked now; a launch picks them again (--port-base P "
                      "fixes them).")
-    if max_restarts:
-        lines.append(f"Up to {max_restarts} restart(s): each run's workers get "
+    if options.max_restarts:
+        lines.append(f"Up to {options.max_restarts} restart(s): each run's workers get "
                      "TFDIST_RESTART_COUNT=0, 1, ...")
     return "\n".join(lines) + "\n"
 
@@ -552,244 +598,3 @@ def _require_horovod() -> None:
             f"in the launcher's Python ({sys.executable}): run the tfdist of the environment "
             "where Horovod is built (e.g. .venv-horovod/bin/tfdist, see `make venv-horovod`)."
         )
-
-
-def _launch_horovod(
-    command: Sequence[str],
-    num_workers: int,
-    port_base: int | None,
-    env: Mapping[str, str],
-    cpu_sets: Sequence[frozenset[int]] | None,
-    options: dict[str, Any],
-) -> int:
-    from tfdist.horovod.rendezvous import RendezvousServer, slots
-
-    port = 0 if port_base is None else port_range(port_base, 1)[0]
-    server = RendezvousServer(port, slots(["localhost"] * num_workers))
-    try:
-        workers = build_horovod_workers(num_workers, command, server.port, env, cpu_sets)
-        return run_workers(workers, **options)
-    finally:
-        server.stop()
-
-
-def run_workers(
-    workers: Sequence[WorkerSpec],
-    *,
-    grace_period: float = 10.0,
-    prefix: bool = True,
-    out: TextIO | None = None,
-    logs: Mapping[int, BinaryIO] | None = None,
-    hide_noise: bool = False,
-) -> int:
-    """Start ``workers``, stream their output to ``out`` and wait; returns as :func:`launch`.
-
-    ``logs`` maps a rank to a binary file that also gets that worker's lines, unprefixed and
-    undecoded, flushed as they arrive; the caller closes it. With ``hide_noise``, TensorFlow's
-    start-up lines (:func:`tfdist.quiet.is_noise`) reach the logs only, not ``out``. Each worker
-    runs in its own session (process group). When one fails, or the launcher gets Ctrl-C or
-    SIGTERM, every group gets SIGTERM, then SIGKILL after ``grace_period`` seconds; their output
-    is read to the end.
-    """
-    procs: list[_Popen] = []
-    threads: list[threading.Thread] = []
-    lock = threading.Lock()
-    tails: list[deque[str]] = [deque(maxlen=_TAIL_LINES) for _ in workers]
-
-    def forward(signum: int, _: object) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                _signal_group(proc, signal.Signals(signum))
-
-    try:
-        with _handle([signal.SIGTERM], _raise_terminated), _handle([signal.SIGUSR1], forward):
-            procs.extend(_start(spec) for spec in workers)
-            # Readers start after every fork: preexec_fn is only safe while no thread runs.
-            for proc, spec in zip(procs, workers, strict=True):
-                head = f"[{spec.rank}] " if prefix else ""
-                args = (proc, head, lock, out, (logs or {}).get(spec.rank), hide_noise,
-                        tails[len(threads)])
-                threads.append(threading.Thread(target=_pump, args=args, daemon=True))
-                threads[-1].start()
-            failure = _wait_first_failure(procs)
-            if failure is None:
-                return 0
-            rank, returncode = failure
-            others = any(proc.poll() is None for proc in procs)
-            _warn(_describe(rank, returncode) + ("; stopping the other workers" if others else ""))
-            if returncode < 0:  # killed: its own last words may be missing, say them for it
-                threads[rank].join(_JOIN_S)
-                said = timeouts.crashed("\n".join(tails[rank]), workers[rank].rank,
-                                        _collective_timeout(workers[rank]))
-                if said:
-                    _warn(f"worker {rank}: {said}")
-            return exit_code(returncode)
-    except KeyboardInterrupt:
-        _warn("interrupted; stopping the workers")
-        return 130
-    except _SigtermError:
-        _warn("got SIGTERM; stopping the workers (SIGTERM first: they save their state if they "
-              "can)")
-        return 128 + signal.SIGTERM
-    finally:
-        # A second Ctrl-C while stopping must not leave workers behind; the stop is bounded.
-        with _handle([signal.SIGINT, signal.SIGTERM], signal.SIG_IGN):
-            _stop(procs, grace_period)
-        for thread in threads:  # Before returning: the last lines reach the terminal and logs.
-            thread.join(_JOIN_S)  # Bounded: a detached grandchild may still hold the pipe.
-        if procs and all(proc.returncode == EXIT_PREEMPTED for proc in procs):
-            return EXIT_PREEMPTED  # noqa: B012 (every worker saved its state: say so)
-
-
-class _SigtermError(Exception):
-    """The launcher got SIGTERM."""
-
-
-def _raise_terminated(*_: object) -> NoReturn:
-    raise _SigtermError
-
-
-@contextmanager
-def _handle(
-    sigs: Sequence[int], handler: Callable[[int, Any], None] | signal.Handlers
-) -> Iterator[None]:
-    # signal.signal only works in the main thread; elsewhere leave the handlers alone.
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in sigs}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _start(spec: WorkerSpec) -> _Popen:
-    cpus = spec.cpus
-    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-    try:
-        return subprocess.Popen(
-            spec.argv,
-            env=spec.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=pin,  # Safe: no reader thread runs yet (see run_workers).
-        )
-    except (OSError, subprocess.SubprocessError) as err:
-        raise LaunchError(
-            f"cannot start worker {spec.rank} ({shlex.join(spec.argv)}): {err}. Check that the "
-            "script or executable exists (scripts must end in .py; use -m for modules)."
-        ) from err
-
-
-def _pump(
-    proc: _Popen, head: str, lock: threading.Lock, out: TextIO | None, log: BinaryIO | None,
-    quiet_output: bool = False, tail: deque[str] | None = None,
-) -> None:
-    assert proc.stdout is not None
-    fd, rest = proc.stdout.fileno(), b""
-    while chunk := os.read(fd, 65536):
-        lines, rest = split_lines(rest + chunk)
-        _emit(_shown(lines, quiet_output), head, lock, out or sys.stdout)
-        log = _log(lines, log)
-        if tail is not None:
-            tail.extend(line.decode("utf-8", errors="replace") for line in lines)
-    rest = rest.rstrip(b"\r")
-    _emit(_shown([rest] if rest else [], quiet_output), head, lock, out or sys.stdout)
-    _log([rest] if rest else [], log)
-    proc.stdout.close()
-
-
-def _shown(lines: list[bytes], quiet_output: bool) -> list[bytes]:
-    if not quiet_output:
-        return lines
-    return [line for line in lines if not quiet.is_noise(line.decode("utf-8", errors="replace"))]
-
-
-def _log(lines: list[bytes], log: BinaryIO | None) -> BinaryIO | None:
-    """Append ``lines`` to ``log`` and flush; return the file, or None once it failed."""
-    if log is None or not lines:
-        return log
-    try:
-        log.write(b"".join(line + b"\n" for line in lines))
-        log.flush()
-    except ValueError:
-        return None  # Closed: the launch ended while a detached grandchild still writes.
-    except OSError as err:
-        _warn(f"cannot write {log.name} ({err}); this worker's output goes on to the terminal only")
-        return None
-    return log
-
-
-def _emit(lines: list[bytes], head: str, lock: threading.Lock, out: TextIO) -> None:
-    text = "".join(f"{head}{line.decode('utf-8', errors='replace')}\n" for line in lines)
-    with lock:
-        try:
-            out.write(text)
-            out.flush()
-        except (OSError, ValueError):
-            pass  # Closed stdout (e.g. piped into head): keep draining so workers don't block.
-
-
-def _wait_first_failure(procs: Sequence[_Popen]) -> tuple[int, int] | None:
-    # A preempted worker (75) is not a failure: the others stop at the same step and exit 75
-    # too. Only one that does not within PREEMPT_WAIT_S, or exits otherwise, is.
-    preempted_since: float | None = None
-    while True:
-        codes = [proc.poll() for proc in procs]
-        failed = [(rank, code) for rank, code in enumerate(codes)
-                  if code and code != EXIT_PREEMPTED]
-        preempted = [(rank, code) for rank, code in enumerate(codes) if code == EXIT_PREEMPTED]
-        if failed:
-            return failed[0]
-        if all(code is not None for code in codes):
-            return preempted[0] if preempted else None
-        if preempted:
-            preempted_since = preempted_since or time.monotonic()
-            if time.monotonic() - preempted_since > PREEMPT_WAIT_S:
-                return preempted[0]
-        time.sleep(_POLL_S)
-
-
-def _stop(procs: Sequence[_Popen], grace_period: float) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + grace_period
-    for proc in procs:
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:  # Also sweeps what a finished worker left behind in its group.
-        _signal_group(proc, signal.SIGKILL)
-        proc.wait()
-
-
-def _signal_group(proc: _Popen, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError, PermissionError):  # The group is already gone.
-        os.killpg(proc.pid, sig)
-
-
-def _collective_timeout(spec: WorkerSpec) -> float | None:
-    """The worker's collective timeout in seconds, if it has a valid one (the worker itself
-    reports an invalid one)."""
-    from tfdist.settings import resolve
-
-    try:
-        return resolve("collective_timeout", environ=spec.env)
-    except ConfigError:
-        return None
-
-
-def _describe(rank: int, returncode: int) -> str:
-    if returncode == EXIT_PREEMPTED:
-        return f"worker {rank} was preempted and saved its state (exit code {EXIT_PREEMPTED})"
-    if returncode < 0:
-        return f"worker {rank} was killed by signal {-returncode}"
-    return f"worker {rank} exited with code {returncode}"
-
-
-def _warn(message: str) -> None:
-    print(f"tfdist launch: {message}", file=sys.stderr, flush=True)

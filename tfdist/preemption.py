@@ -43,8 +43,9 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+from tfdist import model_dir as layout
 from tfdist.errors import ConfigError
-from tfdist.files import remove_scratch_dirs, scratch_dir
+from tfdist.scratch import remove_scratch_dirs, scratch_dir
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ logger = logging.getLogger("tfdist")
 EXIT_PREEMPTED = 75
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 MAX_INTERVAL = 1000  # steps between two checks at most, however short the steps
-CHECKPOINT_DIR = "preempted"  # in model_dir: the state saved at the agreed step
+CHECKPOINT_DIR = layout.PREEMPTED  # in model_dir: the state saved at the agreed step
 STATE_FILE = "state.json"
 _restores: list[Any] = []  # the custom loops' restore statuses, kept for deferred variables
 _exiting = False  # exit_preempted has begun: the preemption signals are ignored until the end

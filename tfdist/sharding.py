@@ -4,7 +4,7 @@ TensorFlow's default (AUTO) shards file-backed datasets by FILE and silently fal
 a worker nothing when there are fewer files than workers: the collectives then hang. tfdist
 makes the policy explicit and checks the file count when files are split (:func:`check`, used by
 every backend: MWMS sets tf.distribute's policy here, Horovod splits in
-:mod:`tfdist.horovod.data`). Offline datasets are another room: :mod:`tfdist.datasets`.
+:mod:`tfdist.horovod.sharding`). Offline datasets are another room: :mod:`tfdist.datasets`.
 """
 
 from __future__ import annotations

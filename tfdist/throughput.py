@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tfdist import model_dir as layout
 from tfdist.settings import resolve
 
 __all__ = ["StepMeter", "batch_size_of", "describe", "summarise", "throughput_file"]
@@ -102,7 +103,7 @@ def throughput_file(model_dir: str | None) -> str | None:
     path = resolve("throughput_file")
     if path:
         return str(path)
-    return os.path.join(model_dir, "throughput.jsonl") if model_dir else None
+    return layout.path(model_dir, layout.THROUGHPUT) if model_dir else None
 
 
 class StepMeter:

@@ -82,7 +82,7 @@ class HorovodDistributed(Distributed):
         splits the batches (the dataset already is this rank's).
         """
         from tfdist import throughput
-        from tfdist.horovod.data import shard
+        from tfdist.horovod.sharding import shard
 
         self.sharded_batch_size = throughput.batch_size_of(dataset)
         return shard(dataset, self.rank, self.world_size, policy, num_files=num_files)

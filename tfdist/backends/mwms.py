@@ -250,7 +250,7 @@ def _cpu_devices_per_worker(replicas: int) -> Iterator[None]:
 
 def _resolver(environment: ClusterEnvironment, num_gpus: int) -> Any:
     if environment.launcher == "slurm":
-        from tfdist.resolver import SlurmClusterResolver
+        from tfdist.backends.resolver import SlurmClusterResolver
 
         return SlurmClusterResolver(environment, num_gpus=num_gpus)
     if environment.launcher in ("tf_config", "local") and environment.worker_addresses:

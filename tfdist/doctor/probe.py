@@ -65,14 +65,8 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
         errors.append(str(error))
         chosen, why = requested, str(error)
     row = _row(chosen, framework)
-    if row.horovod:  # Horovod's controller, decided when it starts unless set
-        controller = settings.resolve("horovod_controller", environ=environ)
-        collective = "" if controller == "auto" else controller
-    elif not row.crosses_processes:  # one process: nothing crosses processes
-        collective = ""
-    elif collective == "auto":
-        has_gpus = bool(gpus) if gpus is not None else node_gpus > 0
-        collective = row.collective_on_gpus if has_gpus else row.collective_on_cpus
+    has_gpus = bool(gpus) if gpus is not None else node_gpus > 0
+    collective = _collective(row, collective, has_gpus, environ)
     share = (node_gpus // environment.local_world_size if gpus is None else
              len([gpu for gpu in gpus.split(",") if gpu]))
     try:
@@ -94,6 +88,20 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
         resolved=resolve(_dialled(environment)), step_nodes=environment.num_nodes,
         job_nodes=environment.job_nodes, job_tasks_per_node=environment.job_tasks_per_node,
         errors=tuple(errors))
+
+
+def _collective(row: Backend, requested: str, has_gpus: bool,
+                environ: Mapping[str, str]) -> str:
+    """The collective the chosen backend will use between processes; ``""`` where it has none
+    or decides when it starts."""
+    if row.horovod:  # Horovod's controller, decided when it starts unless set
+        controller = settings.resolve("horovod_controller", environ=environ)
+        return "" if controller == "auto" else controller
+    if not row.crosses_processes:  # one process: nothing crosses processes
+        return ""
+    if requested == "auto":
+        return row.collective_on_gpus if has_gpus else row.collective_on_cpus
+    return requested
 
 
 def replicas(backend: Backend, gpus: int, cpu_replicas: int) -> int:

@@ -198,7 +198,7 @@ def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> di
 
     The arrays become one dataset batched with the GLOBAL ``batch_size`` (default 32), shuffled
     each epoch the same way on every rank when ``shuffle`` is on (a seed shared by all ranks),
-    and each rank keeps its slice of every global batch (:func:`tfdist.horovod.data.shard`), as
+    and each rank keeps its slice of every global batch (:func:`tfdist.horovod.sharding.shard`), as
     MultiWorkerMirroredStrategy splits arrays. ``validation_split`` takes the last rows before
     shuffling, as Keras does, and every rank validates on them.
 
@@ -206,7 +206,7 @@ def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> di
         ConfigError: the global batch does not divide over the ranks, or arguments that only
             apply to arrays are combined with others Keras would refuse.
     """
-    from tfdist.horovod.data import shard
+    from tfdist.horovod.sharding import shard
 
     x, y = arguments["x"], arguments.get("y")
     weights = arguments.get("sample_weight")
