@@ -65,3 +65,9 @@ def test_no_function_is_longer_than_the_bound():
                 if lines > LONGEST:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
     assert not long, f"functions longer than {LONGEST} lines: split them: {long}"
+
+
+def test_every_patch_of_the_inventory_is_in_the_doc():
+    from tfdist.patches import INVENTORY
+
+    assert [p.key for p in INVENTORY if f"| `{p.key}` |" not in TEXT] == []

@@ -99,6 +99,10 @@ def test_the_readme_command_runs(command, workdir):
         assert "srun" in script
     elif "doctor" in words:
         assert "tfdist doctor: ready: 2 rank(s)" in run.stdout, run.stdout[-3000:]
+    elif "env" in words:  # each rank lists the patches of its launch, MWMS on two workers
+        for rank in (0, 1):
+            assert re.search(rf"^\[{rank}\] patches: \d+ change\(s\)", run.stdout, re.M) and \
+                f"[{rank}]   keras3-symbolic-build: " in run.stdout, run.stdout[-3000:]
     else:  # a launch trains: every rank ends with the same weights
         digests = re.findall(r"^\[(\d)\] tfdist: rank \d of 2: final weights (\w+)$",
                              run.stdout, re.M)

@@ -43,7 +43,6 @@ __all__ = ["AtomicCheckpoint", "CallbackOptions", "ChiefOnly", "ChiefWrites", "L
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
 _KERAS3 = keras_compat.is_keras3(keras)
-_TRACKED = keras_input.track()
 
 
 class ChiefOnly(keras.callbacks.Callback):
@@ -255,7 +254,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     def on_train_begin(self, logs: Any = None) -> None:
         self._in_fit = True
         self.watch.install()
-        self._input = keras_input.current(self.model) if _TRACKED else None
+        self._input = keras_input.current(self.model) if keras_input.tracked() else None
         state = preemption.read_state(self.model_dir)
         if state is not None:
             self._state_found = True

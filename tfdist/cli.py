@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tfdist
 from tfdist.backends.facts import BACKENDS
@@ -246,13 +247,33 @@ def _run_env(args: argparse.Namespace) -> int:
               "replicas": plan.replicas, "cpus": plan.cpus, "host": plan.host,
               "versions": plan.versions}
     problems = [problem.line() for problem in check([plan])]  # the doctor's, for this rank
+    changed = _patches(plan, environment)
     if args.json:
-        print(json.dumps({**fields, "problems": problems}, indent=2, default=str))
+        shown = [{"key": p.key, "target": p.target, "by": p.by, "when": p.when,
+                  "reason": p.reason} for p in changed]
+        print(json.dumps({**fields, "patches": shown, "problems": problems}, indent=2,
+                         default=str))
     else:
         print("\n".join(f"{name}: {value}" for name, value in fields.items()))
+        print(f"patches: {len(changed)} change(s) to library internals here (tfdist/patches.py)")
+        for patch in changed:
+            print(f"  {patch.key}: {patch.target}\n    {patch.reason}")
         for line in problems:
             print(f"tfdist env: {line}", file=sys.stderr)
     return 0
+
+
+def _patches(plan: Any, environment: Any) -> list[Any]:
+    """The patches tfdist would apply in this process (:func:`tfdist.patches.planned`)."""
+    import os
+
+    from tfdist import patches
+    from tfdist.backends import facts
+
+    gpus = plan.node_gpus > 0 if plan.gpus == "?" else bool(plan.gpus)
+    where = patches.where(facts.backend(plan.backend), plan.versions, os.environ,
+                          several_processes=environment.world_size > 1, gpus=gpus)
+    return patches.planned(where)
 
 
 def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -38,7 +38,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from tfdist import patches
 
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
@@ -295,19 +297,21 @@ def install(environment: ClusterEnvironment) -> None:
     _environment = environment
     if not first:
         return
-    previous = sys.excepthook
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGCONT) == signal.SIG_DFL):
         signal.signal(signal.SIGCONT, _continued)  # the process continues all the same
 
-    def hook(kind: type[BaseException], value: BaseException,
-             traceback: TracebackType | None) -> None:
-        previous(kind, value, traceback)
-        line = report(str(value), _environment) if _environment is not None else None
-        if line:
-            print(line, file=sys.stderr, flush=True)
+    def wrap(previous: Any) -> Any:
+        def hook(kind: type[BaseException], value: BaseException,
+                 traceback: TracebackType | None) -> None:
+            previous(kind, value, traceback)
+            line = report(str(value), _environment) if _environment is not None else None
+            if line:
+                print(line, file=sys.stderr, flush=True)
 
-    sys.excepthook = hook
+        return hook
+
+    patches.apply("failure-line", sys, "excepthook", wrap)
 
 
 _environment: ClusterEnvironment | None = None  # the launch install() describes

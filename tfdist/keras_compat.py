@@ -39,6 +39,7 @@ import os
 import sys
 from typing import Any
 
+from tfdist import patches
 from tfdist.settings import resolve
 
 __all__ = ["AFFECTED", "LOG_SAFE_CALLBACKS", "apply", "compile_without_xla", "is_keras3",
@@ -51,7 +52,6 @@ logger = logging.getLogger("tfdist")
 # Half-open range of Keras versions with the defects. Raise the upper bound only after the
 # upstream issue is fixed in a release and the tests pass without the fix there.
 AFFECTED = ((3, 0), (4, 0))
-_applied = False
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -133,7 +133,8 @@ def repair_eager_record() -> bool:
     record = getattr(eager_context, "_context_switches", None)
     if record is None or record.stack or not eager_context.executing_eagerly():
         return False
-    eager_context._context_switches = type(record)(True)
+    patches.apply("eager-record", eager_context, "_context_switches",
+                  lambda lost: type(lost)(True))
     logger.debug("tfdist: TensorFlow's eager context was created before eager execution was "
                  "on (TensorFlow <= 2.14 imported inside absl's app.run): repaired")
     return True
@@ -188,29 +189,29 @@ def needs_fix() -> bool:
 
 
 def apply() -> bool:
-    """Installs both fixes once. Returns whether they are installed."""
-    global _applied
-    if _applied:
-        return True
+    """Installs the fixes (:mod:`tfdist.patches`), once. Returns whether they are installed."""
     if not resolve("keras_fix") or not needs_fix():
         return False
     from keras.src.backend.tensorflow import trainer
 
-    trainer.TensorFlowTrainer._maybe_symbolic_build = _wrap_symbolic_build(
-        trainer.TensorFlowTrainer._maybe_symbolic_build)
-    trainer.reduce_per_replica = _wrap_reduce_per_replica(trainer.reduce_per_replica)
-    trainer.TensorFlowTrainer._make_function = _wrap_make_function(
-        trainer.TensorFlowTrainer._make_function)
-    trainer.TFEpochIterator._enumerate_iterator = _wrap_enumerate(
-        trainer.TFEpochIterator._enumerate_iterator)
-    for name in ("fit", "evaluate"):
-        setattr(trainer.TensorFlowTrainer, name,
-                _wrap_logs_mode(getattr(trainer.TensorFlowTrainer, name)))
-    _applied = True
-    import keras
+    cls = trainer.TensorFlowTrainer
+    applied = [
+        patches.apply("keras3-symbolic-build", cls, "_maybe_symbolic_build",
+                      _wrap_symbolic_build),
+        patches.apply("keras3-reduce-per-replica", trainer, "reduce_per_replica",
+                      _wrap_reduce_per_replica),
+        patches.apply("keras3-steps-per-execution", cls, "_make_function",
+                      _wrap_make_function),
+        patches.apply("keras3-epoch-chunks", trainer.TFEpochIterator, "_enumerate_iterator",
+                      _wrap_enumerate),
+        *(patches.apply("keras3-step-logs", cls, name, _wrap_logs_mode)
+          for name in ("fit", "evaluate")),
+    ]
+    if any(applied):
+        import keras
 
-    logger.debug("tfdist: applied the Keras %s multi-worker fit fix (keras#20585)",
-                 keras.__version__)
+        logger.debug("tfdist: applied the Keras %s multi-worker fit fix (keras#20585)",
+                      keras.__version__)
     return True
 
 
@@ -257,7 +258,6 @@ def _wrap_reduce_per_replica(original: Any) -> Any:
             return tree.map_structure(lambda v: _local_mean(strategy, v), values)
         return original(values, strategy, reduction)
 
-    reduce_per_replica.__wrapped__ = original  # type: ignore[attr-defined]
     return reduce_per_replica
 
 
@@ -388,7 +388,6 @@ def _wrap_make_function(original: Any) -> Any:
             return function
         return _unrolled_steps(self, step_function, function)
 
-    _make_function.__wrapped__ = original  # type: ignore[attr-defined]
     return _make_function
 
 
@@ -429,22 +428,20 @@ def compile_without_xla(model_class: Any, reason: str) -> None:
     has no XLA collectives for CPU devices, b/194942685; with NCCL on GPUs it has) and Horovod
     (its ops are not XLA ops). The script runs unchanged; only the step is not XLA-compiled.
     """
-    original = model_class.compile
-    if getattr(original, "_tfdist_no_xla", False):
-        return
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
+        def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("jit_compile") is True:
+                if not _warned:
+                    logger.warning("tfdist: compile(jit_compile=True) trains without XLA here: "
+                                   "%s", reason)
+                    _warned.append(True)
+                kwargs["jit_compile"] = False
+            return original(self, *args, **kwargs)
 
-    @functools.wraps(original)
-    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("jit_compile") is True:
-            if not _warned:
-                logger.warning("tfdist: compile(jit_compile=True) trains without XLA here: %s",
-                               reason)
-                _warned.append(True)
-            kwargs["jit_compile"] = False
-        return original(self, *args, **kwargs)
+        return compile
 
-    compile._tfdist_no_xla = True  # type: ignore[attr-defined]
-    model_class.compile = compile
+    patches.apply("compile-without-xla", model_class, "compile", wrap)
 
 
 _warned: list[bool] = []
@@ -471,14 +468,13 @@ def refuse_mixed_keras() -> bool:
 
     from tfdist.errors import ConfigError
 
-    for name in ("fit", "evaluate", "predict"):
-        original = getattr(trainer.TensorFlowTrainer, name)
-        if getattr(original, "_tfdist_mixed", False):
-            continue
-
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
         def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
             raise ConfigError(MIXED_KERAS)
 
-        refuse._tfdist_mixed = True  # type: ignore[attr-defined]
-        setattr(trainer.TensorFlowTrainer, name, functools.wraps(original)(refuse))
+        return refuse
+
+    for name in ("fit", "evaluate", "predict"):
+        patches.apply("mixed-keras", trainer.TensorFlowTrainer, name, wrap)
     return True

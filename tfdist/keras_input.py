@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any, NamedTuple
 
+from tfdist import patches
 from tfdist.keras_compat import keras2_module, keras2_package
 
 __all__ = ["Keras3Input", "Position", "Resume", "TfKerasInput", "current", "plan", "track"]
@@ -171,22 +172,25 @@ _counters: dict[int, tuple[int, int]] = {}  # id(model): where its next tf_keras
 def _track_keras3() -> None:
     from keras.src.backend.tensorflow import trainer
 
+    def wrap_init(init: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            init(self, *args, **kwargs)
+            self._tfdist_created, self._tfdist_next = 0, None
+            _last["keras3"] = self
+
+        return __init__
+
+    def wrap_get_iterator(get_iterator: Any) -> Any:
+        def _get_iterator(self: Any) -> Any:
+            self._tfdist_created += 1
+            prepared, self._tfdist_next = self._tfdist_next, None
+            return prepared if prepared is not None else get_iterator(self)
+
+        return _get_iterator
+
     cls = trainer.TFEpochIterator
-    if getattr(cls, "_tfdist_tracked", False):
-        return
-    init, get_iterator = cls.__init__, cls._get_iterator
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        init(self, *args, **kwargs)
-        self._tfdist_created, self._tfdist_next = 0, None
-        _last["keras3"] = self
-
-    def _get_iterator(self: Any) -> Any:
-        self._tfdist_created += 1
-        prepared, self._tfdist_next = self._tfdist_next, None
-        return prepared if prepared is not None else get_iterator(self)
-
-    cls.__init__, cls._get_iterator, cls._tfdist_tracked = __init__, _get_iterator, True
+    patches.apply("keras3-input-position", cls, "__init__", wrap_init)
+    patches.apply("keras3-input-position", cls, "_get_iterator", wrap_get_iterator)
 
 
 def _track_keras2() -> None:
@@ -194,17 +198,33 @@ def _track_keras2() -> None:
     data_adapter = keras2_module("engine.data_adapter")
     training = keras2_module("engine.training")
 
-    cls = data_adapter.DataHandler
-    if getattr(cls, "_tfdist_tracked", False):
-        return
-    init, enumerate_epochs = cls.__init__, cls.enumerate_epochs
-    load_counters = training.Model._maybe_load_initial_counters_from_ckpt
+    def wrap_init(init: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            init(self, *args, **kwargs)
+            self._tfdist_created, self._tfdist_drawn_before = 0, 0
+            self._tfdist_plan = None
+            _last["tf_keras"] = self
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        init(self, *args, **kwargs)
-        self._tfdist_created, self._tfdist_drawn_before = 0, 0
-        self._tfdist_plan = None
-        _last["tf_keras"] = self
+        return __init__
+
+    def wrap_counters(load_counters: Any) -> Any:
+        def counters(self: Any, steps_per_epoch: Any, initial_epoch: int) -> Any:
+            resumed = _counters.pop(id(self), None)
+            return resumed if resumed is not None else load_counters(self, steps_per_epoch,
+                                                                     initial_epoch)
+
+        return counters
+
+    cls = data_adapter.DataHandler
+    patches.apply("keras2-input-position", cls, "__init__", wrap_init)
+    patches.apply("keras2-input-position", cls, "enumerate_epochs", _tracked_epochs)
+    patches.apply("keras2-input-position", training.Model,
+                  "_maybe_load_initial_counters_from_ckpt", wrap_counters)
+
+
+def _tracked_epochs(enumerate_epochs: Any) -> Any:
+    """tf_keras's ``enumerate_epochs``, counting the iterators it makes and starting a resumed
+    fit's first epoch at the step it stopped at."""
 
     def tracked_epochs(self: Any) -> Any:
         at: Resume | None = self._tfdist_plan
@@ -229,25 +249,30 @@ def _track_keras2() -> None:
             first = False
             yield epoch, iterator
 
-    def counters(self: Any, steps_per_epoch: Any, initial_epoch: int) -> Any:
-        resumed = _counters.pop(id(self), None)
-        return resumed if resumed is not None else load_counters(self, steps_per_epoch,
-                                                                 initial_epoch)
-
-    cls.__init__, cls.enumerate_epochs, cls._tfdist_tracked = __init__, tracked_epochs, True
-    training.Model._maybe_load_initial_counters_from_ckpt = counters
+    return tracked_epochs
 
 
 def track() -> bool:
-    """Installs the counting hooks for the Keras in use, once. False where they cannot be (a
-    Keras without the classes hooked): a resumed ``fit`` then starts with the epoch."""
+    """Installs the counting hooks for the Keras in use (:mod:`tfdist.patches`), once; called
+    when a TensorFlow backend is created. False where they cannot be (a Keras without the
+    classes hooked): a resumed ``fit`` then starts with the epoch."""
     try:
         _track_keras2() if keras2_package() else _track_keras3()
     except (ImportError, AttributeError) as error:
         logger.info("tfdist: cannot follow fit's input on this Keras (%s): a preempted fit "
                     "resumes at its epoch", error)
+        _tracking[:] = [False]
         return False
+    _tracking[:] = [True]
     return True
+
+
+def tracked() -> bool:
+    """Whether :func:`track` installed the hooks in this process."""
+    return bool(_tracking and _tracking[0])
+
+
+_tracking: list[bool] = []
 
 
 def current(model: Any) -> Keras3Input | TfKerasInput | None:

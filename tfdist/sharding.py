@@ -108,23 +108,23 @@ def skip_end_checks() -> bool:
     """
     from tensorflow.python.distribute import input_lib
 
+    from tfdist import patches
     from tfdist.settings import resolve
 
-    build = input_lib.DistributedDataset.build
-    if getattr(build, "_tfdist", False):
-        return True
     if resolve("input_end_check") == "always":
         return False
 
-    def build_without_needless_check(self: Any, dataset_to_replace: Any = None) -> Any:
-        result = build(self, dataset_to_replace)
-        dataset = dataset_to_replace or getattr(self, "_original_dataset", None)
-        if self._enable_get_next_as_optional and _same_steps_on_every_worker(dataset):
-            self._enable_get_next_as_optional = False
-        return result
+    def wrap(build: Any) -> Any:
+        def build_without_needless_check(self: Any, dataset_to_replace: Any = None) -> Any:
+            result = build(self, dataset_to_replace)
+            dataset = dataset_to_replace or getattr(self, "_original_dataset", None)
+            if self._enable_get_next_as_optional and _same_steps_on_every_worker(dataset):
+                self._enable_get_next_as_optional = False
+            return result
 
-    build_without_needless_check._tfdist = True  # type: ignore[attr-defined]
-    input_lib.DistributedDataset.build = build_without_needless_check
+        return build_without_needless_check
+
+    patches.apply("input-end-check", input_lib.DistributedDataset, "build", wrap)
     return True
 
 

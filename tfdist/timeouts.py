@@ -26,9 +26,9 @@ from __future__ import annotations
 import re
 import sys
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from tfdist import failures
+from tfdist import failures, patches
 
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
@@ -128,13 +128,14 @@ def install(environment: ClusterEnvironment, seconds: float) -> None:
     _seconds[:] = [seconds]
     if installed:
         return
-    previous = sys.excepthook
+    def wrap(previous: Any) -> Any:
+        def hook(kind: type[BaseException], value: BaseException,
+                 traceback: TracebackType | None) -> None:
+            previous(kind, value, traceback)
+            line = explain(str(value), environment, _seconds[0], failures.progress)
+            if line:
+                print(line, file=sys.stderr, flush=True)
 
-    def hook(kind: type[BaseException], value: BaseException,
-             traceback: TracebackType | None) -> None:
-        previous(kind, value, traceback)
-        line = explain(str(value), environment, _seconds[0], failures.progress)
-        if line:
-            print(line, file=sys.stderr, flush=True)
+        return hook
 
-    sys.excepthook = hook
+    patches.apply("timeout-line", sys, "excepthook", wrap)

@@ -88,7 +88,7 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     """Creates the handle of ``backend`` (a key of :data:`MODULES`) for this launch."""
     module = importlib.import_module(MODULES[backend])
     handle: Distributed = module.create(environment, settings)
-    from tfdist import keras_compat
+    from tfdist import keras_compat, keras_input
 
     # Before the script builds its model: Keras 2 makes KerasTensors again where an early
     # start of TensorFlow <= 2.14 lost the record of eager execution; its random layers keep
@@ -96,4 +96,5 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     # masks.
     keras_compat.repair_eager_record()
     keras_compat.keras2_random_generator()
+    keras_input.track()  # where fit's input stands, so a preempted fit resumes at its batch
     return handle

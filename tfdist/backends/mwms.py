@@ -231,21 +231,21 @@ def _cpu_devices_per_worker(replicas: int) -> Iterator[None]:
         return
     from tensorflow.python.distribute import collective_all_reduce_strategy as mwms
 
-    extended = mwms.CollectiveAllReduceExtended
-    original = extended._initialize_local_devices
+    from tfdist import patches
 
-    def local_devices(self: Any, cluster_resolver: Any,
-                      worker_device: str) -> tuple[tuple[str, ...], str]:
-        found, kind = original(self, cluster_resolver, worker_device)
-        if kind != "CPU":
-            return found, kind
-        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(replicas)), "CPU"
+    def wrap(original: Any) -> Any:
+        def local_devices(self: Any, cluster_resolver: Any,
+                          worker_device: str) -> tuple[tuple[str, ...], str]:
+            found, kind = original(self, cluster_resolver, worker_device)
+            if kind != "CPU":
+                return found, kind
+            return tuple(f"{worker_device}/device:CPU:{i}" for i in range(replicas)), "CPU"
 
-    extended._initialize_local_devices = local_devices
-    try:
+        return local_devices
+
+    with patches.scoped("mwms-cpu-replicas", mwms.CollectiveAllReduceExtended,
+                        "_initialize_local_devices", wrap):
         yield
-    finally:
-        extended._initialize_local_devices = original
 
 
 def _resolver(environment: ClusterEnvironment, num_gpus: int) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist import patches
 from tfdist.errors import ConfigError
 from tfdist.horovod import ops
 from tfdist.keras_compat import compile_without_xla
@@ -95,19 +96,19 @@ def install_hooks(rank: int, world_size: int) -> None:
     """Wraps ``Model.compile`` (gradient averaging, no XLA) and ``Model.fit`` (arrays split by
     rank); with Keras 3 also the symbolic build (models built before the first step). Once."""
     model_class = keras.Model
-    if getattr(model_class.compile, _MARK, False):
-        return
-    model_class.compile = _compile_hook(model_class.compile)
+    if not patches.apply("horovod-fit", model_class, "compile", _compile_hook):
+        return  # installed already
     compile_without_xla(model_class, "Horovod's all-reduce cannot be compiled by XLA; "
                         "backend='mwms' with NCCL on GPUs can")
-    model_class.fit = _fit_hook(model_class.fit, rank, world_size)
+    patches.apply("horovod-fit", model_class, "fit",
+                  lambda original: _fit_hook(original, rank, world_size))
     if world_size > 1:
-        model_class.evaluate = _evaluate_hook(model_class.evaluate)
+        patches.apply("horovod-fit", model_class, "evaluate", _evaluate_hook)
     if is_keras3():
         from keras.src.backend.tensorflow import trainer
 
-        trainer.TensorFlowTrainer._maybe_symbolic_build = _build_hook(
-            trainer.TensorFlowTrainer._maybe_symbolic_build)
+        patches.apply("horovod-fit", trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+                      _build_hook)
 
 
 def _evaluate_hook(original: Any) -> Any:
@@ -158,7 +159,6 @@ def _compile_hook(original: Any) -> Any:
             DistributedOptimizer(self.optimizer)
         return result
 
-    setattr(compile, _MARK, True)
     return compile
 
 

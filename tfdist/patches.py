@@ -1,0 +1,261 @@
+"""The one room for tfdist's changes to Keras, TensorFlow and Horovod internals (pure).
+
+A patch replaces an attribute of a library's class or module (its owner) by a wrapper of the
+original. Every patch tfdist may apply is a row of :data:`INVENTORY`, with what it replaces,
+when and why; :func:`apply` is the one way to install one (once per process and attribute: a
+second call does nothing) and :func:`scoped` the one way to install one for a block. They are
+installed when a backend is created (:func:`tfdist.init`, :func:`tfdist.torch.init`), never when
+a module is imported. :func:`installed` lists what this process applied; ``tfdist env`` prints
+the inventory with what applies to this launch (:func:`planned`).
+
+A user who sees Keras behave oddly under tfdist reads this table first: every wrapper defers to
+the original outside the case it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tfdist.backends.facts import TF, Backend
+
+__all__ = ["INVENTORY", "Patch", "Where", "apply", "installed", "planned", "scoped", "where"]
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a launch is, for the inventory's conditions (pure: no framework imported)."""
+
+    backend: Backend  # the chosen backend's row (tfdist.backends.facts)
+    keras3: bool  # tf.keras is Keras 3 (not tf_keras / Keras 2)
+    tensorflow: tuple[int, int]  # TensorFlow's version, (0, 0) when absent
+    several_processes: bool
+    gpus: bool  # the process drives GPUs
+    legacy_keras: bool = False  # TF_USE_LEGACY_KERAS=1 asks for tf_keras
+    keras_fix: bool = True  # TFDIST_KERAS_FIX
+    cpu_replicas: int = 1  # TFDIST_CPU_REPLICAS
+    collective_timeout: bool = False  # TFDIST_COLLECTIVE_TIMEOUT is set
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch tfdist may apply.
+
+    Attributes:
+        key: its name in this table (``apply``'s first argument).
+        target: what it replaces, as ``module.Class.attribute`` (several attributes: ``/``).
+        by: the tfdist module that installs it.
+        when: in words, when it is installed.
+        reason: why: the defect or gap it works around, and what the wrapper does.
+        applies: whether it is installed for a launch (:class:`Where`).
+    """
+
+    key: str
+    target: str
+    by: str
+    when: str
+    reason: str
+    applies: Callable[[Where], bool]
+
+
+def _mwms(w: Where) -> bool:
+    """MultiWorkerMirroredStrategy over several processes."""
+    row = w.backend
+    return (row.framework == TF and row.crosses_processes and not row.horovod
+            and w.several_processes)
+
+
+def _horovod(w: Where) -> bool:
+    return w.backend.framework == TF and w.backend.horovod
+
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+
+INVENTORY: tuple[Patch, ...] = (
+    Patch("keras3-symbolic-build", f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build",
+          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "keras#20585: Keras averages the first batch over the replicas to learn its shapes, "
+          "which the collective all-reduce cannot do for a nested batch; one local replica's "
+          "batch gives the same shapes", lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+    Patch("keras3-reduce-per-replica", f"{_TRAINER}.reduce_per_replica", "tfdist.keras_compat",
+          "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "keras#20585: Keras reduces scalar losses and metrics over axis 0, which fails on "
+          "several workers; means them over the replicas as one worker does (and, unless a "
+          "callback reads them, keeps each step's logs each worker's own: TFDIST_STEP_LOGS)",
+          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+    Patch("keras3-steps-per-execution", f"{_TRAINER}.TensorFlowTrainer._make_function",
+          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "compile(steps_per_execution=N) draws batches inside a tf.cond that a multi-worker "
+          "iterator's end-of-data collective cannot run in; runs the N steps unrolled",
+          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+    Patch("keras3-epoch-chunks", f"{_TRAINER}.TFEpochIterator._enumerate_iterator",
+          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "tells the unrolled steps how many steps the epoch has left (its last, shorter chunk)",
+          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+    Patch("keras3-step-logs", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate",
+          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "decides per fit/evaluate whether each step's logs are averaged over the workers (a "
+          "collective per step) or each worker's own, from the callbacks that read them",
+          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+    Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
+          "tfdist.keras_compat", "TF_USE_LEGACY_KERAS=1 and Keras 3 imported, several workers",
+          "a Keras 3 model under a tf_keras strategy fails deep inside TensorFlow (or under "
+          "Horovod trains without averaging); raises one error naming the fix instead",
+          lambda w: w.legacy_keras and w.several_processes and w.backend.framework == TF),
+    Patch("compile-without-xla", "keras.Model.compile", "tfdist.keras_compat",
+          "MWMS on several CPU workers; Horovod",
+          "XLA cannot compile the step's all-reduce there (no XLA collectives for CPU devices, "
+          "b/194942685; Horovod's ops are not XLA ops): compile(jit_compile=True) trains "
+          "without XLA, with one warning",
+          lambda w: (_mwms(w) and not w.gpus) or _horovod(w)),
+    Patch("eager-record", "tensorflow.python.eager.context.Context._context_switches",
+          "tfdist.keras_compat", "TensorFlow 2.14 and older, imported inside absl's app.run",
+          "TensorFlow <= 2.14 loses its record of being eager when imported inside app.run, "
+          "and Keras 2 then builds graph placeholders instead of KerasTensors; the record the "
+          "context would have made is put back",
+          lambda w: w.backend.framework == TF and (0, 0) < w.tensorflow < (2, 15)),
+    Patch("keras3-input-position", f"{_TRAINER}.TFEpochIterator.__init__/_get_iterator",
+          "tfdist.keras_input", "Keras 3, every TensorFlow backend",
+          "counts the iterators fit makes, so a preempted fit resumes at the batch it stopped "
+          "at instead of the epoch's start", lambda w: w.backend.framework == TF and w.keras3),
+    Patch("keras2-input-position",
+          "tf_keras.src.engine.data_adapter.DataHandler.__init__/enumerate_epochs, "
+          "tf_keras.src.engine.training.Model._maybe_load_initial_counters_from_ckpt",
+          "tfdist.keras_input", "tf_keras (Keras 2), every TensorFlow backend",
+          "the same for tf_keras: where the stopped fit's input stood, and the step counters "
+          "it resumes with", lambda w: w.backend.framework == TF and not w.keras3),
+    Patch("input-end-check",
+          "tensorflow.python.distribute.input_lib.DistributedDataset.build",
+          "tfdist.sharding", "MWMS on several workers (TFDIST_INPUT_END_CHECK=auto)",
+          "drops the per-step collective that asks whether every worker still has a batch, "
+          "only for a dataset split by DATA with a constant batch (every worker gets as many "
+          "batches); every other dataset keeps it", _mwms),
+    Patch("mwms-cpu-replicas",
+          "tensorflow.python.distribute.collective_all_reduce_strategy."
+          "CollectiveAllReduceExtended._initialize_local_devices",
+          "tfdist.backends.mwms", "MWMS on CPUs with TFDIST_CPU_REPLICAS > 1, while the "
+          "strategy is created",
+          "TensorFlow gives a CPU worker one replica whatever logical CPUs exist; the stand-in "
+          "for several GPUs per worker gives it one per logical CPU",
+          lambda w: _mwms(w) and not w.gpus and w.cpu_replicas > 1),
+    Patch("horovod-fit", "keras.Model.compile/fit/evaluate, "
+          f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build", "tfdist.horovod.fit",
+          "backend horovod",
+          "Model.fit behaves as under MWMS: compile wraps the optimizer so gradients are "
+          "averaged, fit splits arrays by rank and broadcasts rank 0's initial state, evaluate "
+          "returns the metrics over every rank's examples, and Keras 3 builds the model before "
+          "the first step", _horovod),
+    Patch("failure-line", "sys.excepthook", "tfdist.failures",
+          "several processes, every backend",
+          "after an uncaught error, one line naming the failed or stopped peer's rank, host "
+          "and step, which the framework's own error does not name",
+          lambda w: w.several_processes),
+    Patch("timeout-line", "sys.excepthook", "tfdist.timeouts",
+          "MWMS with TFDIST_COLLECTIVE_TIMEOUT",
+          "after a collective timed out, one line saying which collective waited how long and "
+          "what to raise", lambda w: _mwms(w) and w.collective_timeout),
+)
+
+_BY_KEY = {patch.key: patch for patch in INVENTORY}
+# The one marker: a replacement carries (key, original), so a patch is found also under a later
+# wrapper (two patches of sys.excepthook chain). A replacement that takes no attribute (an
+# object of a slotted class) is marked here instead.
+_MARK = "__tfdist_patch__"
+_marks: dict[int, tuple[str, Any]] = {}
+_installed: list[Patch] = []
+
+
+def apply(key: str, owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
+    """Replaces ``owner.name`` by ``wrap(original)``, unless this patch is in place already.
+
+    Args:
+        key: the patch's row in :data:`INVENTORY`.
+        owner: the class, module or object that holds the attribute.
+        name: the attribute.
+        wrap: makes the replacement from the original.
+
+    Returns:
+        Whether it replaced the attribute now (False: this patch is in place already, also
+        under a later wrapper).
+
+    Raises:
+        KeyError: ``key`` is not in the inventory (every patch must be).
+    """
+    patch = _BY_KEY[key]
+    original = getattr(owner, name)
+    if _in_place(original, key):
+        return False
+    replacement = wrap(original)
+    _mark(replacement, key, original)
+    setattr(owner, name, replacement)
+    if patch not in _installed:
+        _installed.append(patch)
+    return True
+
+
+def _mark(replacement: Any, key: str, original: Any) -> None:
+    try:
+        setattr(replacement, _MARK, (key, original))
+    except (AttributeError, TypeError):
+        _marks[id(replacement)] = (key, original)
+
+
+def _in_place(value: Any, key: str) -> bool:
+    """Whether ``value`` is this patch's replacement, or wraps it."""
+    for _ in range(64):  # a chain of wrappers is short; a cycle cannot hang
+        mark = getattr(value, _MARK, None)
+        mark = mark if isinstance(mark, tuple) else _marks.get(id(value))
+        if mark is None:
+            return False
+        if mark[0] == key:
+            return True
+        value = mark[1]
+    return False
+
+
+@contextlib.contextmanager
+def scoped(key: str, owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """:func:`apply` for the block only: the original is back when it ends."""
+    patch = _BY_KEY[key]
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    if patch not in _installed:
+        _installed.append(patch)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def installed() -> list[Patch]:
+    """The patches this process applied (scoped ones too), in order."""
+    return list(_installed)
+
+
+def planned(where: Where) -> list[Patch]:
+    """The patches tfdist applies for a launch like ``where``, in the inventory's order."""
+    return [patch for patch in INVENTORY if patch.applies(where)]
+
+
+def where(backend: Backend, versions: Mapping[str, str], environ: Mapping[str, str], *,
+          several_processes: bool, gpus: bool) -> Where:
+    """A launch's :class:`Where` from installed versions (``tfdist doctor``'s ``versions``:
+    package -> version) and the variables, without importing a framework."""
+    from tfdist.settings import resolve
+
+    legacy = environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes")
+    keras = _major_minor(versions.get("keras", ""))
+    return Where(backend, keras3=keras >= (3, 0) and not legacy,
+                 tensorflow=_major_minor(versions.get("tensorflow", "")),
+                 several_processes=several_processes, gpus=gpus, legacy_keras=legacy,
+                 keras_fix=bool(resolve("keras_fix", environ=environ)),
+                 cpu_replicas=resolve("cpu_replicas", environ=environ) or 1,
+                 collective_timeout=resolve("collective_timeout", environ=environ) is not None)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor, *_ = [int("".join(c for c in part if c.isdigit()) or 0)
+                        for part in f"{version}.0.0".split(".")]
+    return major, minor
