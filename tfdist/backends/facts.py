@@ -96,7 +96,7 @@ BACKENDS: tuple[Backend, ...] = (
             "", "", "", keras2_synced_batch_norm=True),
     Backend("single", TF, "TensorFlow's default strategy", "tfdist.backends.single", "one",
             False, "", "", "", several_gpus_instead="backend auto (MirroredStrategy)"),
-    Backend("ddp", TORCH, "DistributedDataParallel", "tfdist.torch.handle", "one", True,
+    Backend("ddp", TORCH, "DistributedDataParallel", "tfdist.torch.ddp", "one", True,
             "torch_collective", "nccl", "gloo", job_name="torch",
             job_launchers=("torchrun", "srun"), job_sets_backend=False),
     Backend("horovod", TORCH, "Horovod", "tfdist.torch.horovod", "one", True,

@@ -135,10 +135,6 @@ class DeepSpeedDistributed(TorchDistributed):
     backend = "deepspeed"
     batch_from_loader = True  # whether dist.loader sets the micro batch (the config names none)
 
-    @property
-    def label(self) -> str:
-        return f"torch deepspeed {self.collective}"
-
     def prepare(self) -> None:
         """Before ``import deepspeed``: its accelerator, ``LOCAL_RANK``, its logger; after: no
         op compiled for inference that training never runs (see the module docstring)."""

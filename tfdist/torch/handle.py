@@ -1,8 +1,9 @@
 """The handle training scripts use, and the process group it runs on.
 
-:class:`TorchDistributed` is the DDP backend and the base of the others (Horovod, DeepSpeed);
-its collective is the process group's (``nccl`` or ``gloo``). :mod:`tfdist.torch.start` creates
-it (``init``) and ends it (``shutdown``). Settings,
+:class:`TorchDistributed` is the interface every torch backend implements (DDP:
+:mod:`tfdist.torch.ddp`, Horovod, DeepSpeed); :func:`start_group` forms tfdist's process group
+for the backends that run on one (its collective: ``nccl`` or ``gloo``).
+:mod:`tfdist.torch.start` creates the handle (``init``) and ends it (``shutdown``). Settings,
 highest precedence first: the Python argument, then the ``TFDIST_TORCH_*`` environment
 variable, then what the machine implies, then the default (:mod:`tfdist.settings`). GPUs and
 threads follow the same policy as TensorFlow's backends (:mod:`tfdist.devices`).
@@ -35,8 +36,8 @@ from tfdist.torch import heartbeat
 from tfdist.torch.rendezvous import Rendezvous, plan
 from tfdist.torch.sampler import EpochSampler
 
-__all__ = ["TorchDistributed", "TorchSettings", "close_group", "count_steps", "create",
-           "create_group", "pick_device", "process_group_collective", "start_group", "unwrap"]
+__all__ = ["TorchDistributed", "TorchSettings", "close_group", "count_steps", "create_group",
+           "pick_device", "process_group_collective", "start_group", "unwrap"]
 
 logger = logging.getLogger("tfdist")
 
@@ -51,12 +52,12 @@ class TorchDistributed(ReplicaMath):
     Attributes:
         environment: how the processes were launched (:class:`tfdist.env.ClusterEnvironment`).
         rendezvous: where the process group met (:class:`tfdist.torch.rendezvous.Rendezvous`).
-        backend: ``"ddp"`` (DistributedDataParallel).
+        backend: the backend's name (``"ddp"``, ``"horovod"``, ``"deepspeed"``).
         collective: the process group's, ``"nccl"`` or ``"gloo"``.
         device: ``cuda:<local GPU>`` when CUDA is available, else ``cpu``.
     """
 
-    backend = "ddp"
+    backend = "?"
 
     def __init__(self, environment: ClusterEnvironment, rendezvous: Rendezvous, collective: str,
                  device: torch.device) -> None:
@@ -112,16 +113,9 @@ class TorchDistributed(ReplicaMath):
             dist.backward(loss)
             optimizer.step()
 
-        DDP broadcasts rank 0's parameters and buffers here, then averages the gradients in
-        every backward pass; the optimizer comes back as it is. ``options`` go to DDP (e.g.
-        ``find_unused_parameters=True``). Without ``optimizer`` the wrapped model alone comes
-        back (DDP only).
+        Each backend says what it does here (DDP: :meth:`tfdist.torch.ddp.DDPDistributed.wrap`).
         """
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model.to(self.device), device_ids=device_ids,
-                                          **options)
-        wrapped.register_forward_pre_hook(count_steps)
-        return wrapped if optimizer is None else (wrapped, optimizer)
+        raise NotImplementedError(f"backend {self.backend!r} does not wrap models")
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` as the backend needs it (DeepSpeed's engine runs its own)."""
@@ -197,8 +191,8 @@ class TorchDistributed(ReplicaMath):
     @property
     def label(self) -> str:
         """The engine and its collective, as the doctor and the logs name them
-        (``"torch nccl"``; the other backends add their name: ``"torch deepspeed nccl"``)."""
-        return f"torch {self.collective}"
+        (``"torch deepspeed nccl"``; DDP's is ``"torch nccl"``)."""
+        return f"torch {self.backend} {self.collective}"
 
     def probe_all_reduce(self, n: int) -> Callable[..., float]:
         """``tfdist doctor``'s all-reduce: a function that sums a float32 vector of ``n``
@@ -369,11 +363,6 @@ class TorchSettings(NamedTuple):
 
 
 _Handle = TypeVar("_Handle", bound="TorchDistributed")
-
-
-def create(environment: ClusterEnvironment, settings: TorchSettings) -> TorchDistributed:
-    """The DDP backend's handle: tfdist's process group (:func:`start_group`)."""
-    return start_group(TorchDistributed, environment, settings)
 
 
 def start_group(kind: type[_Handle], environment: ClusterEnvironment,

@@ -38,10 +38,6 @@ class HorovodTorchDistributed(TorchDistributed):
         self.hvd = hvd
         self._collectives = 0
 
-    @property
-    def label(self) -> str:
-        return f"torch horovod {self.collective}"
-
     def probe_all_reduce(self, n: int) -> Callable[..., float]:
         def reduce(value: float = 1.0) -> float:
             tensor = torch.full((n,), value, dtype=torch.float32, device=self.device)
