@@ -16,9 +16,9 @@ from helpers import ROOT
 
 from tfdist.backends import choose as choose_backend
 from tfdist.backends import choose_torch
-from tfdist.backends.horovod import choose_controller
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import ConfigError
+from tfdist.horovod.join import choose_controller
 from tfdist.horovod.rendezvous import Slot, gloo_env, slots
 from tfdist.launch import build_horovod_workers, horovod_worker_env
 from tfdist.settings import resolve

@@ -3,7 +3,7 @@
 No torch process group: Horovod's own controller (Gloo or MPI) carries the collectives, and the
 launch is joined as the TensorFlow backend joins it (horovodrun, mpirun, ``tfdist launch
 --backend horovod``, or an srun step with tfdist's Gloo rendezvous or srun's PMIx:
-:func:`tfdist.backends.horovod.join`). ``dist.wrap(model, optimizer)`` broadcasts rank 0's
+:func:`tfdist.horovod.join.join`). ``dist.wrap(model, optimizer)`` broadcasts rank 0's
 parameters and optimizer state and returns ``hvd.DistributedOptimizer`` over the model's named
 parameters, which averages the gradients in ``step()``; the training loop is the DDP one.
 """
@@ -106,7 +106,7 @@ def create(environment: ClusterEnvironment,
         LaunchError: a launch Horovod cannot join.
     """
     del settings
-    from tfdist.backends import horovod as joining
+    from tfdist.horovod import join as joining
     from tfdist.horovod.install import import_horovod_torch
 
     joining.check_launcher(environment, "backend='ddp'")
