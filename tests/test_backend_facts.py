@@ -16,9 +16,10 @@ from tfdist.errors import ConfigError
 from tfdist.jobs import choices
 
 PACKAGE = ROOT / "tfdist"
-# The rooms that may name backends: the TensorFlow backends' package and every module the
-# table names (the torch backends).
-ROOMS = {PACKAGE / "backends"} | {
+# The rooms that may name backends: the TensorFlow backends' package, Horovod's own package
+# (both frameworks' Horovod backends use it) and every module the table names (the torch
+# backends).
+ROOMS = {PACKAGE / "backends", PACKAGE / "horovod"} | {
     PACKAGE.parent / (row.module.replace(".", "/") + ".py") for row in facts.BACKENDS}
 NAMES = {row.name for row in facts.BACKENDS} | {row.job_name for row in facts.BACKENDS
                                                 if row.job_name}

@@ -835,8 +835,12 @@ def test_env_prints_the_detected_environment() -> None:
     environ["TF_CONFIG"] = TWO_WORKERS
     results = [_run([PY, "-m", "tfdist", "env", *flags], environ) for flags in ([], ["--json"])]
     assert [r.returncode for r in results] == [0, 0], results[0].stderr
-    assert results[0].stdout.splitlines() == [f"{name}: {value}" for name, value in fields.items()]
+    lines = results[0].stdout.splitlines()
+    assert lines[:len(fields)] == [f"{name}: {value}" for name, value in fields.items()]
+    # then the patches of this launch (tests/test_patches.py checks which), as many in both
     shown = json.loads(results[1].stdout)
+    assert lines[len(fields)] == (f"patches: {len(shown.pop('patches'))} change(s) to library "
+                                  "internals here (tfdist/patches.py)"), lines
     # What tfdist doctor would say of this rank alone: TF_CONFIG's host "a" does not resolve.
     problems = shown.pop("problems")
     assert len(problems) == 1 and "cannot resolve a " in problems[0], problems

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist import failures, keras_compat, keras_input, preemption, sync
+from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync
 from tfdist import model_dir as layout
 from tfdist.scratch import scratch_dir
 from tfdist.settings import resolve
@@ -556,7 +556,7 @@ class CallbackOptions:
             with code 75 (:class:`PreemptionCheckpoint`).
         average_batch_statistics: at each epoch's end, replace each rank's BatchNormalization
             moving statistics by their mean over the ranks, before anything saves or compares
-            (:class:`tfdist.sync.BatchStatisticsAverage`); env
+            (:class:`tfdist.batch_statistics.BatchStatisticsAverage`); env
             ``TFDIST_AVERAGE_BATCH_STATISTICS``, default on.
         throughput: measure examples per second and step time
             (:class:`tfdist.throughput.ThroughputMeter`): one log line per epoch on the chief,
@@ -600,9 +600,9 @@ def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
     # must run before anything reads the epoch's logs).
     callbacks: list[Any] = list(dist.backend_callbacks())
     averaged = (resolve("batch_statistics", o.average_batch_statistics)
-                and sync.averages_batch_statistics(dist))
+                and batch_statistics.averages_batch_statistics(dist))
     if averaged:  # first at an epoch's end: backups, checkpoints and checks see the mean
-        callbacks.append(sync.BatchStatisticsAverage(dist))
+        callbacks.append(batch_statistics.BatchStatisticsAverage(dist))
     if model_dir and o.backup:
         callbacks.append(WorkerBackupAndRestore(
             layout.path(model_dir, layout.BACKUP), dist.rank,

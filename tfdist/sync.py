@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.batch_statistics import as_tf_variable, batch_statistics, to_numpy
 from tfdist.errors import ConfigError, ReplicaMismatchError, TfdistError
 from tfdist.settings import resolve
 
@@ -35,11 +36,7 @@ if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
 __all__ = [
-    "BatchStatisticsAverage",
     "ReplicaSyncCheck",
-    "average_batch_statistics",
-    "averages_batch_statistics",
-    "batch_statistics",
     "check",
     "digest",
     "fingerprint",
@@ -63,7 +60,7 @@ def fingerprint(values: Iterable[Any]) -> np.ndarray:
     Returns:
         A ``uint64`` array with one digest per value, in order.
     """
-    return np.array([_digest(_to_numpy(value)) for value in values], dtype=np.uint64)
+    return np.array([_digest(to_numpy(value)) for value in values], dtype=np.uint64)
 
 
 def digest(values: Iterable[Any]) -> str:
@@ -82,7 +79,7 @@ def model_variables(model: Any, *, include_optimizer: bool = False,
     These are ``model.weights`` (trainable and non-trainable) without the moving statistics of
     BatchNormalization layers that are not ``synchronized``: Keras updates those from each
     replica's own batches, so they differ between replicas until
-    :func:`average_batch_statistics` evens them out at an epoch's end.
+    :func:`tfdist.batch_statistics.average_batch_statistics` evens them out at an epoch's end.
 
     Args:
         model: a Keras model (Keras 3 or tf_keras).
@@ -98,54 +95,6 @@ def model_variables(model: Any, *, include_optimizer: bool = False,
         extra = optimizer.variables
         variables += list(extra() if callable(extra) else extra)
     return variables
-
-
-def batch_statistics(model: Any) -> list[Any]:
-    """The moving means and variances of the BatchNormalization layers that are not
-    ``synchronized``, which each replica updates from its own batches."""
-    return [v for layer in _layers(model) if _is_unsynced_batch_norm(layer)
-            for v in (layer.moving_mean, layer.moving_variance)]
-
-
-def averages_batch_statistics(dist: Distributed) -> bool:
-    """Whether the replicas' moving statistics need averaging: several replicas, other than
-    tf_keras under a tf.distribute strategy, whose statistics are sync-on-read means already."""
-    if dist.num_replicas == 1:
-        return False
-    from tfdist.keras_compat import is_keras3
-
-    return not dist.facts.keras2_synced_batch_norm or is_keras3(keras)
-
-
-def average_batch_statistics(dist: Distributed, model: Any) -> int:
-    """Replaces every replica's BatchNormalization moving statistics by their mean over all
-    replicas (the copies this process holds, one per device, then the ranks, in one
-    collective); returns how many values it averaged. Every rank must call it."""
-    variables = batch_statistics(model)
-    if not variables:
-        return 0
-    local = [_mean_of_copies(_tf_variable(v)) for v in variables]
-    flat = np.concatenate([value.reshape(-1).astype(np.float64) for value in local])
-    mean = np.asarray(dist.sum_over_ranks(flat.tolist()), dtype=np.float64) / dist.world_size
-    offset = 0
-    for variable, value in zip(variables, local, strict=True):
-        part = mean[offset:offset + value.size].reshape(value.shape).astype(value.dtype)
-        variable.assign(part)
-        offset += value.size
-    return int(flat.size)
-
-
-class BatchStatisticsAverage(keras.callbacks.Callback):
-    """Averages the ranks' BatchNormalization moving statistics at each epoch's end, before
-    anything saves or compares the weights: every rank then holds the same model, and the
-    chief's checkpoint reflects all the data, as tf_keras's sync-on-read statistics do."""
-
-    def __init__(self, dist: Distributed) -> None:
-        super().__init__()
-        self.dist = dist
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        average_batch_statistics(self.dist, self.model)
 
 
 def check(dist: Distributed, variables: Sequence[Any], step: int | None = None, *,
@@ -342,43 +291,13 @@ def _digest(array: np.ndarray) -> int:
     return int.from_bytes(hasher.digest(), "little")
 
 
-def _mean_of_copies(variable: Any) -> np.ndarray:
-    """The mean of a mirrored variable's per-device copies (the value itself for one)."""
-    copies = [_to_numpy(c) for c in getattr(variable, "values", (variable,))]
-    if len(copies) == 1:
-        return copies[0]
-    return (np.sum([c.astype(np.float64) for c in copies], axis=0) / len(copies)).astype(
-        copies[0].dtype)
-
-
-def _to_numpy(value: Any) -> np.ndarray:
-    return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
-
-
-def _tf_variable(variable: Any) -> Any:
-    # Keras 3 wraps the tf.Variable (a DistributedVariable under a strategy) in `.value`;
-    # a tf_keras variable is the tf.Variable itself, and its `.value` is a method.
-    inner = getattr(variable, "value", None)
-    return inner if isinstance(inner, tf.Variable) else variable
-
-
 def _is_sync_on_read(variable: Any) -> bool:
-    sync = getattr(_tf_variable(variable), "synchronization", None)
+    sync = getattr(as_tf_variable(variable), "synchronization", None)
     return bool(sync == tf.VariableSynchronization.ON_READ)
 
 
 def _name(variable: Any) -> str:
     return str(getattr(variable, "path", None) or getattr(variable, "name", "?"))
-
-
-def _layers(model: Any) -> list[Any]:
-    flatten = getattr(model, "_flatten_layers", None)  # Keras 3 and tf_keras: nested layers too
-    return list(flatten(include_self=True, recursive=True)) if flatten else list(model.layers)
-
-
-def _is_unsynced_batch_norm(layer: Any) -> bool:
-    return (isinstance(layer, keras.layers.BatchNormalization)
-            and not getattr(layer, "synchronized", False))
 
 
 def _local_digests(dist: Distributed, variables: Sequence[Any]) -> np.ndarray:
@@ -390,7 +309,7 @@ def _local_digests(dist: Distributed, variables: Sequence[Any]) -> np.ndarray:
 
 
 def _local_copies(dist: Distributed, variable: Any, count: int) -> list[Any]:
-    results = dist.strategy.experimental_local_results(_tf_variable(variable))
+    results = dist.strategy.experimental_local_results(as_tf_variable(variable))
     return list(results) if len(results) == count else [results[0]] * count
 
 

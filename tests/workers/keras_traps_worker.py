@@ -239,7 +239,8 @@ def _trained(dist: Any, keras: Any, tf: Any, **options: Any) -> str:
 
 
 def _batch_norm(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
-    from tfdist.sync import averages_batch_statistics, digest, model_variables
+    from tfdist.batch_statistics import averages_batch_statistics
+    from tfdist.sync import digest, model_variables
 
     found: dict[str, Any] = {"averaged": averages_batch_statistics(dist)}
     for average in (True, False):
