@@ -128,13 +128,18 @@ def require(*modules: str, python: str | os.PathLike[str] | None = None) -> None
 
 
 # Variables by which a process would think a launcher started it (tfdist.env reads them).
-LAUNCH_PREFIXES = ("TF_CONFIG", "SLURM_", "OMPI_", "PMI", "HOROVOD_", "TFDIST_")
+# Every launcher's variables (what tfdist/env/ reads), and tfdist's own settings.
+LAUNCH_PREFIXES = ("TF_CONFIG", "SLURM_", "OMPI_", "PMI", "HOROVOD_", "TFDIST_", "MASTER_",
+                   "TORCHELASTIC_")
+LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def clean_env(*drop: str, **extra: str) -> dict[str, str]:
     """This process's environment without the launchers' variables (and those starting with
-    ``drop``), plus ``extra``: a child started with it is one plain process."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith((*LAUNCH_PREFIXES, *drop))}
+    ``drop``), plus ``extra``: a child started with it is one plain process. The one filter of
+    launcher variables the tests use."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith((*LAUNCH_PREFIXES, *drop)) and k not in LAUNCH_NAMES}
     return {**env, **extra}
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, WORKERS
+from helpers import ROOT, WORKERS, clean_env
 
 from tfdist import timeouts
 from tfdist.env import ClusterEnvironment
@@ -178,8 +178,7 @@ class _Run:
     """``tfdist launch -n 2 stall_worker.py`` in the background, its output read by a thread."""
 
     def __init__(self, timeout: int | None) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(
-            ("SLURM_", "TFDIST_", "OMPI_", "PMI", "HOROVOD_", "TF_CONFIG"))}
+        env = clean_env()
         env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
         if timeout is not None:
             env["TFDIST_COLLECTIVE_TIMEOUT"] = str(timeout)

@@ -40,8 +40,6 @@ VERSIONS = {"python": "3.11.7", "tensorflow": "2.21.0", "keras": "3.15.1", "tfdi
 HVD_PY = HOROVOD_PYTHON
 # Another environment, with TensorFlow 2.18.1 (this one's is 2.21, or 2.15 in the TF 2.15 lane).
 OTHER_PY = ROOT / ".venv-horovod" / "bin" / "python"
-_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG",
-                    "NCCL_", "GLOO_")
 
 
 def _report(rank: int, **fields: object) -> RankReport:
@@ -288,8 +286,7 @@ def test_the_doctor_is_quiet_unless_asked():
     assert noise["1"], runs["1"].stderr  # the control: TensorFlow does print them here
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+    return clean_env("NCCL_", "GLOO_", PYTHONUNBUFFERED="1", **extra)
 
 
 def _doctor(*args: str, n: int = 2, python: str = sys.executable, timeout: float = 180,

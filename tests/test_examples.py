@@ -13,6 +13,7 @@ from helpers import (
     EXAMPLE_NEEDS,
     HOROVOD_PYTHON,
     ROOT,
+    clean_env,
     final_weights,
     launch,
     needs,
@@ -139,8 +140,7 @@ def test_horovods_synthetic_benchmark_runs_with_its_own_flags(backend):
     # Horovod's tensorflow2_synthetic_benchmark.py flags, a small model and images for CPUs.
     if backend == "horovod":
         require("horovod", python=HVD_PY)
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("SLURM_", "TFDIST_", "OMPI_", "PMI", "HOROVOD_", "TF_CONFIG"))}
+        env = clean_env()
         run = subprocess.run([str(HVD_PY), "-m", "tfdist", "launch", "--backend", "horovod",
                               "-n", "2", *BENCHMARK, "--fp16-allreduce"], cwd=ROOT,
                              env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True,

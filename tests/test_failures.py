@@ -25,7 +25,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, WORKERS
+from helpers import ROOT, WORKERS, clean_env
 from test_horovod import HVD_PY, needs_horovod
 
 from tfdist.env import ClusterEnvironment
@@ -227,12 +227,8 @@ def test_an_error_that_names_no_peer_is_the_other_rank_of_two():
 
 # --- Real processes --------------------------------------------------------------------------
 
-_LAUNCH_PREFIXES = ("SLURM_", "TFDIST_", "OMPI_", "PMI", "HOROVOD_", "TF_CONFIG", "MASTER_",
-                    "TORCHELASTIC_")
-
-
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env = clean_env()
     env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -393,9 +389,7 @@ def test_a_killed_worker_under_tfdist_launch_ends_the_run_and_is_no_preemption(t
     # Rank 1 of a 2-worker fit with the preemption callbacks sends itself SIGKILL at step 20.
     # The launcher names it and stops rank 0 (SIGTERM, which rank 0 records as a preemption
     # request): the run must still end as a failure, without a preempted state or exit 75.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TFDIST_", "OMPI_", "PMI", "HOROVOD_", "TF_CONFIG"))}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env = clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     model_dir = tmp_path / "model"
     done = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2",
                            "--grace-period", "15", str(WORKERS / "fault_fit_worker.py"), "kill",

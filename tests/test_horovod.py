@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, ROOT, WORKERS, load_weights, needs
+from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, ROOT, WORKERS, clean_env, load_weights, needs
 
 HVD_PY = HOROVOD_PYTHON
 HVD_BIN = HVD_PY.parent
@@ -45,8 +45,6 @@ COVERING = [("horovodrun", "fit", "keras3"), ("horovodrun", "custom", "tf_keras"
             ("mpirun", "fit", "tf_keras"), ("mpirun", "custom", "keras3"),
             ("tfdist-launch", "fit", "keras3"), ("tfdist-launch", "custom", "tf_keras"),
             ("srun-variables", "fit", "tf_keras"), ("srun-variables", "custom", "keras3")]
-# Inherited variables that would make a worker think it was launched otherwise.
-_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG")
 
 
 def _horovod_state() -> tuple[str | None, bool, bool]:
@@ -71,7 +69,7 @@ needs_horovod = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env = clean_env()  # inherited launcher variables would make a worker think it was launched
     env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
     return env

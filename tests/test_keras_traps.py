@@ -9,7 +9,6 @@ cases are known to exercise the defect they guard against.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import zipfile
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS, require, tensorboard_logs
+from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require, tensorboard_logs
 
 WORKER = str(WORKERS / "keras_traps_worker.py")
 HVD_PY = HOROVOD_PYTHON
@@ -29,7 +28,6 @@ COMBOS = {
     "horovod-keras3": (str(HVD_PY), "horovod", "0"),
     "horovod-tf_keras": (str(HVD_PY), "horovod", "1"),
 }
-_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG")
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +40,7 @@ class Run:
         self.combo, self.backend, self.out, self.tmp = combo, backend, out, out / "tmp"
         self.python = python
         self.tmp.mkdir(parents=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+        env = clean_env()
         env.update(TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS=legacy, TMPDIR=str(self.tmp))
         launch = ["--backend", "horovod"] if backend == "horovod" else []
         self.job = subprocess.run([python, "-m", "tfdist", "launch", *launch, "-n", "2", WORKER,

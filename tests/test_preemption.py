@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS, require
+from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
 
 from tfdist import keras_input, preemption
 from tfdist.backends.single import SingleDistributed
@@ -32,7 +32,6 @@ from tfdist.keras_input import Position, Resume
 WORKER = str(WORKERS / "preempt_worker.py")
 HVD_PY = HOROVOD_PYTHON
 STEPS_PER_EPOCH = 16  # 512 rows, global batch 32
-_LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_", "PMIX_", "PMI_", "SLURM_", "TFDIST_", "TF_CONFIG")
 
 
 # --- pure ------------------------------------------------------------------------------------
@@ -188,7 +187,7 @@ def test_resume_plan(case):
 # --- real processes --------------------------------------------------------------------------
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env = clean_env()
     env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
     return env
 

@@ -25,7 +25,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_NEEDS, ROOT, WORKERS, final_weights, load_weights, needs
+from helpers import EXAMPLE_NEEDS, ROOT, WORKERS, clean_env, final_weights, load_weights, needs
 
 import tfdist.datasets
 from tfdist.env import detect, slurm
@@ -38,9 +38,6 @@ from tfdist.torch.rendezvous import Rendezvous, plan  # noqa: E402
 WORKER = str(WORKERS / "torch_worker.py")
 EXAMPLE = str(ROOT / "examples" / "torch_train.py")
 needs_example = needs(*EXAMPLE_NEEDS["torch_train.py"])
-# Launcher variables that must not leak from the machine running the tests into a worker.
-_LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "HOROVOD_", "TFDIST_")
-_LAUNCH_NAMES = ("TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def _tf_config(index: int, ports: tuple[int, ...] = (2222, 2223)) -> str:
@@ -343,8 +340,7 @@ def test_importing_tfdist_loads_no_torch():
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """This environment minus any launcher's variables; CPU only, so gloo on any machine."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_NAMES}
+    env = clean_env()  # no launcher variable of the machine running the tests leaks in
     # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT, SIGSEGV) prints every thread's
     # Python stack, so an intermittent crash leaves more than its C++ message.
     return {**env, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "CUDA_VISIBLE_DEVICES": "",
@@ -567,8 +563,7 @@ def test_example_trains_on_the_gpu_under_tfdist_launch():
     # checked by hand in the README's Supported versions.
     if torch.version.cuda is None:  # read from the build, without starting CUDA here
         pytest.skip(f"torch {torch.__version__} is a CPU build: a CUDA build trains on the GPU")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_NAMES}
+    env = clean_env()
     run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "1", EXAMPLE,
                           "--epochs=3"], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
                          capture_output=True, text=True, timeout=300, check=False)

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-import numpy as np
+import fit_setup
 
 import tfdist
 
@@ -26,28 +26,14 @@ def main() -> None:
     kind, faulty = sys.argv[1], int(sys.argv[2])
     model_dir = sys.argv[3] if len(sys.argv) > 3 else None
     dist = tfdist.init()
-    import tensorflow as tf
 
-    keras = tf.keras
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(4096, 8)).astype("float32")
-    y = (x[:, 0] > 0).astype("int64")
-    with dist.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
-                                  keras.layers.Dense(2)])
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    def fault(callback: object, batch: int) -> None:
+        time.sleep(0.01)
+        if batch == 20 and dist.rank == faulty:
+            print(f"fault-fit: rank {dist.rank} {kind} at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), SIGNALS[kind])
 
-    class Fault(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
-            time.sleep(0.01)
-            if batch == 20 and dist.rank == faulty and self.params is not None:
-                print(f"fault-fit: rank {dist.rank} {kind} at {time.time():.3f}", flush=True)
-                os.kill(os.getpid(), SIGNALS[kind])
-
-    dataset = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
-    model.fit(dataset, epochs=200, verbose=0,
-              callbacks=dist.callbacks(Fault(), tensorboard=False, sync_check=False,
-                                       model_dir=model_dir))
+    fit_setup.fit(dist, fault, sync_check=False, model_dir=model_dir)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import os
 import time
 
-import numpy as np
+import fit_setup
 
 import tfdist
 
@@ -23,26 +23,13 @@ def main() -> None:
     args = parser.parse_args()
     dist = tfdist.init()
     print(f"stall: rank {dist.rank} pid {os.getpid()}", flush=True)
-    import tensorflow as tf
 
-    keras = tf.keras
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(4096, 8)).astype("float32")
-    y = (x[:, 0] > 0).astype("int64")
-    with dist.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
-                                  keras.layers.Dense(2)])
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    def stall(callback: object, batch: int) -> None:
+        if batch == 20 and dist.rank == 1:
+            print("stall: rank 1 stops training", flush=True)
+            time.sleep(args.sleep)
 
-    class Stall(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
-            if batch == 20 and dist.rank == 1:
-                print("stall: rank 1 stops training", flush=True)
-                time.sleep(args.sleep)
-
-    dataset = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
-    model.fit(dataset, epochs=200, verbose=0,
-              callbacks=dist.callbacks(Stall(), tensorboard=False))
+    fit_setup.fit(dist, stall)
 
 
 if __name__ == "__main__":
