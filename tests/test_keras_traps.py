@@ -98,6 +98,20 @@ def test_model_dir_saves_once_from_the_chief_with_fit_outside_or_inside_the_scop
         assert record["backend"] == run.backend
 
 
+def test_a_saved_model_reloaded_with_load_model_trains_on(run):
+    # keras.models.load_model in the scope, as the Keras guide resumes: compiled from its saved
+    # config with the optimizer's state (2 epochs of 8 steps), then one more epoch trains it
+    # on both ranks alike. Before the fix (tfdist's compile wrapper set on keras.Model) Keras 3
+    # warned the compile was custom and left the model without an optimizer.
+    found = run.case("reload")
+    for rank, result in enumerate(found):
+        assert (result["compiled"], result["custom_compile_warned"]) == (True, False), (rank,
+                                                                                         found)
+        assert (result["iterations"], result["iterations_after"]) == (16, 24), (rank, found)
+        assert result["trained"], found
+    _same_on_both_ranks(found)
+
+
 def test_the_other_ranks_scratch_directories_are_gone(run):
     run.case("model_dir")
     assert not list(run.tmp.glob("tfdist-rank*")), list(run.tmp.iterdir())

@@ -348,6 +348,26 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, c
 
 
 @pytest.mark.multiprocess
+def test_a_signal_after_fit_lets_the_script_finish_and_end_normally(tmp_path):
+    # SIGUSR1 to rank 1 once fit has returned, while the script still evaluates (a walltime
+    # warning or a preemption in its last work): the script finishes on both ranks and exits
+    # 0, so --max-restarts starts nothing again (before: rank 1 died of the signal, exit 138,
+    # and the restart trained from scratch over the finished result).
+    run = _run(_python("mwms"), "mwms", tmp_path / "out", tmp_path / "m", "1", "a",
+               "--max-restarts", "1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "restarting" not in run.stderr, run.stderr[-3000:]
+    results = _results(tmp_path / "out", 0)
+    assert [r["code"] for r in results] == [0, 0], results
+    assert [r["steps"] for r in results] == [3 * STEPS_PER_EPOCH] * 2, results
+    assert results[0]["evaluated"] == results[1]["evaluated"], results  # the last work ran
+    assert not (tmp_path / "out" / "result-0-1.json").exists()  # no second run
+    assert "tfdist: rank 1: SIGUSR1 came after training had ended: the script finished its " \
+        "work and ends normally" in run.stdout + run.stderr, run.stdout[-3000:]
+    assert not list((tmp_path / "m").glob("preempted*"))
+
+
+@pytest.mark.multiprocess
 def test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_masks(tmp_path):
     # Keras 2's Dropout on TensorFlow's legacy stateful random ops (Keras 2's default, which
     # tfdist.init switches to tf.random.Generator): their state is in no checkpoint, so the

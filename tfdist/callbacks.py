@@ -20,6 +20,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -254,6 +255,9 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     def on_train_begin(self, logs: Any = None) -> None:
         self._in_fit = True
         self.watch.install()
+        late = preemption.take_late_signal()  # came between two fits: this one stops at once
+        if late is not None and self.watch.signal is None:
+            self.watch.signal, self.watch.received_at = late, time.monotonic()
         self._input = keras_input.current(self.model) if keras_input.tracked() else None
         state = preemption.read_state(self.model_dir)
         if state is not None:
@@ -262,7 +266,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
 
     def on_train_end(self, logs: Any = None) -> None:
         self._in_fit = False
-        self.watch.uninstall()
+        # A signal from now on (or one too late for this fit to act on) must not kill the
+        # script's last work: it is recorded, and the script ends normally.
+        pending = None if self.watch.stop_requested else self.watch.signal
+        self.watch.uninstall(redeliver=False)
+        preemption.after_training(self.watch.catch, pending, self.dist.rank)
         # Resumed at the end of the last epoch: fit ran no epoch, and the state is used up. Left
         # behind, the next fit with this model_dir would resume from it and train nothing.
         self._discard_state()

@@ -224,8 +224,9 @@ def _add_env(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Print the cluster environment tfdist detects (rank, world size, ...), the "
         "backend it would choose and why, the GPUs this process would drive and the replicas "
         "it would train (one per GPU under MWMS and MirroredStrategy), and what tfdist doctor "
-        "would warn of for this process alone; every TFDIST_* "
-        "variable is checked.",
+        "would warn of for this process alone, and the library patches that apply; every "
+        "TFDIST_* variable is checked. Exits 1 when a setting is invalid or the plan has an "
+        "error.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of name: value")
     parser.set_defaults(handler=_run_env)
@@ -246,7 +247,8 @@ def _run_env(args: argparse.Namespace) -> int:
                                                                               plan.gpus),
               "replicas": plan.replicas, "cpus": plan.cpus, "host": plan.host,
               "versions": plan.versions}
-    problems = [problem.line() for problem in check([plan])]  # the doctor's, for this rank
+    found = check([plan])  # the doctor's checks, for this rank
+    problems = [problem.line() for problem in found]
     changed = _patches(plan, environment)
     if args.json:
         shown = [{"key": p.key, "target": p.target, "by": p.by, "when": p.when,
@@ -260,7 +262,7 @@ def _run_env(args: argparse.Namespace) -> int:
             print(f"  {patch.key}: {patch.target}\n    {patch.reason}")
         for line in problems:
             print(f"tfdist env: {line}", file=sys.stderr)
-    return 0
+    return 1 if any(problem.severity == "error" for problem in found) else 0
 
 
 def _patches(plan: Any, environment: Any) -> list[Any]:

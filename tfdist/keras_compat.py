@@ -42,8 +42,8 @@ from typing import Any
 from tfdist import patches
 from tfdist.settings import resolve
 
-__all__ = ["AFFECTED", "LOG_SAFE_CALLBACKS", "apply", "compile_without_xla", "is_keras3",
-           "keras2_module", "keras2_package", "keras2_random_generator",
+__all__ = ["AFFECTED", "LOG_SAFE_CALLBACKS", "apply", "compile_owner", "compile_without_xla",
+           "is_keras3", "keras2_module", "keras2_package", "keras2_random_generator",
            "legacy_keras_requested", "needs_fix", "random_states", "refuse_mixed_keras",
            "repair_eager_record", "step_logs_global", "steps_in_chunk"]
 
@@ -441,7 +441,16 @@ def compile_without_xla(model_class: Any, reason: str) -> None:
 
         return compile
 
-    patches.apply("compile-without-xla", model_class, "compile", wrap)
+    patches.apply("compile-without-xla", compile_owner(model_class), "compile", wrap)
+
+
+def compile_owner(model_class: Any) -> Any:
+    """The class that defines ``compile`` for ``model_class`` (Keras 3: ``Trainer``; tf_keras:
+    ``Model``), where tfdist wraps it. Keras compiles a loaded model from its saved config only
+    where ``compile`` is that class's own (``compile_from_config``: "the model's compile()
+    method is custom" otherwise), so a wrapper set on a subclass would leave every
+    ``load_model`` without its optimizer."""
+    return next(cls for cls in model_class.__mro__ if "compile" in vars(cls))
 
 
 _warned: list[bool] = []

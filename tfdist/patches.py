@@ -104,7 +104,8 @@ INVENTORY: tuple[Patch, ...] = (
           "a Keras 3 model under a tf_keras strategy fails deep inside TensorFlow (or under "
           "Horovod trains without averaging); raises one error naming the fix instead",
           lambda w: w.legacy_keras and w.several_processes and w.backend.framework == TF),
-    Patch("compile-without-xla", "keras.Model.compile", "tfdist.keras_compat",
+    Patch("compile-without-xla", "keras.Model.compile (where it is defined: Keras 3's Trainer)",
+          "tfdist.keras_compat",
           "MWMS on several CPU workers; Horovod",
           "XLA cannot compile the step's all-reduce there (no XLA collectives for CPU devices, "
           "b/194942685; Horovod's ops are not XLA ops): compile(jit_compile=True) trains "
@@ -140,7 +141,7 @@ INVENTORY: tuple[Patch, ...] = (
           "TensorFlow gives a CPU worker one replica whatever logical CPUs exist; the stand-in "
           "for several GPUs per worker gives it one per logical CPU",
           lambda w: _mwms(w) and not w.gpus and w.cpu_replicas > 1),
-    Patch("horovod-fit", "keras.Model.compile/fit/evaluate, "
+    Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/evaluate, "
           f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build", "tfdist.horovod.fit",
           "backend horovod",
           "Model.fit behaves as under MWMS: compile wraps the optimizer so gradients are "

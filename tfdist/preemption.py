@@ -51,9 +51,10 @@ from tfdist.settings import resolve
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
-__all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "commit", "exit_preempted",
-           "load_loop_state", "next_interval", "parse_signal", "read_state", "requeue",
-           "requeue_plan", "save_loop_state", "save_state", "signals", "watch"]
+__all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "after_training", "commit",
+           "exit_preempted", "load_loop_state", "next_interval", "parse_signal", "read_state",
+           "requeue", "requeue_plan", "save_loop_state", "save_state", "signals",
+           "take_late_signal", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -242,6 +243,55 @@ def watch(dist: Agreeing, check_seconds: float | None = None) -> Iterator[Watch]
         yield found
     finally:
         found.uninstall()
+
+
+def after_training(catch: Sequence[signal.Signals], pending: signal.Signals | None,
+                   rank: int) -> None:
+    """Keeps catching the preemption signals once a ``fit`` has ended, so that a walltime
+    warning or a preemption during the script's last work (its ``evaluate``, its save) does
+    not kill it: the script goes on and ends as it would (training is complete: nothing to
+    save, and no requeue that would train it again), and a later ``fit`` stops at its first
+    agreed step (:func:`take_late_signal`). Once per process; a rank that got such a signal
+    says so as it exits.
+
+    Args:
+        catch: the signals the fit caught.
+        pending: one that came too late for the fit to act on, if any.
+        rank: this process's rank, for that line.
+    """
+    if pending is not None and _late["signal"] is None:
+        _late["signal"] = pending
+    if _late["installed"] or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in catch:
+        if not _exiting:
+            signal.signal(sig, _record_late)
+    _late["installed"] = True
+    atexit.register(_say_late, rank)
+
+
+def take_late_signal() -> signal.Signals | None:
+    """The preemption signal that came after the last ``fit`` ended, if any; a ``fit`` that
+    starts takes it (and stops at its first agreed step)."""
+    late, _late["signal"] = _late["signal"], None
+    return late
+
+
+_late: dict[str, Any] = {"signal": None, "installed": False}
+
+
+def _record_late(signum: int, frame: FrameType | None) -> None:
+    del frame  # no I/O here: the main thread may hold a lock
+    if _late["signal"] is None:
+        _late["signal"] = signal.Signals(signum)
+
+
+def _say_late(rank: int) -> None:
+    late = _late["signal"]
+    if late is not None:
+        logger.warning("tfdist: rank %d: %s came after training had ended: the script finished "
+                       "its work and ends normally (training is complete: nothing to save, no "
+                       "requeue)", rank, late.name)
 
 
 def exit_preempted(dist: Agreeing) -> NoReturn:

@@ -554,6 +554,18 @@ class Options:
     module: bool = False
 
 
+def _runs_dir(out_dir: Path) -> Path:
+    """``out_dir/runs``, made; one line naming ``--out`` where it cannot be."""
+    runs_dir = out_dir / RUNS
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--out {out_dir}: cannot make the folder of the runs there "
+                          f"({error.strerror or error}); choose a folder you can write to"
+                          ) from None
+    return runs_dir
+
+
 def run(options: Options, out: TextIO | None = None, err: TextIO | None = None,
         environ: Mapping[str, str] | None = None) -> int:
     """Run every size in turn, then write the report; ``tfdist scaling``.
@@ -575,8 +587,7 @@ def run(options: Options, out: TextIO | None = None, err: TextIO | None = None,
                                      launch_args=options.launch_args, module=options.module)
                 for size in options.sizes}
     order = plan(options.sizes, options.repeat)
-    runs_dir = options.out_dir / RUNS
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    runs_dir = _runs_dir(options.out_dir)
     _say(out, f"{len(order)} run(s) of {', '.join(map(str, options.sizes))} worker(s), "
               f"{options.repeat} time(s) each; files in {options.out_dir}")
     # An earlier measurement's runs of other sizes would join a later `--report` of this folder.

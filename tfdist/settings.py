@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,20 @@ def _host_template(text: str) -> str:
 
 
 def _text(text: str) -> str:
+    return text.strip()
+
+
+def _signal(text: str) -> str:
+    """A signal a process can catch, as ``USR2``, ``SIGUSR2`` or its number."""
+    name = text.strip().upper()
+    try:
+        found = signal.Signals(int(name)) if name.isdigit() else signal.Signals[
+            name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise ValueError("is not a signal: use a name such as USR2 or SIGUSR2, or a "
+                         "number") from None
+    if found in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"names {found.name}, which cannot be caught: use USR1, USR2 or TERM")
     return text.strip()
 
 
@@ -233,7 +248,7 @@ SETTINGS: tuple[Setting, ...] = (
             "the JSON itself) merged over tfdist's (ZeRO stage 2, fp32, your optimizer as it "
             "is, no gradient clipping, the micro batch from `dist.loader`)",
             argument="dist.wrap(config=)"),
-    Setting("preempt_signal", "TFDIST_PREEMPT_SIGNAL", _text, None,
+    Setting("preempt_signal", "TFDIST_PREEMPT_SIGNAL", _signal, None,
             "one more signal that asks for a checkpoint and a stop, besides SIGTERM and SIGUSR1 "
             "(e.g. `USR2`)"),
     Setting("max_requeues", "TFDIST_MAX_REQUEUES", _non_negative_int, 20,

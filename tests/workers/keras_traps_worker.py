@@ -10,6 +10,9 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   (the chief's checkpoint, TensorBoard logs, per-rank backups), then ``dist.save`` of the final
   model on every rank.
 - ``inside_scope``: the same with ``fit`` called inside ``dist.scope()``, as the Keras guide does.
+- ``reload``: the final model of ``model_dir`` loaded with ``keras.models.load_model`` in the
+  scope on every rank, as the Keras guide resumes: compiled, its optimizer's step count kept,
+  and one more epoch trains it to the same weights on every rank.
 - ``user_writers``: the user's own ModelCheckpoint and CSVLogger passed to every rank
   (``dist.callbacks(checkpoint, logger)``): they must land once, from the chief, loadable.
 - ``lazy_model``: a Sequential model without ``keras.Input`` (Horovod's MNIST example), and a
@@ -81,6 +84,7 @@ def main(out_dir: str, backend: str) -> None:
     cases: dict[str, Callable[[], dict[str, Any]]] = {
         "model_dir": lambda: _model_dir(dist, keras, tf, out_dir, inside_scope=False),
         "inside_scope": lambda: _model_dir(dist, keras, tf, out_dir, inside_scope=True),
+        "reload": lambda: _reload(dist, keras, tf, out_dir),
         "user_writers": lambda: _user_writers(dist, keras, tf, out_dir),
         "lazy_model": lambda: _lazy_model(dist, keras, tf),
         "numpy": lambda: _numpy(dist, keras),
@@ -156,6 +160,31 @@ def _model_dir(dist: Any, keras: Any, tf: Any, out_dir: str, *, inside_scope: bo
     final = os.path.join(model_dir, "final.keras")
     wrote = dist.save(model, final)
     return {"digest": _digest(model), "wrote_final": wrote}
+
+
+def _reload(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
+    """The model ``model_dir`` saved (2 epochs of 8 steps), loaded with Keras's own
+    ``load_model`` in the strategy's scope on every rank (the Keras guide's resume pattern),
+    then trained one more epoch with ``fit`` outside the scope: compiled from its saved config,
+    its optimizer's state restored, the same weights on every rank after."""
+    final = os.path.join(out_dir, "outside", "final.keras")
+    dataset = dist.shard(_data(tf)[0].batch(GLOBAL_BATCH))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, dist.scope():
+        warnings.simplefilter("always")
+        model = keras.models.load_model(final)
+    optimizer = getattr(model, "optimizer", None)
+    loaded = _digest(model)
+    result: dict[str, Any] = {
+        "compiled": optimizer is not None,
+        "iterations": int(optimizer.iterations.numpy()) if optimizer is not None else None,
+        # Keras's warning when it skips compiling: tfdist's wrapper looked like a custom compile
+        "custom_compile_warned": any("is custom" in str(w.message) for w in caught)}
+    model.fit(dataset, epochs=1, verbose=0)
+    result.update(digest=_digest(model), trained=_digest(model) != loaded,
+                  iterations_after=int(model.optimizer.iterations.numpy()))
+    return result
 
 
 def _user_writers(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:

@@ -5,12 +5,14 @@
 ``SIGNAL_RANK`` (-1: none) sends itself ``SIGNAL`` (default USR1) after its ``SIGNAL_STEP``-th
 training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset),
 or of every run when ``SIGNAL_STEP`` is negative (its absolute value); ``v3`` signals at the third
-validation batch instead. ``PREEMPT_TEST_DROPOUT=1`` adds a Dropout layer, whose masks the
-resumed run must draw as the uninterrupted one does; ``PREEMPT_TEST_LEGACY_RNG=1`` makes a Keras 2
-Dropout draw from TensorFlow's legacy stateful ops again (the control: their state is not
-saved). ``PREEMPT_TEST_INPUT`` picks the input: ``epochs`` (default: the
-dataset read once per epoch, reshuffled each time), ``repeat`` (a repeated dataset read with
-``steps_per_epoch=12``, so epochs straddle its passes) or ``validation`` (``epochs`` with
+validation batch instead, and ``a`` after ``fit`` has returned (then every rank evaluates the
+model, the script's last work, which the signal must not interrupt).
+``PREEMPT_TEST_DROPOUT=1`` adds a Dropout layer, whose masks the resumed run must draw as the
+uninterrupted one does; ``PREEMPT_TEST_LEGACY_RNG=1`` makes a Keras 2 Dropout draw from
+TensorFlow's legacy stateful ops again (the control: their state is not saved).
+``PREEMPT_TEST_INPUT`` picks the input: ``epochs`` (default: the dataset read once per epoch,
+reshuffled each time), ``repeat`` (a repeated dataset read with ``steps_per_epoch=12``, so
+epochs straddle its passes) or ``validation`` (``epochs`` with
 ``validation_data``). Every rank prints
 ``tfdist-test: rank R step S`` after each step, so a test can signal the launcher instead, and
 writes ``result-RANK-RUN.json``: where it stopped, the steps it trained, the exit code it leaves
@@ -41,9 +43,10 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     keras.utils.set_random_seed(7)
     run = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
     validating = signal_step.startswith("v")
+    after_fit = signal_step == "a"
     every_run = signal_step.startswith("-")
-    target = abs(int(signal_step.lstrip("v"))) if int(signal_rank) == dist.rank and (
-        run == 0 or every_run) else None
+    target = abs(int(signal_step.lstrip("v").replace("a", "0"))) if int(
+        signal_rank) == dist.rank and (run == 0 or every_run) else None
     mode = os.environ.get("PREEMPT_TEST_INPUT", "epochs")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype("float32")
@@ -82,6 +85,10 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     result = {"rank": dist.rank, "run": run, "code": 0}
     try:
         model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks, **fit_args)
+        if after_fit:
+            if target is not None:
+                os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
+            result["evaluated"] = float(model.evaluate(dist.shard(dataset), verbose=0))
         from tfdist.sync import digest, model_variables
 
         result["digest"] = digest(model_variables(model, include_optimizer=True))

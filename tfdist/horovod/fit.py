@@ -27,7 +27,7 @@ import tensorflow as tf
 from tfdist import patches
 from tfdist.errors import ConfigError
 from tfdist.horovod import ops
-from tfdist.keras_compat import compile_without_xla
+from tfdist.keras_compat import compile_owner, compile_without_xla
 
 __all__ = ["DistributedOptimizer", "callbacks", "install_hooks", "is_keras3", "shard_arrays"]
 
@@ -96,7 +96,7 @@ def install_hooks(rank: int, world_size: int) -> None:
     """Wraps ``Model.compile`` (gradient averaging, no XLA) and ``Model.fit`` (arrays split by
     rank); with Keras 3 also the symbolic build (models built before the first step). Once."""
     model_class = keras.Model
-    if not patches.apply("horovod-fit", model_class, "compile", _compile_hook):
+    if not patches.apply("horovod-fit", compile_owner(model_class), "compile", _compile_hook):
         return  # installed already
     compile_without_xla(model_class, "Horovod's all-reduce cannot be compiled by XLA; "
                         "backend='mwms' with NCCL on GPUs can")

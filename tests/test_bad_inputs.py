@@ -1,0 +1,47 @@
+"""Bad input a user gives tfdist's commands: each ends with a non-zero exit status and one
+`tfdist...` line that names the fix, never a Python traceback (issue 29's table)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, clean_env
+
+EXAMPLE = ROOT / "examples" / "keras_train.py"
+
+CASES = {
+    # name: (tfdist's arguments, extra variables, what the line must say)
+    "env, a signal that is none": (["env"], {"TFDIST_PREEMPT_SIGNAL": "FOO"},
+                                   "TFDIST_PREEMPT_SIGNAL='FOO' is not a signal: use a name such "
+                                   "as USR2"),
+    "settings, a signal that is none": (["settings"], {"TFDIST_PREEMPT_SIGNAL": "FOO"},
+                                        "TFDIST_PREEMPT_SIGNAL='FOO' is not a signal"),
+    "doctor, a signal that is none": (["doctor", "--dry-run"], {"TFDIST_PREEMPT_SIGNAL": "FOO"},
+                                      "TFDIST_PREEMPT_SIGNAL='FOO' is not a signal"),
+    "env, a signal no process can catch": (["env"], {"TFDIST_PREEMPT_SIGNAL": "KILL"},
+                                           "names SIGKILL, which cannot be caught: use USR1"),
+    "env, hosts that do not resolve": (
+        ["env"], {"TF_CONFIG": '{"cluster":{"worker":["a:1","b:2"]},'
+                               '"task":{"type":"worker","index":0}}'},
+        "cannot resolve a"),
+    "scaling --out, a file": (["scaling", "-n", "1", "--out", "/etc/passwd", str(EXAMPLE)], {},
+                              "--out /etc/passwd: cannot make the folder of the runs there "
+                              "(Not a directory); choose a folder you can write to"),
+    "scaling --out, under /proc": (["scaling", "-n", "1", "--out", "/proc/nope", str(EXAMPLE)],
+                                   {}, "--out /proc/nope: cannot make the folder of the runs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gets_one_clear_line_and_a_failing_exit_status(case, tmp_path):
+    args, extra, says = CASES[case]
+    run = subprocess.run([sys.executable, "-m", "tfdist", *args], cwd=tmp_path,
+                         env=clean_env(**extra, PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True, timeout=60, check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert "Traceback" not in output, output
+    lines = [line for line in run.stderr.splitlines() if says in line]
+    assert len(lines) == 1 and lines[0].startswith("tfdist"), output
