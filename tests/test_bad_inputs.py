@@ -45,3 +45,18 @@ def test_bad_input_gets_one_clear_line_and_a_failing_exit_status(case, tmp_path)
     assert "Traceback" not in output, output
     lines = [line for line in run.stderr.splitlines() if says in line]
     assert len(lines) == 1 and lines[0].startswith("tfdist"), output
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    # A script's own option that is a prefix of tfdist's (--m of --module/--max-restarts,
+    # --gpus of --gpus-per-node) goes to the script: tfdist matches no abbreviation.
+    (["launch", "-n", "1", "--dry-run", "t.py", "--m", "0.9"], "t.py --m 0.9"),
+    (["job", "--nodes", "1", "--gpus-per-node", "1", "t.py", "--gpus", "4"], "t.py --gpus 4"),
+])
+def test_script_options_that_look_like_tfdist_prefixes_go_to_the_script(args, expected, tmp_path):
+    (tmp_path / "t.py").write_text("print('t')\n")
+    run = subprocess.run([sys.executable, "-m", "tfdist", *args], cwd=tmp_path,
+                         env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert expected in run.stdout, run.stdout

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_launch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
-        "launch",
+        "launch", allow_abbrev=False,
         help="run N workers of a script on this machine",
         description="Run N worker processes of SCRIPT on this machine, each with its own "
         "TF_CONFIG (or, with --backend horovod, Horovod's variables), TFDIST_LOCAL_RANK and CPU "
@@ -219,7 +219,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 def _add_env(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
-        "env",
+        "env", allow_abbrev=False,
         help="print the detected cluster environment and this process's plan",
         description="Print the cluster environment tfdist detects (rank, world size, ...), the "
         "backend it would choose and why, the GPUs this process would drive and the replicas "
@@ -280,7 +280,7 @@ def _patches(plan: Any, environment: Any) -> list[Any]:
 
 def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
-        "doctor",
+        "doctor", allow_abbrev=False,
         help="check a launch in seconds: every rank's plan, versions, ports, an all-reduce",
         description="Run it like the training, as its own step (`srun python -m tfdist "
         "doctor`, `tfdist launch -n 2 -m tfdist doctor`), or with --dry-run on a login node. "
@@ -322,7 +322,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 def _add_settings(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
-        "settings",
+        "settings", allow_abbrev=False,
         help="print every tfdist setting, its value here and where it came from",
         description="Print every setting (argument, environment variable, value, source) as "
         "this environment sets it; an invalid value is an error naming the allowed ones.",
@@ -354,7 +354,7 @@ def _add_job(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _add_scaling(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
-        "scaling",
+        "scaling", allow_abbrev=False,
         help="measure a script's scaling efficiency: throughput on N workers against N x one",
         description="Run SCRIPT under `tfdist launch -n N` for each size N, in increasing order "
         "(with --repeat K the sizes take turns K times), each with TFDIST_THROUGHPUT_FILE set to "

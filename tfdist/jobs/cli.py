@@ -35,7 +35,7 @@ _OPTION_VALUED = ("--sbatch-arg", "--launcher-arg")
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``tfdist job`` and its flag groups to the ``tfdist`` subcommands."""
     parser = commands.add_parser(
-        "job",
+        "job", allow_abbrev=False,
         help="render a Slurm job script from a YAML config and flags; print, save or submit it",
         description="Render an sbatch script for multi-node training (or a venv build, or a "
         "scaling measurement) from CONFIG.yaml and flags; flags beat the file, which beats the "
