@@ -26,6 +26,14 @@ CASES = {
         ["env"], {"TF_CONFIG": '{"cluster":{"worker":["a:1","b:2"]},'
                                '"task":{"type":"worker","index":0}}'},
         "cannot resolve a"),
+    "job --mem without a unit": (["job", "--nodes", "1", "--mem", "64", "t.py"], {},
+                                 "mem '64' has no unit, and Slurm would read 64 megabytes: "
+                                 "write 64G"),
+    "job --mem with a unit Slurm lacks": (["job", "--nodes", "1", "--mem", "64X", "t.py"], {},
+                                          "mem '64X' is not a memory size"),
+    "job, an sbatch option that is none": (
+        ["job", "--nodes", "1", "--sbatch-arg=--exclusiv", "t.py"], {},
+        "sbatch has no option --exclusiv; did you mean --exclusive?"),
     "scaling --out, a file": (["scaling", "-n", "1", "--out", "/etc/passwd", str(EXAMPLE)], {},
                               "--out /etc/passwd: cannot make the folder of the runs there "
                               "(Not a directory); choose a folder you can write to"),
@@ -52,9 +60,12 @@ def test_bad_input_gets_one_clear_line_and_a_failing_exit_status(case, tmp_path)
     # --gpus of --gpus-per-node) goes to the script: tfdist matches no abbreviation.
     (["launch", "-n", "1", "--dry-run", "t.py", "--m", "0.9"], "t.py --m 0.9"),
     (["job", "--nodes", "1", "--gpus-per-node", "1", "t.py", "--gpus", "4"], "t.py --gpus 4"),
+    # a config's args as one string are words, as in a shell
+    (["job", "job.yaml"], "t.py --epochs 3 --name 'a b'"),
 ])
 def test_script_options_that_look_like_tfdist_prefixes_go_to_the_script(args, expected, tmp_path):
     (tmp_path / "t.py").write_text("print('t')\n")
+    (tmp_path / "job.yaml").write_text('nodes: 1\nscript: t.py\nargs: --epochs 3 --name "a b"\n')
     run = subprocess.run([sys.executable, "-m", "tfdist", *args], cwd=tmp_path,
                          env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                          timeout=60, check=False)

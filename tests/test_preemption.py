@@ -368,6 +368,20 @@ def test_a_signal_after_fit_lets_the_script_finish_and_end_normally(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_signal_between_two_fits_stops_the_second_at_its_first_step(tmp_path):
+    # SIGUSR1 to rank 0 after a first fit of one epoch: the second fit (epochs 2 and 3) starts,
+    # every rank agrees at its first check (after its first step) and saves: exit 75.
+    run = _run(_python("mwms"), "mwms", tmp_path / "out", tmp_path / "m", "0", "b",
+               TFDIST_PREEMPT_CHECK_SECONDS="0.00001")
+    assert run.returncode == 75, run.stdout[-3000:] + run.stderr[-3000:]
+    results = _results(tmp_path / "out", 0)
+    assert [r["code"] for r in results] == [75, 75], results
+    assert [r["steps"] for r in results] == [STEPS_PER_EPOCH + 1] * 2, results
+    assert [(r["epoch"], r["signal"]) for r in results] == [(1, "SIGUSR1"), (1, None)], results
+    assert (tmp_path / "m" / "preempted").is_dir()
+
+
+@pytest.mark.multiprocess
 def test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_masks(tmp_path):
     # Keras 2's Dropout on TensorFlow's legacy stateful random ops (Keras 2's default, which
     # tfdist.init switches to tf.random.Generator): their state is in no checkpoint, so the

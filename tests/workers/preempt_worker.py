@@ -5,8 +5,9 @@
 ``SIGNAL_RANK`` (-1: none) sends itself ``SIGNAL`` (default USR1) after its ``SIGNAL_STEP``-th
 training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset),
 or of every run when ``SIGNAL_STEP`` is negative (its absolute value); ``v3`` signals at the third
-validation batch instead, and ``a`` after ``fit`` has returned (then every rank evaluates the
-model, the script's last work, which the signal must not interrupt).
+validation batch instead, ``a`` after ``fit`` has returned (then every rank evaluates the
+model, the script's last work, which the signal must not interrupt), and ``b`` between two
+``fit`` calls (one epoch, then epochs 2 and 3: the second must stop at its first agreed step).
 ``PREEMPT_TEST_DROPOUT=1`` adds a Dropout layer, whose masks the resumed run must draw as the
 uninterrupted one does; ``PREEMPT_TEST_LEGACY_RNG=1`` makes a Keras 2 Dropout draw from
 TensorFlow's legacy stateful ops again (the control: their state is not saved).
@@ -43,9 +44,9 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     keras.utils.set_random_seed(7)
     run = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
     validating = signal_step.startswith("v")
-    after_fit = signal_step == "a"
+    after_fit, between_fits = signal_step == "a", signal_step == "b"
     every_run = signal_step.startswith("-")
-    target = abs(int(signal_step.lstrip("v").replace("a", "0"))) if int(
+    target = abs(int(signal_step.lstrip("vab") or "0")) if int(
         signal_rank) == dist.rank and (run == 0 or every_run) else None
     mode = os.environ.get("PREEMPT_TEST_INPUT", "epochs")
     rng = np.random.default_rng(0)
@@ -84,7 +85,14 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     watcher = next(c for c in callbacks if isinstance(c, PreemptionCheckpoint))
     result = {"rank": dist.rank, "run": run, "code": 0}
     try:
-        model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks, **fit_args)
+        if between_fits:
+            model.fit(dist.shard(dataset), epochs=1, verbose=0, callbacks=callbacks, **fit_args)
+            if target is not None:
+                os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
+            model.fit(dist.shard(dataset), epochs=3, initial_epoch=1, verbose=0,
+                      callbacks=callbacks, **fit_args)
+        else:
+            model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks, **fit_args)
         if after_fit:
             if target is not None:
                 os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))

@@ -5,6 +5,7 @@ Each error names the key, the value and what is allowed, so the fix is in the me
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,13 @@ from tfdist.jobs.choices import (
     RUNTIMES,
     TORCH_BACKENDS,
 )
-from tfdist.jobs.options import SBATCH_SHORT, option_name, takes_value
+from tfdist.jobs.options import (
+    SBATCH_FLAGS,
+    SBATCH_SHORT,
+    SBATCH_VALUES,
+    option_name,
+    takes_value,
+)
 from tfdist.jobs.shell import check_body_value, check_sbatch_value
 
 if TYPE_CHECKING:
@@ -53,6 +60,7 @@ _OWN_KEYS = {
     "--array": "array", "-a": "array", "--signal": "signal", "--requeue": "requeue",
 }
 _SIGNAL = re.compile(r"(?:R:)?(?:SIG)?([A-Z0-9]+)(?:@(\d+))?")
+_MEM = re.compile(r"(\d+)([KMGT]?)", re.IGNORECASE)
 
 
 def validate(config: JobConfig) -> None:
@@ -236,6 +244,27 @@ def _check_sbatch_values(c: JobConfig) -> None:
             raise ConfigError(f"sbatch_args[{index}] {option!r} needs a value, and sbatch would "
                               f"refuse the job; write {SBATCH_SHORT.get(name, name)}=VALUE, "
                               f"e.g. --sbatch-arg={SBATCH_SHORT.get(name, name)}=VALUE")
+        if takes_value(name) is None:
+            near = difflib.get_close_matches(name, sorted(SBATCH_VALUES | SBATCH_FLAGS), n=1)
+            raise ConfigError(f"sbatch_args[{index}] {option!r}: sbatch has no option {name}"
+                              + (f"; did you mean {near[0]}?" if near else
+                                 " (`sbatch --help` lists them)")
+                              + " If it is an option of a newer sbatch than tfdist knows, add "
+                              "its #SBATCH line by hand to the script --save writes")
+    _check_mem(c.mem)
+
+
+def _check_mem(mem: str | None) -> None:
+    """sbatch's --mem: a whole number with a unit; without one Slurm reads megabytes."""
+    if mem is None:
+        return
+    match = _MEM.fullmatch(mem.strip())
+    if match is None:
+        raise ConfigError(f"mem {mem!r} is not a memory size: write a whole number and a unit, "
+                          "K, M, G or T (e.g. 64G), or 0 for all of a node's memory")
+    if not match.group(2) and match.group(1) != "0":
+        raise ConfigError(f"mem {mem!r} has no unit, and Slurm would read {mem} megabytes: "
+                          f"write {mem}G for gigabytes (or {mem}M if megabytes are meant)")
 
 
 def _check_signal(signal: str | None) -> None:

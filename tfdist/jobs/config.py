@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,8 @@ class JobConfig:
 
 KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig))
 _LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packages")
+# Given as one string, these are split into words as a shell would (`args: --epochs 3`).
+_WORDS_KEYS = ("args", "launcher_args")
 _INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task")
 _BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue", "doctor")
 _SIZES_KEYS = ("scaling_nodes",)
@@ -258,6 +261,8 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
     if key in _SIZES_KEYS:
         return _sizes(where, value)
     if key in _LIST_KEYS:
+        if key in _WORDS_KEYS and isinstance(value, str):
+            value = _words(where, value)  # `args: --epochs 3` means two words, as in a shell
         items = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) \
             else value
         if not isinstance(items, (list, tuple)):
@@ -291,6 +296,15 @@ def _sizes(where: str, value: Any) -> tuple[int, ...]:
         raise ConfigError(f"{where} must be a list of node counts, e.g. {_SIZES_EXAMPLE}, got "
                           f"{value!r}")
     return check_sizes(items, where, _SIZES_EXAMPLE) if items else ()
+
+
+def _words(where: str, text: str) -> list[str]:
+    """``text`` split into words as a shell splits them (quotes keep spaces)."""
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise ConfigError(f"{where} {text!r}: {error} (close the quote, or give a list of "
+                          "words)") from None
 
 
 def _text(where: str, value: Any) -> str:

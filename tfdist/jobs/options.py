@@ -30,6 +30,8 @@ SBATCH_VALUES = frozenset({
     "--profile", "--qos", "--reservation", "--signal", "--sockets-per-node", "--switches",
     "--thread-spec", "--threads-per-core", "--time", "--time-min", "--tmp", "--uid", "--wckey",
     "--wrap",
+    # newer than 22.05, common on sites' documentation pages
+    "--prefer", "--tres-per-task",
 })
 # Short options that take a value, and their long names.
 SBATCH_SHORT = {

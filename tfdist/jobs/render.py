@@ -13,6 +13,7 @@ import posixpath
 from tfdist.backends.facts import Backend, job_backend
 from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
 from tfdist.jobs.config import JobConfig
+from tfdist.jobs.options import option_name
 from tfdist.jobs.shell import word, words
 from tfdist.settings import resolve
 
@@ -142,6 +143,9 @@ def _directives(c: JobConfig) -> str:
     if c.requeue:
         lines += ["# A preempted job may go back into the queue and resume where it stopped.",
                   "#SBATCH --requeue"]
+        if not any(option_name(option) == "--open-mode" for option in c.sbatch_args):
+            lines += ["# Each run appends to the output files, so the requeued run keeps the "
+                      "first one's.", "#SBATCH --open-mode=append"]
     if c.task_output is not None:
         lines.append("# The batch shell writes to --output; each task to its own file "
                      "(srun --output below).")
