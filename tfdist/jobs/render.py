@@ -311,15 +311,19 @@ def _with_requeue(launch: str, signal: str | None) -> str:
     name = (signal or "").partition("@")[0].upper().removeprefix("SIG")
     if name and name not in names:
         names[name] = name if name in ("USR1", "USR2") else "USR1"
-    traps = [f"trap 'kill -{sent} \"$launched\" 2>/dev/null || true' {got}"
-             for got, sent in names.items()]
+    # Set before the tasks start, so that no signal finds the shell without them (it would
+    # end the shell); one that comes before srun's pid is known is passed on right after.
+    traps = [f"trap '[ -n \"$launched\" ] && kill -{sent} \"$launched\" 2>/dev/null || "
+             f"pending={sent}' {got}" for got, sent in names.items()]
     return "\n".join([
         *comments,
         "# Preempted (exit code 75): requeue from this shell too, in case the tasks had no "
         "scontrol.",
         f"# A signal to this shell alone ({', '.join(names)}) goes on to the tasks.",
+        "launched=", "pending=", *traps,
         *command[:-1], command[-1] + " &",
-        "launched=$!", *traps,
+        "launched=$!",
+        '[ -z "$pending" ] || kill -"$pending" "$launched" 2>/dev/null || true',
         'while kill -0 "$launched" 2>/dev/null; do wait "$launched" || true; done',
         'code=0',
         'wait "$launched" || code=$?',
