@@ -1299,3 +1299,24 @@ def test_the_doctor_step_runs_before_training_unless_turned_off(
     assert code == 0 and "tfdist doctor" in out
     with pytest.raises(ConfigError, match="doctor applies to kinds train and scaling only"):
         JobConfig(kind="build-venv", venv="v", packages=("tfdist",), doctor=False)
+
+
+@pytest.mark.parametrize(("keys", "expected"), [
+    ({"gpus_per_node": 4, "cores_per_node": 64}, 16),          # one task per GPU
+    ({"gpus_per_node": 4, "cores_per_node": 6}, 1),            # never below one
+    ({"gpus_per_node": 4, "cores_per_node": 64, "cpus_per_task": 5}, 5),  # the key wins
+    ({"gpus_per_node": 4, "cores_per_node": 64, "backend": "torch", "launcher": "torchrun"},
+     64),                                                      # one torchrun agent per node
+    ({"gpus_per_node": 4}, None),                              # unknown: Slurm's default
+])
+def test_cpus_per_task_shares_the_nodes_cores_among_its_tasks(keys, expected) -> None:
+    assert JobConfig(script="t.py", **keys).effective_cpus_per_task == expected
+
+
+@pytest.mark.parametrize(("sinfo", "expected"), [
+    ("64\n", 64), ("48\n64+\n", 48), ("", None), ("n/a\n", None),
+])
+def test_the_fewest_cores_sinfo_reports(sinfo, expected) -> None:
+    from tfdist.jobs.cli import node_cores
+
+    assert node_cores(sinfo) == expected

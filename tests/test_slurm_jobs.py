@@ -405,6 +405,32 @@ def test_pyxis_standin_runs_the_rendered_enroot_mwms_job(slurm_cluster: SlurmClu
         }, f"rank {rank}: what pyxis was asked for: {env}\n{job.describe()}"
 
 
+@pytest.mark.timeout(60)
+def test_tfdist_job_gives_each_task_its_share_of_the_nodes_cores(slurm_cluster: SlurmCluster
+                                                                ) -> None:
+    # Without --cpus-per-task, tfdist job asks sinfo for the partition's cores per node and
+    # shares them among the node's tasks (Slurm would give each task one core); the test
+    # cluster's nodes have too few for 2 GPU tasks, which it says.
+    shown = slurm_cluster.run("scontrol", "show", "node", "n9").stdout
+    cores = int(re.search(r"CPUTot=(\d+)", shown).group(1))  # type: ignore[union-attr]
+    run = subprocess.run([slurm_cluster.python, "-m", "tfdist", "job", "--nodes=2",
+                          f"--gpus-per-node={slurm_cluster.gpus_per_node}",
+                          f"--partition={slurm_cluster.partition}", "t.py"],
+                         env=slurm_cluster.env, capture_output=True, text=True, timeout=30,
+                         check=False)
+    assert run.returncode == 0, run.stderr
+    share = max(1, cores // slurm_cluster.gpus_per_node)
+    assert f"#SBATCH --cpus-per-task={share}\n" in run.stdout, run.stdout
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in run.stdout
+    assert f"tfdist: {cores} cores per node (sinfo, partition {slurm_cluster.partition}): " \
+           f"--cpus-per-task={share}" in run.stderr, run.stderr
+    assert ("core per task for" in run.stderr) is (share < 2), run.stderr
+    given = subprocess.run([slurm_cluster.python, "-m", "tfdist", "job", "--nodes=2",
+                            "--cpus-per-task=3", "t.py"], env=slurm_cluster.env,
+                           capture_output=True, text=True, timeout=30, check=False)
+    assert "#SBATCH --cpus-per-task=3\n" in given.stdout and "sinfo" not in given.stderr
+
+
 @pytest.mark.timeout(120)
 def test_tfdist_job_submit_prints_the_job_id_of_a_real_job(slurm_cluster: SlurmCluster) -> None:
     # The command a user types: render from flags, submit with the real sbatch, print the id,

@@ -100,7 +100,8 @@ def _check_choices(c: JobConfig) -> None:
 def _check_counts(c: JobConfig) -> None:
     for key, value, least in (("nodes", c.nodes, 1), ("gpus_per_node", c.gpus_per_node, 0),
                               ("tasks_per_node", c.tasks_per_node, 1),
-                              ("cpus_per_task", c.cpus_per_task, 1)):
+                              ("cpus_per_task", c.cpus_per_task, 1),
+                              ("cores_per_node", c.cores_per_node, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{key} must be at least {least}, got {value}")
 

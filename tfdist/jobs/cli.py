@@ -12,6 +12,9 @@ refuses a separate value that starts with a dash.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
+import subprocess
 import sys
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -73,7 +76,11 @@ def _add_resources(group: _Group) -> None:
                        "them)")
     group.add_argument("--tasks-per-node", type=int, metavar="T",
                        help="srun tasks per node (default: one per GPU; 1 for torchrun)")
-    group.add_argument("--cpus-per-task", type=int, metavar="C", help="cores per task")
+    group.add_argument("--cpus-per-task", type=int, metavar="C",
+                       help="cores per task (default: the node's cores shared by its tasks)")
+    group.add_argument("--cores-per-node", type=int, metavar="C",
+                       help="the cores of a node, for --cpus-per-task's default (default: what "
+                       "sinfo says of the partition, where sinfo is installed)")
 
 
 def _add_scheduling(group: _Group) -> None:
@@ -286,7 +293,9 @@ def run(args: argparse.Namespace) -> int:
     _read_config_word(args)
     path = getattr(args, "config_file", None)
     data = load_yaml(path) if path else {}
-    config = JobConfig.from_mapping(merge(data, flag_values(args)), origin=path or "the flags")
+    config = _with_node_cores(JobConfig.from_mapping(merge(data, flag_values(args)),
+                                                     origin=path or "the flags"))
+    _warn_few_cores(config)
     text = render(config, source=path)
     saved = getattr(args, "save", None)
     if saved:
@@ -297,6 +306,45 @@ def run(args: argparse.Namespace) -> int:
     elif not saved:
         sys.stdout.write(text)
     return 0
+
+
+def _with_node_cores(config: JobConfig) -> JobConfig:
+    """``config`` with ``cores_per_node`` from sinfo (the partition's smallest node), where
+    neither it nor ``cpus_per_task`` is set and sinfo is installed (a login node)."""
+    if (config.cpus_per_task is not None or config.cores_per_node is not None
+            or config.kind == "build-venv" or shutil.which("sinfo") is None):
+        return config
+    command = ["sinfo", "-h", "-o", "%c", *(["-p", config.partition] if config.partition else [])]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return config  # no answer: Slurm's default, as without sinfo
+    cores = node_cores(out)
+    if cores is None:
+        return config
+    chosen = dataclasses.replace(config, cores_per_node=cores)
+    print(f"tfdist: {cores} cores per node (sinfo"
+          f"{f', partition {config.partition}' if config.partition else ''}): "
+          f"--cpus-per-task={chosen.effective_cpus_per_task} for "
+          f"{chosen.effective_tasks_per_node} task(s) per node (--cpus-per-task or "
+          "--cores-per-node to change it)", file=sys.stderr)
+    return chosen
+
+
+def node_cores(sinfo: str) -> int | None:
+    """The fewest CPUs of a node in ``sinfo -h -o %c``'s lines (``48``, ``64+``)."""
+    counts = [int(word.rstrip("+")) for word in sinfo.split() if word.rstrip("+").isdigit()]
+    return min(counts) if counts else None
+
+
+def _warn_few_cores(config: JobConfig) -> None:
+    cpus = config.effective_cpus_per_task
+    if config.gpus_per_node > 0 and config.kind != "build-venv" and cpus is not None and cpus < 2:
+        print(f"tfdist: warning: {cpus} core per task for {config.effective_tasks_per_node} "
+              "GPU task(s) per node: each task's input pipeline and TensorFlow's threads share "
+              "one core, which starves the GPU; give each task at least 2 (--cpus-per-task)",
+              file=sys.stderr)
 
 
 def _submit(config: JobConfig, text: str, saved: str | None) -> None:

@@ -70,6 +70,8 @@ class JobConfig:
     gpus_per_task: bool = False
     tasks_per_node: int | None = None
     cpus_per_task: int | None = None
+    # The cores of a node, for cpus_per_task's default (tfdist job asks sinfo when unset)
+    cores_per_node: int | None = None
     # Scheduling and output
     partition: str | None = None
     account: str | None = None
@@ -129,6 +131,16 @@ class JobConfig:
         return self.gpus_per_node or 1
 
     @property
+    def effective_cpus_per_task(self) -> int | None:
+        """``cpus_per_task``, else the node's cores shared by its tasks (``cores_per_node``),
+        else None: Slurm's default, one core a task unless the partition gives whole nodes."""
+        if self.cpus_per_task is not None or self.kind == "build-venv":
+            return self.cpus_per_task
+        if self.cores_per_node is None:
+            return None
+        return max(1, self.cores_per_node // self.effective_tasks_per_node)
+
+    @property
     def effective_scaling_nodes(self) -> tuple[int, ...]:
         """The node counts a scaling job measures: ``scaling_nodes``, else the powers of two
         below ``nodes``, and ``nodes`` (:func:`tfdist.scaling.default_sizes`)."""
@@ -169,7 +181,7 @@ KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig))
 _LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packages")
 # Given as one string, these are split into words as a shell would (`args: --epochs 3`).
 _WORDS_KEYS = ("args", "launcher_args")
-_INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task")
+_INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "cores_per_node")
 _BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue", "doctor")
 _SIZES_KEYS = ("scaling_nodes",)
 _OPTIONAL_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig) if "None" in str(f.type))

@@ -131,7 +131,7 @@ def _directives(c: JobConfig) -> str:
     gpus = _gpu_directive(c)
     if gpus:
         lines.append(gpus)
-    optional = (("cpus-per-task", c.cpus_per_task), ("partition", c.partition),
+    optional = (("cpus-per-task", c.effective_cpus_per_task), ("partition", c.partition),
                 ("account", c.account), ("time", c.time), ("constraint", c.constraint),
                 ("mem", c.mem), ("array", c.array))
     lines += [f"#SBATCH --{name}={value}" for name, value in optional if value is not None]
@@ -226,7 +226,8 @@ def _environment(c: JobConfig) -> str:
     if c.kind != "build-venv":
         lines += ["# Python prints each line when it is written, not in blocks.",
                   "export PYTHONUNBUFFERED=1"]
-    if c.kind != "build-venv" and c.cpus_per_task and c.effective_launcher in ("srun", "torchrun"):
+    if (c.kind != "build-venv" and c.effective_cpus_per_task
+            and c.effective_launcher in ("srun", "torchrun")):
         lines += ["# srun of Slurm 22.05 to 23.02 does not pass the job's --cpus-per-task on to "
                   "its tasks;", "# SRUN_CPUS_PER_TASK does.",
                   'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
