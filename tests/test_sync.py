@@ -130,6 +130,45 @@ def test_error_names_replicas_when_a_rank_has_several():
     assert "1 of 2 variables differ: dense/kernel" in message
 
 
+@pytest.mark.parametrize(("step", "first"), [
+    (1, "initial weights that differ: the model was built outside the strategy scope"),
+    (None, "initial weights that differ"),
+    (7, "weights changed on some ranks only"),
+])
+def test_the_likeliest_cause_comes_first(step, first):
+    header = _table([[0, 0, 2, 11], [1, 0, 2, 22]])
+    detail = _table([[0, 0, 5, 6], [1, 0, 5, 7]])
+    message = str(mismatch_error(header, detail, NAMES, step=step))
+    assert f"Likeliest cause: {first}" in message, message
+    assert message.count("DistributedOptimizer") == 1  # every cause named, once
+
+
+@pytest.mark.parametrize(("rank", "verbose", "printed"), [
+    (0, "", ["tfdist: ReplicaMismatchError: Replica sync check failed after step 1: rank 1 "
+             "holds different weights from rank 0"]),  # the whole report, once
+    (1, "", ["tfdist: rank 1: the replica sync check failed; rank 0 prints the report "
+             "(TFDIST_VERBOSE=1: every rank's traceback)"]),  # one line
+    (1, "1", ["traceback"]),  # Python's own printing, on every rank
+])
+def test_the_report_is_printed_once_by_rank_0(monkeypatch, capsys, rank, verbose, printed):
+    from tfdist import failures
+
+    shown: list[str] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: shown.append("traceback"))
+    monkeypatch.setattr(failures, "_environment", None)
+    monkeypatch.setenv("TFDIST_VERBOSE", verbose)
+    failures.install(ClusterEnvironment("tf_config", rank=rank, world_size=2))
+    header = _table([[0, 0, 2, 11], [1, 0, 2, 22]])
+    error = mismatch_error(header, _table([[0, 0, 5, 6], [1, 0, 5, 7]]), NAMES, step=1)
+    sys.excepthook(type(error), error, None)
+    err = capsys.readouterr().err
+    if verbose:  # Python's traceback, and no tfdist line
+        assert (shown, err) == (printed, ""), err
+    else:  # tfdist's one print, no traceback
+        assert shown == [] and err.startswith(printed[0]) and err.count("tfdist:") == 1, err
+        assert err.count("\n") == (1 if rank else len(str(error).splitlines())), err
+
+
 def test_different_variable_counts_mean_different_models():
     header = _table([[0, 0, 2, 11], [1, 0, 3, 22]])
     message = str(mismatch_error(header, None, NAMES, step=1))
@@ -235,6 +274,14 @@ def test_one_ulp_on_one_rank_stops_both_ranks_naming_rank_1(tmp_path):
         assert ("rank 1: 1 of 10 variables differ: "
                 + _variable_name("sequential/conv2d/kernel")) in message
     assert not (tmp_path / "result-0.json").exists()  # training stopped at the first step
+    # The report once, from rank 0, with no traceback of tfdist's error on either rank.
+    output = run.stdout + run.stderr
+    assert output.count("Replica sync check failed") == 1, output[-4000:]
+    assert "[0] tfdist: ReplicaMismatchError: Replica sync check failed" in output, output[-4000:]
+    assert "[1] tfdist: rank 1: the replica sync check failed; rank 0 prints the report" in \
+        output, output[-4000:]
+    # (TensorFlow 2.15 adds its own "Exception ignored in AtomicFunction.__del__" as it exits)
+    assert output.count("ReplicaMismatchError") == 1, output[-4000:]
 
 
 @pytest.mark.multiprocess

@@ -304,7 +304,8 @@ def install(environment: ClusterEnvironment) -> None:
     def wrap(previous: Any) -> Any:
         def hook(kind: type[BaseException], value: BaseException,
                  traceback: TracebackType | None) -> None:
-            previous(kind, value, traceback)
+            if not _reported_once(value):
+                previous(kind, value, traceback)
             line = report(str(value), _environment) if _environment is not None else None
             if line:
                 print(line, file=sys.stderr, flush=True)
@@ -315,3 +316,25 @@ def install(environment: ClusterEnvironment) -> None:
 
 
 _environment: ClusterEnvironment | None = None  # the launch install() describes
+
+
+def _reported_once(value: BaseException) -> bool:
+    """The replica sync check's report, raised on every rank alike, is printed once: by rank 0,
+    without a traceback; the other ranks print one line (``TFDIST_VERBOSE=1``: every rank's
+    traceback, as Python prints it). Returns whether it was printed here."""
+    from tfdist.errors import ReplicaMismatchError
+    from tfdist.settings import resolve
+
+    try:
+        verbose = resolve("verbose")
+    except Exception:  # an invalid value: as verbose, Python's own printing
+        verbose = True
+    if not isinstance(value, ReplicaMismatchError) or verbose or _environment is None:
+        return False
+    if _environment.rank == 0:
+        print(f"tfdist: {type(value).__name__}: {value}", file=sys.stderr, flush=True)
+    else:
+        print(f"tfdist: rank {_environment.rank}: the replica sync check failed; rank 0 prints "
+              "the report (TFDIST_VERBOSE=1: every rank's traceback)", file=sys.stderr,
+              flush=True)
+    return True

@@ -172,7 +172,7 @@ def mismatch_error(rows: np.ndarray, detail: np.ndarray | None, names: Sequence[
     groups = _groups(rows, label)
     if len(groups) > 2:
         lines.append("  groups of identical replicas: " + " | ".join(groups))
-    return ReplicaMismatchError("\n".join([*lines, _CAUSES]))
+    return ReplicaMismatchError("\n".join([*lines, causes(step)]))
 
 
 def _variable_lines(detail: np.ndarray, reference: np.ndarray, odd: list[np.ndarray],
@@ -192,14 +192,26 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:_SHOWN]) + (f", ... ({more} more)" if more > 0 else "")
 
 
-_CAUSES = (
-    "Usual causes: gradients that are not averaged across ranks (with Keras 3, Horovod's stock "
-    "horovod.tensorflow.keras.DistributedOptimizer silently never averages: use tfdist's "
-    "horovod backend instead); weights changed on some ranks only (loaded or assigned on the "
-    "chief after the strategy was created, a callback or custom loop that writes one rank's "
-    "weights outside strategy.run); initial weights not broadcast from rank 0 (a model built "
-    "outside the strategy scope). Fix the cause; to train without this check, pass "
-    "dist.callbacks(sync_check=False) or set TFDIST_SYNC_CHECK=0.")
+_NOT_BROADCAST = ("initial weights that differ: the model was built outside the strategy "
+                  "scope (build and compile it inside `with dist.scope():`), so rank 0's "
+                  "weights were never copied to the others")
+_NOT_AVERAGED = ("gradients that are not averaged across ranks (with Keras 3, Horovod's stock "
+                 "horovod.tensorflow.keras.DistributedOptimizer silently never averages: use "
+                 "tfdist's horovod backend instead)")
+_CHANGED = ("weights changed on some ranks only (loaded or assigned on the chief after the "
+            "strategy was created, a callback or custom loop that writes one rank's weights "
+            "outside strategy.run)")
+
+
+def causes(step: int | None) -> str:
+    """The usual causes, the likeliest first: after the first step, weights that never were
+    the same (a model built outside the scope), or never averaged; later, once they were
+    the same, weights that one rank changed alone."""
+    ordered = ([_NOT_BROADCAST, _NOT_AVERAGED, _CHANGED] if step is None or step <= 1
+               else [_CHANGED, _NOT_AVERAGED, _NOT_BROADCAST])
+    return (f"Likeliest cause: {ordered[0]}. Others: {ordered[1]}; {ordered[2]}. Fix the "
+            "cause; to train without this check, pass dist.callbacks(sync_check=False) or set "
+            "TFDIST_SYNC_CHECK=0.")
 
 
 class ReplicaSyncCheck(keras.callbacks.Callback):
