@@ -114,6 +114,10 @@ CASES = {
         [("error", rank, "2 tasks share the node's only GPU") for rank in range(2)]),
     "a CPU run on a GPU node (CUDA_VISIBLE_DEVICES='')": (
         [_report(r, local_world_size=2, node_gpus=1, gpus="") for r in range(2)], []),
+    "GPUs from Slurm, all hidden (CUDA_VISIBLE_DEVICES='')": (
+        [_report(r, node_gpus=4, gpus="", slurm_gpus="0,1,2,3") for r in range(2)],
+        [("warning", rank, "CUDA_VISIBLE_DEVICES is empty, though Slurm gave this step GPU(s) "
+                           "0,1,2,3: this rank trains on the CPU") for rank in range(2)]),
     "two ranks on one GPU": ([_report(0, gpus="0"), _report(1, gpus="0")],
                              [("error", 1, "GPU 0 is driven by ranks 0, 1")]),
     "the same GPU id on two hosts is two GPUs": (

@@ -272,6 +272,12 @@ def _own(report: RankReport) -> list[Problem]:
 
 def _shape(r: RankReport) -> list[Problem]:
     problems = []
+    if r.gpus == "" and r.slurm_gpus:  # Slurm gave the step GPUs; something hid them all
+        problems.append(Problem(
+            r.rank, r.host, f"CUDA_VISIBLE_DEVICES is empty, though Slurm gave this step "
+            f"GPU(s) {r.slurm_gpus}: this rank trains on the CPU",
+            "unset CUDA_VISIBLE_DEVICES (or remove the line of the job script or module that "
+            "empties it); to train on the CPU on purpose, ask Slurm for no GPUs", "warning"))
     # gpus "" (CUDA_VISIBLE_DEVICES="", "-1"...): a CPU run, which shares none of the node's GPUs.
     if (r.gpus and r.node_gpus and r.local_world_size > r.node_gpus
             and r.gpus_per_task is None):
