@@ -57,6 +57,7 @@ from slurmtest import TERMINAL_STATES, SlurmCluster
 from tfdist.jobs import render
 
 WORLD = 4  # 2 nodes x 2 tasks (one per fake GPU)
+AFTER_FIT = ROOT / "tests" / "workers" / "after_fit_worker.py"
 # A training job (2 epochs, 4 workers on 2 shared cores) takes 20-30 s; sbatch's --time is 5 min.
 TRAIN_TIMEOUT = 240
 MIN_ACCURACY = 0.5  # 10 classes: chance is 0.1; 2 epochs reach about 0.9
@@ -510,6 +511,41 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
     assert {digest for _, digest in weights.values()} == {reference}, \
         f"{weights} vs uninterrupted {reference}\n{job.describe()}"
     assert not list(job.model_dir.glob("preempted*")), job.describe()
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_a_signal_after_fit_lets_the_job_finish_without_a_requeue(slurm_cluster: SlurmCluster
+                                                                 ) -> None:
+    # The walltime signal (scancel --signal=USR1 to the tasks, as --signal=USR1@60 sends it)
+    # once every rank's fit has returned, while the script's last work waits: the tasks record
+    # it, finish and exit 0, so the job completes and is not requeued (before, each task died
+    # of the signal, exit 138).
+    workdir = slurm_cluster.new_workdir()
+    go = workdir / "go"
+    config = cluster_config(slurm_cluster, job_name="after-fit", script=str(AFTER_FIT),
+                            args=[str(go), "runs/${SLURM_JOB_ID}"], requeue=True,
+                            signal="USR1@60", doctor=False,
+                            env={"TFDIST_PREEMPT_CHECK_SECONDS": "0.05"})
+    job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
+    outputs = [workdir / f"after-fit-{job_id}-{rank}.out" for rank in range(WORLD)]
+    deadline = time.monotonic() + TRAIN_TIMEOUT
+    while not all(p.exists() and "after-fit: fit returned" in p.read_text(errors="replace")
+                  for p in outputs):
+        state = slurm_cluster.job_info(job_id).get("JobState", "")
+        assert time.monotonic() < deadline and state not in TERMINAL_STATES, \
+            f"fit never returned on every rank ({state}): {workdir}"
+        time.sleep(0.2)
+    signalled = slurm_cluster.run("scancel", "--signal=USR1", job_id)
+    assert signalled.returncode == 0, signalled.stderr
+    time.sleep(1)  # delivered, then the last work goes on
+    go.write_text("")
+    result = slurm_cluster.wait(job_id, timeout=TRAIN_TIMEOUT)
+    job = RenderedJob(config=config, script=script, result=result)
+    assert job.ok and result.info.get("Restarts") == "0", job.describe()
+    for rank, text in job.task_outputs().items():
+        assert "after-fit: done" in text, job.describe()
+        assert f"tfdist: rank {rank}: SIGUSR1 came after training had ended" in text, \
+            job.describe()
 
 
 def preempt_once(cluster: SlurmCluster, config: Any, job_id: str, script: Path,
