@@ -322,12 +322,12 @@ def _reported_once(value: BaseException) -> bool:
     """The replica sync check's report, raised on every rank alike, is printed once: by rank 0,
     without a traceback; the other ranks print one line (``TFDIST_VERBOSE=1``: every rank's
     traceback, as Python prints it). Returns whether it was printed here."""
-    from tfdist.errors import ReplicaMismatchError
+    from tfdist.errors import ReplicaMismatchError, TfdistError
     from tfdist.settings import resolve
 
     try:
         verbose = resolve("verbose")
-    except Exception:  # an invalid value: as verbose, Python's own printing
+    except TfdistError:  # an invalid value: as verbose, Python's own printing
         verbose = True
     if not isinstance(value, ReplicaMismatchError) or verbose or _environment is None:
         return False

@@ -67,6 +67,14 @@ def _mwms(w: Where) -> bool:
             and w.several_processes)
 
 
+# When tfdist.keras_compat's fixes of Keras 3's multi-worker fit are installed.
+_KERAS3_FIX = "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)"
+
+
+def _keras3_fix(w: Where) -> bool:
+    return _mwms(w) and w.keras3 and w.keras_fix
+
+
 def _horovod(w: Where) -> bool:
     return w.backend.framework == TF and w.backend.horovod
 
@@ -75,30 +83,30 @@ _TRAINER = "keras.src.backend.tensorflow.trainer"
 
 INVENTORY: tuple[Patch, ...] = (
     Patch("keras3-symbolic-build", f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build",
-          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "tfdist.keras_compat", _KERAS3_FIX,
           "keras#20585: Keras averages the first batch over the replicas to learn its shapes, "
           "which the collective all-reduce cannot do for a nested batch; one local replica's "
-          "batch gives the same shapes", lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+          "batch gives the same shapes", _keras3_fix),
     Patch("keras3-reduce-per-replica", f"{_TRAINER}.reduce_per_replica", "tfdist.keras_compat",
-          "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          _KERAS3_FIX,
           "keras#20585: Keras reduces scalar losses and metrics over axis 0, which fails on "
           "several workers; means them over the replicas as one worker does (and, unless a "
           "callback reads them, keeps each step's logs each worker's own: TFDIST_STEP_LOGS)",
-          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+          _keras3_fix),
     Patch("keras3-steps-per-execution", f"{_TRAINER}.TensorFlowTrainer._make_function",
-          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "tfdist.keras_compat", _KERAS3_FIX,
           "compile(steps_per_execution=N) draws batches inside a tf.cond that a multi-worker "
           "iterator's end-of-data collective cannot run in; runs the N steps unrolled",
-          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+          _keras3_fix),
     Patch("keras3-epoch-chunks", f"{_TRAINER}.TFEpochIterator._enumerate_iterator",
-          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "tfdist.keras_compat", _KERAS3_FIX,
           "tells the unrolled steps how many steps the epoch has left (its last, shorter chunk)",
-          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+          _keras3_fix),
     Patch("keras3-step-logs", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate",
-          "tfdist.keras_compat", "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)",
+          "tfdist.keras_compat", _KERAS3_FIX,
           "decides per fit/evaluate whether each step's logs are averaged over the workers (a "
           "collective per step) or each worker's own, from the callbacks that read them",
-          lambda w: _mwms(w) and w.keras3 and w.keras_fix),
+          _keras3_fix),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras_compat", "TF_USE_LEGACY_KERAS=1 and Keras 3 imported, several workers",
           "a Keras 3 model under a tf_keras strategy fails deep inside TensorFlow (or under "

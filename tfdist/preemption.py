@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from tfdist import model_dir as layout
 from tfdist.errors import ConfigError
 from tfdist.scratch import remove_scratch_dirs, scratch_dir
-from tfdist.settings import resolve
+from tfdist.settings import catchable_signal, resolve
 
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
@@ -92,17 +92,10 @@ def parse_signal(text: str) -> signal.Signals:
     Raises:
         ConfigError: not a signal this platform knows, or one that cannot be caught.
     """
-    name = text.strip().upper()
     try:
-        found = signal.Signals(int(name)) if name.isdigit() else signal.Signals[
-            name if name.startswith("SIG") else f"SIG{name}"]
-    except (KeyError, ValueError):
-        raise ConfigError(f"TFDIST_PREEMPT_SIGNAL={text!r} is not a signal: use a name such as "
-                          "USR2 or SIGUSR2, or a number") from None
-    if found in (signal.SIGKILL, signal.SIGSTOP):
-        raise ConfigError(f"TFDIST_PREEMPT_SIGNAL={text!r}: {found.name} cannot be caught; "
-                          "use USR1, USR2 or TERM")
-    return found
+        return catchable_signal(text)
+    except ValueError as error:
+        raise ConfigError(f"TFDIST_PREEMPT_SIGNAL={text!r} {error}") from None
 
 
 def signals() -> tuple[signal.Signals, ...]:

@@ -99,8 +99,12 @@ def _text(text: str) -> str:
     return text.strip()
 
 
-def _signal(text: str) -> str:
-    """A signal a process can catch, as ``USR2``, ``SIGUSR2`` or its number."""
+def catchable_signal(text: str) -> signal.Signals:
+    """``USR2``, ``SIGUSR2`` or ``12`` as a signal a process can catch.
+
+    Raises:
+        ValueError: not a signal, or one that cannot be caught; the message says which to use.
+    """
     name = text.strip().upper()
     try:
         found = signal.Signals(int(name)) if name.isdigit() else signal.Signals[
@@ -110,6 +114,11 @@ def _signal(text: str) -> str:
                          "number") from None
     if found in (signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"names {found.name}, which cannot be caught: use USR1, USR2 or TERM")
+    return found
+
+
+def _signal(text: str) -> str:
+    catchable_signal(text)
     return text.strip()
 
 
