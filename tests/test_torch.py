@@ -174,7 +174,7 @@ def test_one_process_runs_the_same_code(plain_process, tmp_path):
                 dist.rendezvous.init_method) == ("ddp", "gloo", "cpu", None)
         assert tfdist.torch.init() is dist is tfdist.torch.current()
         model = dist.wrap(torch.nn.Linear(3, 2))
-        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        assert not isinstance(model, torch.nn.parallel.DistributedDataParallel)  # one process
         assert dist.average(torch.tensor(2.5)) == 2.5
         assert dist.average(3.0, weight=4) == 3.0
         assert dist.scale_lr(0.1) == 0.1
@@ -184,6 +184,52 @@ def test_one_process_runs_the_same_code(plain_process, tmp_path):
         assert os.listdir(tmp_path / "out") == ["model.pt"]  # no temporary file left
         dist.barrier()
     assert not torch.distributed.is_initialized() and tfdist.torch.current() is None
+
+
+def _small_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 2))
+
+
+def _train(model, optimizer, backward, x, y) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(3):
+        optimizer.zero_grad()
+        backward(torch.nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+
+
+def test_one_process_trains_without_ddp_as_a_plain_loop_does(plain_process, tmp_path, caplog):
+    # One process pays no DDP cost: wrap returns the model itself, and the handle's promises
+    # (backward, state_dict, save, unwrap, the optimizer returned) hold as on many processes.
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 4, generator=generator), torch.randint(0, 2, (16,),
+                                                                   generator=generator)
+    control = _small_net()
+    _train(control, torch.optim.SGD(control.parameters(), lr=0.1, momentum=0.9),
+           lambda loss: loss.backward(), x, y)
+    from tfdist.torch import handle
+
+    with caplog.at_level(logging.INFO, logger="tfdist"), tfdist.torch.distributed() as dist:
+        plain = _small_net()
+        steps = handle._steps[0]
+        model, optimizer = dist.wrap(plain, torch.optim.SGD(plain.parameters(), lr=0.1,
+                                                            momentum=0.9))
+        assert model is plain and tfdist.torch.unwrap(model) is plain
+        assert not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        with model.no_sync():  # DDP's, for gradient accumulation: nothing to hold back here
+            _train(model, optimizer, dist.backward, x, y)
+        assert handle._steps[0] - steps == 3  # the step count that names a failed peer
+        state = dist.state_dict(model)
+        assert list(state) == list(control.state_dict())  # no "module." prefix
+        for key, tensor in control.state_dict().items():
+            assert torch.equal(state[key], tensor), key  # bit for bit
+        assert dist.save(model, tmp_path / "model.pt")
+        _small_net().load_state_dict(torch.load(tmp_path / "model.pt"))  # a plain model's
+        with pytest.raises(TypeError, match="find_unused_parameter"):  # DDP's would refuse it
+            dist.wrap(_small_net(), find_unused_parameter=True)
+    assert "model not wrapped (one process: no DistributedDataParallel" in caplog.text
+    assert "one process, so dist.wrap leaves the model unwrapped" in caplog.text
 
 
 def test_an_error_inside_tears_the_group_down(plain_process):
@@ -356,6 +402,7 @@ def _assert_ddp_run(out: Path, launcher: str) -> list[dict]:
     weights, results = _results(out)
     assert [(r["rank"], r["size"], r["launcher"], r["backend"], r["collective"])
             for r in results] == [(0, 2, launcher, "ddp", "gloo"), (1, 2, launcher, "ddp", "gloo")]
+    assert {r["wrapped"] for r in results} == {"DistributedDataParallel"}  # two processes: DDP
     for a, b in zip(weights[0], weights[1], strict=True):
         np.testing.assert_array_equal(a, b)  # bit for bit, from different initial weights
     assert results[0]["losses"] == results[1]["losses"]  # averaged over the ranks

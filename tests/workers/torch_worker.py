@@ -52,7 +52,7 @@ def main(out_dir: str, mode: str) -> None:
         np.savez(os.path.join(out_dir, f"weights-{dist.rank}.npz"), **weights)
         result = {"rank": dist.rank, "size": dist.world_size, "local_rank": dist.local_rank,
                   "launcher": dist.environment.launcher, "backend": dist.backend,
-                  "collective": dist.collective,
+                  "collective": dist.collective, "wrapped": type(model).__name__,
                   "device": str(dist.device), "init_method": dist.rendezvous.init_method,
                   "losses": losses, "first_batches": first_batches}
         with open(os.path.join(out_dir, f"result-{dist.rank}.json"), "w") as f:

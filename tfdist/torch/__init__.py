@@ -3,7 +3,8 @@
     import tfdist.torch
 
     with tfdist.torch.distributed() as dist:   # torchrun, srun, tfdist launch or one process
-        model = dist.wrap(Net())               # DDP on this rank's GPU (NCCL), or CPU (gloo)
+        model = dist.wrap(Net())               # DDP on this rank's GPU (NCCL), or CPU (gloo);
+                                               # one process: Net() itself, on its device
         loader = dist.loader(train_set, batch_size=256)  # GLOBAL batch; epochs reshuffle
         optimizer = torch.optim.Adam(model.parameters(), lr=dist.scale_lr(1e-3))
         for epoch in range(epochs):

@@ -189,6 +189,12 @@ class TorchDistributed(ReplicaMath):
         return [float(v) for v in total.tolist()]
 
     @property
+    def wraps_with(self) -> str:
+        """What :meth:`wrap` does with the model, as the start-up line says it (wrapped by the
+        backend table's engine; DDP's says when one process leaves the model unwrapped)."""
+        return f"model wrapped by {self.facts.engine}"
+
+    @property
     def label(self) -> str:
         """The engine and its collective, as the doctor and the logs name them
         (``"torch deepspeed nccl"``; DDP's is ``"torch nccl"``)."""
@@ -321,7 +327,7 @@ def count_steps(module: torch.nn.Module, _: Any) -> None:
         _steps[0] += 1
 
 
-_steps = [0]  # forwards of DDP-wrapped models in training mode, in this process
+_steps = [0]  # forwards of wrapped models in training mode, in this process
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -381,9 +387,9 @@ def start_group(kind: type[_Handle], environment: ClusterEnvironment,
     heartbeat.start(environment, rendezvous.rank, rendezvous.world_size, settings.timeout_s,
                     store_rank=0 if (rendezvous.init_method or "").startswith("tcp://") else None)
     handle = kind(environment, rendezvous, chosen, device)
-    handle.log("tfdist: torch process group, %d process(es), %s over %s, device %s; "
-               "rendezvous: %s; launched by %s", handle.world_size, handle.facts.engine,
-               chosen, device, rendezvous.reason, environment.reason)
+    handle.log("tfdist: torch process group, %d process(es) over %s, device %s, %s; "
+               "rendezvous: %s; launched by %s", handle.world_size, chosen, device,
+               handle.wraps_with, rendezvous.reason, environment.reason)
     return handle
 
 
