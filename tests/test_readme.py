@@ -1,7 +1,9 @@
 """The README's commands run as written: every `tfdist job` and `tfdist launch` line of its bash
 blocks whose script is in this repository (not a placeholder such as train.py), except those
 that submit to Slurm (tests/test_slurm_jobs.py submits) or need Horovod's environment
-(tests/test_horovod.py launches it). The install recipes are run by tests/test_install.py."""
+(tests/test_horovod.py launches it). The install recipes are run by tests/test_install.py.
+Two promises of the text are held to what it shows: the log files step 5 names are those the
+job of step 3 writes, and the hand-written job script passes --cpus-per-task on to srun."""
 
 from __future__ import annotations
 
@@ -67,6 +69,40 @@ def test_the_five_steps_are_among_them():
     assert any(c.startswith("tfdist job --nodes 2 --gpus-per-node 4 --time 02:00:00")
                for c in README_COMMANDS), README_COMMANDS
     assert len(README_COMMANDS) >= 4, README_COMMANDS
+
+
+def _section(heading: str) -> str:
+    """The README's text under ``heading`` (a ``## `` heading), up to the next one (pure)."""
+    return (ROOT / "README.md").read_text().split(f"\n{heading}\n")[1].split("\n## ")[0]
+
+
+def test_step_5_names_the_log_files_that_step_3_renders():
+    steps = _section("## From one GPU to Slurm in five steps")
+    command = next(c for c in README_COMMANDS
+                   if c.startswith("tfdist job --nodes 2 --gpus-per-node 4 --time 02:00:00"))
+    run = subprocess.run([sys.executable, "-m", "tfdist", *shlex.split(command)[1:]], cwd=ROOT,
+                         env=clean_env(), capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert run.returncode == 0, run.stderr
+    script = run.stdout
+    # %x is the job's name, %j its id, %t the task (the rank): the names step 5 gives.
+    assert "#SBATCH --job-name=tfdist\n" in script and "#SBATCH --output=%x-%j.out\n" in script
+    training = script[:script.index("python examples/keras_train.py")]
+    training = training[training.rindex("srun "):]  # the step that starts the training
+    assert "--output=%x-%j-%t.out" in training, training
+    step_5 = steps.split("\n5. ")[1]
+    assert "`tfdist-JOBID.out`" in step_5 and "`tfdist-JOBID-RANK.out`" in step_5, step_5
+
+
+def test_the_hand_written_job_script_gives_srun_the_cpus_per_task():
+    # From Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch; it reads
+    # SRUN_CPUS_PER_TASK, which the script must export before its srun.
+    script = next(body for _, body in BLOCK.findall(_section("## On Slurm"))
+                  if body.startswith("#!/bin/bash"))
+    assert re.search(r"^#SBATCH --cpus-per-task=\d+", script, re.M), script
+    export = re.search(r"^export SRUN_CPUS_PER_TASK=\$SLURM_CPUS_PER_TASK\b", script, re.M)
+    assert export and export.start() < script.index("\nsrun "), script
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
 
 
 @pytest.fixture(scope="module")
