@@ -70,8 +70,6 @@ def init(collective: str | None = None, *, backend: str | None = None,
                           "init_process_group call and let tfdist.torch.init() create the group")
     environment = detect()
     chosen, why = choose_torch(settings.backend, environment)
-    if chosen == "ddp" and not environment.is_distributed:
-        why += "; one process, so dist.wrap leaves the model unwrapped"
     if environment.is_chief:
         logger.info("tfdist: torch backend %s: %s", chosen, why)
     module = importlib.import_module(facts.backend(chosen, facts.TORCH).module)
