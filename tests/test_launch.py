@@ -27,7 +27,7 @@ import pytest
 import tfdist.launch
 import tfdist.supervisor
 from tfdist.cli import build_parser, main
-from tfdist.devices import select_gpus, share
+from tfdist.devices import node_gpus, select_gpus, share
 from tfdist.doctor.report import ranges
 from tfdist.env import detect
 from tfdist.errors import ConfigError
@@ -824,10 +824,13 @@ def test_env_prints_the_detected_environment() -> None:
     from tfdist.env import detect
 
     fields = asdict(detect({"TF_CONFIG": TWO_WORKERS}))
-    # The plan: two processes from TF_CONFIG are MWMS workers; no GPU information here; the
-    # rest as tfdist doctor's table shows it.
+    # The plan: two processes from TF_CONFIG are MWMS workers; no GPU information here, so the
+    # node's GPU device files decide (NCCL and a replica per GPU where it has some); the rest
+    # as tfdist doctor's table shows it.
+    gpus = node_gpus()
     fields.update(backend="mwms", backend_reason=f"auto: 2 processes ({fields['reason']})",
-                  collective="ring", gpus="counted by the framework", replicas=1,
+                  collective="nccl" if gpus else "ring", gpus="counted by the framework",
+                  replicas=gpus // fields["local_world_size"] or 1,
                   cpus=ranges(os.sched_getaffinity(0)), host=socket.gethostname(),
                   versions=versions())
     # Only TF_CONFIG: a Slurm or MPI variable in the test's own environment would win.
