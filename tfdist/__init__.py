@@ -20,6 +20,7 @@ from tfdist.errors import (
     ReplicaMismatchError,
     TfdistError,
 )
+from tfdist.scratch import as_given as per_rank_files
 from tfdist.strategy import Distributed, current, init, strategy_scope
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "current",
     "detect",
     "init",
+    "per_rank_files",
     "strategy_scope",
 ]
 

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync
 from tfdist import model_dir as layout
-from tfdist.scratch import scratch_dir
+from tfdist.scratch import as_given, atomic_path, scratch_dir
 from tfdist.settings import resolve
 from tfdist.throughput import StepMeter, throughput_file
 
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
 __all__ = ["AtomicCheckpoint", "CallbackOptions", "ChiefOnly", "ChiefWrites", "LearningRateWarmup",
-           "PreemptionCheckpoint", "ThroughputMeter", "WorkerBackupAndRestore", "build",
-           "route_writer", "save", "scratch_dir"]
+           "PerRankFiles", "PreemptionCheckpoint", "ThroughputMeter", "WorkerBackupAndRestore",
+           "build", "route_writer", "save", "saves_model", "scratch_dir"]
 
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
@@ -137,21 +137,64 @@ class ChiefWrites(keras.callbacks.Callback):
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("on_") and name not in ("on_epoch_end", "on_train_end"):
-            return getattr(object.__getattribute__(self, "callback"), name)
+            hook = getattr(object.__getattribute__(self, "callback"), name)
+            # The chief's saves go through tfdist.writers (atomic); the others' already point
+            # into their scratch folder, where they are written as given.
+            return _as_given(hook) if object.__getattribute__(self, "scratch") else hook
         return object.__getattribute__(self, name)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.callback.on_epoch_end(epoch, logs)
+        with as_given() if self.scratch else contextlib.nullcontext():
+            self.callback.on_epoch_end(epoch, logs)
         if self.scratch and isinstance(self.callback, (AtomicCheckpoint,
                                                       keras.callbacks.ModelCheckpoint)):
             _empty(self.scratch)  # checkpoints may be large; logs stay open until the end
 
     def on_train_end(self, logs: Any = None) -> None:
         try:
-            self.callback.on_train_end(logs)
+            with as_given() if self.scratch else contextlib.nullcontext():
+                self.callback.on_train_end(logs)
         finally:
             if self.scratch:
                 shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _as_given(hook: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with as_given():
+            return hook(*args, **kwargs)
+
+    return run
+
+
+class PerRankFiles(keras.callbacks.Callback):
+    """Runs ``callback`` on every rank with its saves written where it says
+    (:func:`tfdist.scratch.as_given`): for a writer whose paths are this rank's own (a Keras 3
+    ``BackupAndRestore`` moved to ``backup_dir/rank-N``)."""
+
+    def __init__(self, callback: Any, root: str | None = None) -> None:
+        super().__init__()
+        self.callback, self.root = callback, root
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params: Any) -> None:
+        super().set_params(params)
+        self.callback.set_params(params)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("on_") and name != "on_train_end":
+            return _as_given(getattr(object.__getattribute__(self, "callback"), name))
+        return object.__getattribute__(self, name)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        with as_given():
+            self.callback.on_train_end(logs)
+        if self.root and getattr(self.callback, "delete_checkpoint", False):
+            with contextlib.suppress(OSError):  # another rank's folder is still there, or gone
+                os.rmdir(self.root)  # as Keras removes its backup_dir in one process
 
 
 def _empty(folder: str) -> None:
@@ -181,14 +224,8 @@ class AtomicCheckpoint(keras.callbacks.Callback):
 
 
 def _save_atomically(model: Any, path: str) -> None:
-    # Beside the target, so that the rename is atomic on the same file system.
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    # The process id keeps two writers of one path apart (several one-process jobs sharing a
-    # directory): each renames a complete file, the last one wins.
-    partial = os.path.join(os.path.dirname(path),
-                           f".partial-{os.getpid()}-{os.path.basename(path)}")
-    model.save(partial)
-    os.replace(partial, path)
+    with atomic_path(path) as partial, as_given():
+        model.save(partial)
 
 
 def save(dist: Distributed, model: Any, path: str) -> bool:
@@ -207,7 +244,8 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
     if dist.save_on_every_rank:
         scratch = scratch_dir(dist.rank)
         try:
-            model.save(os.path.join(scratch, os.path.basename(path)))
+            with as_given():
+                model.save(os.path.join(scratch, os.path.basename(path)))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return False
@@ -459,6 +497,10 @@ if _KERAS3:
             finally:
                 self._weights_path, self._training_metadata_path = own
 
+        def _save_model(self) -> None:
+            with as_given():  # this rank's own folder
+                super()._save_model()
+
         def on_train_end(self, logs: Any = None) -> None:
             super().on_train_end(logs)
             if self.delete_checkpoint:  # the other ranks remove theirs at the same moment
@@ -497,37 +539,68 @@ def route_writer(dist: Distributed, callback: Any, *, announce: bool = False) ->
     """``callback`` as it must run on this rank so that every file is written once.
 
     A file writer (:data:`_PATHS`) runs under :class:`ChiefWrites` where a save runs
-    collectives (``dist.save_on_every_rank``), else on the chief only; a Keras 3
-    ``BackupAndRestore`` gets a directory per rank; anything else is returned as it is.
+    collectives (``dist.save_on_every_rank``), else on the chief only; a ``BackupAndRestore``
+    gets a directory per rank where Keras would have every rank write one (Keras 3 always;
+    tf_keras without a multi-worker strategy, as under Horovod); anything else is returned as
+    it is.
 
     Args:
         dist: the handle.
         callback: a Keras callback.
-        announce: log on the chief that a callback of the user's was rerouted.
+        announce: log on the chief, once per kind of writer, that a callback of the user's was
+            rerouted.
     """
-    if dist.world_size == 1 or isinstance(callback, ChiefOnly | ChiefWrites):
+    if dist.world_size == 1 or isinstance(callback, ChiefOnly | ChiefWrites | PerRankFiles):
         return callback
-    if _KERAS3 and isinstance(callback, keras.callbacks.BackupAndRestore) and not isinstance(
+    if isinstance(callback, keras.callbacks.BackupAndRestore) and not isinstance(
             callback, WorkerBackupAndRestore):
+        if not _KERAS3 and _strategy_spans_workers(dist):
+            return callback  # tf_keras keeps the workers of its strategy apart itself
+        _announce(dist, callback, announce, "keeps one folder per rank, backup_dir/rank-N")
         return _backup_per_rank(callback, dist.rank)
     if _path_attribute(callback) is None:
         return callback
-    if announce and dist.is_chief:
-        logger.info("tfdist: %s writes from the chief only; the other ranks %s",
-                    type(callback).__name__, "write to a scratch directory that is removed"
-                    if dist.save_on_every_rank else "skip it")
+    _announce(dist, callback, announce, "writes from the chief only; the other ranks " + (
+        "write to a scratch directory that is removed" if dist.save_on_every_rank
+        else "skip it"))
     if dist.save_on_every_rank:
         return ChiefWrites(callback, dist.rank)
     return ChiefOnly(callback, dist.is_chief)
 
 
+_announced: set[tuple[str, str]] = set()
+
+
+def _announce(dist: Distributed, callback: Any, announce: bool, what: str) -> None:
+    key = (type(callback).__name__, what)
+    if announce and dist.is_chief and key not in _announced:
+        _announced.add(key)
+        logger.info("tfdist: %s %s", type(callback).__name__, what)
+
+
 def _backup_per_rank(callback: Any, rank: int) -> Any:
-    # Keras 3's BackupAndRestore would have every rank write (and race on) one directory.
-    folder = os.path.join(callback.backup_dir, f"rank-{rank}")
+    """The user's ``BackupAndRestore`` moved to ``backup_dir/rank-N``: one writer per folder."""
+    root = str(callback.backup_dir)
+    folder = os.path.join(root, f"rank-{rank}")
     callback.backup_dir = folder
-    callback._weights_path = os.path.join(folder, "latest.weights.h5")
-    callback._training_metadata_path = os.path.join(folder, "training_metadata.json")
-    return callback
+    if not _KERAS3:
+        return callback  # tf_keras reads backup_dir when training begins
+    # Keras 3 derives its files' paths in __init__: move each one into the rank's folder.
+    for name in ("_weights_path", "_training_metadata_path", "_prev_weights_path",
+                 "_prev_training_metadata_path"):
+        if isinstance(getattr(callback, name, None), str):
+            setattr(callback, name, os.path.join(folder, os.path.relpath(
+                getattr(callback, name), root)))
+    return PerRankFiles(callback, root)  # its saves are this rank's own: written as given
+
+
+def saves_model(callback: Any) -> bool:
+    """Whether ``callback`` saves the model (a checkpoint or a backup, also under tfdist's
+    wrappers): under MultiWorkerMirroredStrategy every rank must run such a save."""
+    inner = getattr(callback, "callback", None) if isinstance(
+        callback, ChiefOnly | ChiefWrites | PerRankFiles) else callback
+    return isinstance(inner, AtomicCheckpoint | keras.callbacks.ModelCheckpoint
+                      | keras.callbacks.BackupAndRestore)
 
 
 def _tensorboard_installed(dist: Distributed) -> bool:

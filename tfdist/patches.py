@@ -156,6 +156,19 @@ INVENTORY: tuple[Patch, ...] = (
           "averaged, fit splits arrays by rank and broadcasts rank 0's initial state, evaluate "
           "returns the metrics over every rank's examples, and Keras 3 builds the model before "
           "the first step", _horovod),
+    Patch("user-writers", "keras.Model.fit", "tfdist.writers",
+          "several processes, every TensorFlow backend",
+          "the ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard a script passes "
+          "straight to fit would all write one path from every rank; routes them as "
+          "dist.callbacks() does (the chief writes; a backup folder per rank), and refuses "
+          "checkpoints passed on some ranks only where a save runs collectives",
+          lambda w: w.several_processes and w.backend.framework == TF),
+    Patch("save-once", "keras.Model.save/save_weights", "tfdist.writers",
+          "several processes, every TensorFlow backend",
+          "model.save on every rank would write one path from every rank at once; the chief "
+          "writes it (atomically), the others a scratch copy that is removed (MWMS: the save "
+          "runs collectives) or nothing (Horovod)",
+          lambda w: w.several_processes and w.backend.framework == TF),
     Patch("failure-line", "sys.excepthook", "tfdist.failures",
           "several processes, every backend",
           "after an uncaught error, one line naming the failed or stopped peer's rank, host "

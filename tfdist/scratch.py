@@ -2,15 +2,23 @@
 
 Under MultiWorkerMirroredStrategy every worker runs a save (it may run collectives), but only the
 chief's copy is kept: the others write into a private scratch folder that is thrown away.
+
+Also the two rules every writer of tfdist's follows: a file is written under a temporary name
+beside it and renamed (:func:`atomic_path`), and inside :func:`as_given` a save writes where it
+is told, on every rank (:mod:`tfdist.writers` routes the others to the chief).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 
-__all__ = ["remove_scratch_dirs", "scratch_dir"]
+__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "scratch_dir", "writes_as_given"]
 
 _made: list[str] = []
 
@@ -30,3 +38,43 @@ def remove_scratch_dirs() -> None:
     """Removes every scratch directory made so far (for an exit that skips ``atexit``)."""
     while _made:
         shutil.rmtree(_made.pop(), ignore_errors=True)
+
+
+_as_given = threading.local()
+
+
+@contextlib.contextmanager
+def as_given() -> Iterator[None]:
+    """Inside, ``model.save`` and ``save_weights`` write exactly where they are told, on every
+    rank: for files that differ per rank, and for tfdist's own writers, which route themselves.
+    Outside, under several workers, :mod:`tfdist.writers` writes them once, from the chief."""
+    _as_given.depth = getattr(_as_given, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _as_given.depth -= 1
+
+
+def writes_as_given() -> bool:
+    """Whether this thread is inside :func:`as_given`."""
+    return getattr(_as_given, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A temporary name beside ``path`` to write to; renamed to ``path`` when the block ends
+    without an error, removed when it raises. A job killed mid-write leaves the previous file.
+
+    The process id keeps two writers of one path apart (several one-process jobs sharing a
+    folder): each renames a complete file, and the last one wins.
+    """
+    folder = os.path.dirname(path)
+    os.makedirs(folder or ".", exist_ok=True)
+    partial = os.path.join(folder, f".partial-{os.getpid()}-{os.path.basename(path)}")
+    try:
+        yield partial
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+    os.replace(partial, path)

@@ -15,6 +15,20 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   and one more epoch trains it to the same weights on every rank.
 - ``user_writers``: the user's own ModelCheckpoint and CSVLogger passed to every rank
   (``dist.callbacks(checkpoint, logger)``): they must land once, from the chief, loadable.
+- ``fit_writers``: a Keras tutorial's writers passed straight to ``fit`` (no
+  ``dist.callbacks``), outside the scope: ModelCheckpoint, BackupAndRestore, CSVLogger and
+  TensorBoard (where installed), then ``model.save`` and ``save_weights`` on every rank. Every
+  file must land once, loadable, holding the final weights; a recording checkpoint notes the
+  path each rank's save was given.
+- ``fit_writers_inside``: ``[ModelCheckpoint(weights only)] + dist.callbacks()`` with ``fit``
+  inside the scope; ``model.save`` inside ``tfdist.per_rank_files()`` writes each rank's own
+  file.
+- ``chief_only_writer``: Horovod's habit, a ModelCheckpoint on rank 0 alone: under MWMS
+  refused on every rank before the first step (a save runs collectives there); under Horovod
+  it trains and the chief's file loads.
+- ``control_writers_unrouted``: the recording checkpoint passed to ``fit`` as Keras has it,
+  without tfdist's routing: every rank's save is given the one path (the race the routing
+  removes).
 - ``lazy_model``: a Sequential model without ``keras.Input`` (Horovod's MNIST example), and a
   subclassed one: built lazily, yet every rank must start from rank 0's weights.
 - ``numpy``: ``fit(x, y, batch_size=...)`` on arrays: each rank must train on its share; a layer
@@ -86,6 +100,10 @@ def main(out_dir: str, backend: str) -> None:
         "inside_scope": lambda: _model_dir(dist, keras, tf, out_dir, inside_scope=True),
         "reload": lambda: _reload(dist, keras, tf, out_dir),
         "user_writers": lambda: _user_writers(dist, keras, tf, out_dir),
+        "fit_writers": lambda: _fit_writers(dist, keras, tf, out_dir),
+        "fit_writers_inside": lambda: _fit_writers_inside(dist, keras, tf, out_dir),
+        "chief_only_writer": lambda: _chief_only_writer(dist, keras, tf, out_dir),
+        "control_writers_unrouted": lambda: _control_unrouted(dist, keras, tf, out_dir),
         "lazy_model": lambda: _lazy_model(dist, keras, tf),
         "numpy": lambda: _numpy(dist, keras),
         "steps_per_execution": lambda: _steps_per_execution(dist, keras, tf),
@@ -199,6 +217,109 @@ def _user_writers(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any
     model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
               callbacks=dist.callbacks(checkpoint, logger))
     return {"digest": _digest(model)}
+
+
+def _recording_checkpoint(keras: Any, path: str) -> Any:
+    """A ModelCheckpoint that writes nothing: it notes the path each save was given."""
+    class Recording(keras.callbacks.ModelCheckpoint):
+        def __init__(self, filepath: str) -> None:
+            super().__init__(filepath)
+            self.given: list[str] = []
+
+        def _save_model(self, *args: Any, **kwargs: Any) -> None:
+            self.given.append(str(self.filepath))
+
+    return Recording(path)
+
+
+def _digests_of_files(dist: Any, keras: Any, folder: str, *names: str) -> dict[str, str]:
+    """Each file loaded by Keras on this rank, after every rank's saves: the digest of its
+    weights (``*.keras``: load_model; ``*.weights.h5``: load_weights into a new model)."""
+    dist.sum_over_ranks([1.0])  # every rank has saved: the chief's renames are done
+    found = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        if name.endswith(".keras"):
+            found[name] = _digest(keras.models.load_model(path))
+        else:
+            model = _model(keras)
+            model.load_weights(path)
+            found[name] = _digest(model)
+    return found
+
+
+def _fit_writers(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
+    import importlib.util
+
+    keras.utils.set_random_seed(1 + dist.rank)  # rank 0's weights must win
+    folder = os.path.join(out_dir, "fit_writers")
+    os.makedirs(folder, exist_ok=True)  # CSVLogger opens its file without making folders
+    with dist.scope():
+        model = _model(keras)
+        _compile(model, keras)
+    writers = [keras.callbacks.ModelCheckpoint(os.path.join(folder, "checkpoint.keras")),
+               keras.callbacks.BackupAndRestore(os.path.join(folder, "backup")),
+               keras.callbacks.CSVLogger(os.path.join(folder, "log.csv"))]
+    if importlib.util.find_spec("tensorboard") is not None:
+        writers.append(keras.callbacks.TensorBoard(os.path.join(folder, "logs")))
+    recorder = _recording_checkpoint(keras, os.path.join(folder, "recorded.keras"))
+    model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+              callbacks=[*writers, recorder])
+    model.save(os.path.join(folder, "final.keras"))
+    model.save_weights(os.path.join(folder, "final.weights.h5"))
+    return {"digest": _digest(model), "given": recorder.given,
+            "files": _digests_of_files(dist, keras, folder, "checkpoint.keras", "final.keras",
+                                       "final.weights.h5")}
+
+
+def _fit_writers_inside(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
+    keras.utils.set_random_seed(1 + dist.rank)
+    folder = os.path.join(out_dir, "fit_writers_inside")
+    with dist.scope():
+        model = _model(keras)
+        _compile(model, keras)
+        checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(folder, "w.weights.h5"),
+                                                     save_weights_only=True)
+        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+                  callbacks=[checkpoint, *dist.callbacks()])
+    with tfdist.per_rank_files():  # each rank's own file, written as given
+        model.save(os.path.join(folder, f"rank-{dist.rank}.keras"))
+    return {"digest": _digest(model),
+            "files": _digests_of_files(dist, keras, folder, "w.weights.h5", "rank-0.keras",
+                                       "rank-1.keras")}
+
+
+def _chief_only_writer(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
+    keras.utils.set_random_seed(1)
+    folder = os.path.join(out_dir, "chief_only")
+    with dist.scope():
+        model = _model(keras)
+        _compile(model, keras)
+    mine = ([keras.callbacks.ModelCheckpoint(os.path.join(folder, "c.keras"))]
+            if dist.rank == 0 else [])
+    try:
+        model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=2, verbose=0,
+                  callbacks=mine)
+    except tfdist.ConfigError as error:
+        return {"refused": str(error), "steps": int(model.optimizer.iterations.numpy())}
+    return {"refused": None, "digest": _digest(model),
+            "files": _digests_of_files(dist, keras, folder, "c.keras")}
+
+
+def _control_unrouted(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
+    """fit as Keras has it, below tfdist's routing (the patch's original)."""
+    from tfdist import patches
+
+    with dist.scope():
+        model = _model(keras)
+        _compile(model, keras)
+    routed = type(model).fit
+    original = getattr(routed, patches._MARK)[1]
+    assert getattr(routed, patches._MARK)[0] == "user-writers", getattr(routed, patches._MARK)
+    recorder = _recording_checkpoint(keras, os.path.join(out_dir, "unrouted", "r.keras"))
+    original(model, dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=1, verbose=0,
+             callbacks=[recorder])
+    return {"given": recorder.given}
 
 
 def _lazy_model(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:

@@ -97,4 +97,8 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     keras_compat.repair_eager_record()
     keras_compat.keras2_random_generator()
     keras_input.track()  # where fit's input stands, so a preempted fit resumes at its batch
+    if handle.world_size > 1:
+        from tfdist import writers
+
+        writers.install(handle)  # the user's own writers and saves: once, from the chief
     return handle
