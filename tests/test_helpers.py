@@ -146,3 +146,23 @@ def test_the_end_of_data_check_is_dropped_only_where_every_worker_gets_as_many_b
 
     dataset, expected = _end_check_cases()[case]
     assert _same_steps_on_every_worker(dataset) is expected
+
+
+BATCH_LINES = {
+    # name: (global batch, replicas, expected line start, looks per-worker)
+    "splits evenly": (64, 2, "global batch 64 = 32 per replica x 2 replicas", False),
+    "one replica": (64, 1, "global batch 64, one replica", False),
+    "uneven": (33, 2, "global batch 33 does not split over 2 replicas (16 or 17 each)", True),
+    "fewer rows than replicas": (2, 4, "global batch 2 does not split over 4 replicas (some "
+                                 "get no examples)", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BATCH_LINES))
+def test_the_batch_line_names_a_batch_that_looks_per_worker(case):
+    from tfdist.replicas import batch_line
+
+    batch, replicas, start, odd = BATCH_LINES[case]
+    line, looks_per_worker = batch_line(batch, replicas)
+    assert line.startswith(start) and looks_per_worker == odd, line
+    assert ("GLOBAL batch size" in line) == odd, line

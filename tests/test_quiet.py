@@ -199,6 +199,49 @@ def test_other_ranks_leave_library_warnings_and_info_to_the_chief():
         assert line not in found["other"], found["other"]
 
 
+_USERS_SCRIPT = textwrap.dedent("""
+    import logging, sys
+    if sys.argv[1] == "configured":  # the script's own logging: its handler prints tfdist's lines
+        logging.basicConfig(level=logging.INFO, format="mine: %(message)s")
+    import numpy as np
+    import tfdist
+    with tfdist.strategy_scope() as dist:
+        import tensorflow as tf
+        model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((np.zeros((64, 4), "float32"),
+                                               np.zeros((64, 1), "float32")))
+    dist.shard(data.batch(33))  # does not split over 2 replicas: looks per-worker
+    model.fit(dist.shard(data.batch(16)), epochs=2, verbose=0, callbacks=dist.callbacks())
+""")
+
+
+@pytest.mark.multiprocess
+def test_tfdists_own_lines_show_in_a_users_script_once():
+    # A plain script (no absl, no logging set-up): tfdist's start-up, batch and throughput lines
+    # on stderr, epochs numbered as Keras numbers them; a script that configures logging gets
+    # them through its own handler, once. Two CPU replicas in one process stand in for 2 GPUs.
+    found = {}
+    for how in ("plain", "configured"):
+        run = subprocess.run([sys.executable, "-c", _USERS_SCRIPT, how], cwd=ROOT,
+                             env=_env(TFDIST_BACKEND="mirrored", TFDIST_CPU_REPLICAS="2"),
+                             capture_output=True, text=True, timeout=120, check=True)
+        found[how] = run.stderr.splitlines()
+    prefix = {"plain": "", "configured": "mine: "}
+    for how, lines in found.items():
+        def one(start: str, lines: list[str] = lines, how: str = how) -> str:
+            hits = [line for line in lines if line.startswith(prefix[how] + start)]
+            assert len(hits) == 1, (start, lines)
+            return hits[0]
+
+        one("tfdist: backend mirrored")
+        one("tfdist: global batch 16 = 8 per replica x 2 replicas")
+        assert "looks per-worker" in one("tfdist: global batch 33 does not split")
+        one("tfdist: epoch 1: ")
+        one("tfdist: epoch 2: ")
+        assert not [line for line in lines if line.startswith(prefix[how] + "tfdist: epoch 0")]
+
+
 _NOISY_WORKER = textwrap.dedent("""
     import os, sys
     print("TF_CPP_MIN_LOG_LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"), flush=True)

@@ -57,10 +57,11 @@ def test_describe_says_examples_or_steps_per_second():
     record = {"epoch": 2, "workers": 2, "step_time_s": {"median": 0.0125, "q1": 0.012,
                                                          "q3": 0.014},
               "examples_per_s": {"total": 5120.0, "per_worker": 2560.0}}
+    # Keras's numbering: the record's 0-based index 2 is the progress bar's "Epoch 3/N"
     assert throughput.describe(record) == (
-        "epoch 2: 5,120 examples/s (2,560 per worker), step 12.5 ms (12.0-14.0), 2 worker(s)")
+        "epoch 3: 5,120 examples/s (2,560 per worker), step 12.5 ms (12.0-14.0), 2 worker(s)")
     assert throughput.describe({**record, "examples_per_s": None}).startswith(
-        "epoch 2: 80.0 steps/s, step 12.5 ms")
+        "epoch 3: 80.0 steps/s, step 12.5 ms")
 
 
 def _datasets():

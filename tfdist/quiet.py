@@ -169,3 +169,26 @@ def quiet_other_ranks(is_chief: bool) -> None:
     tfdist_logger = logging.getLogger("tfdist")
     if tfdist_logger.level == logging.NOTSET:
         tfdist_logger.setLevel(logging.WARNING)
+
+
+class _OwnLines(logging.StreamHandler):  # type: ignore[type-arg]
+    """tfdist's own lines, as they are, where the script configured no logging: with a handler
+    on the root logger (``logging.basicConfig``, absl's ``app.run``) the script's handlers print
+    them instead, so nothing is printed twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def show_own_lines(is_chief: bool) -> None:
+    """Shows tfdist's status lines (start-up, batch, throughput, preemption) in any script: on
+    the chief its INFO lines, on the other ranks its warnings and errors. A level the script set
+    on the ``tfdist`` logger stays. Once per process."""
+    tfdist_logger = logging.getLogger("tfdist")
+    if not any(isinstance(handler, _OwnLines) for handler in tfdist_logger.handlers):
+        handler = _OwnLines(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        tfdist_logger.addHandler(handler)
+    if tfdist_logger.level == logging.NOTSET:
+        tfdist_logger.setLevel(logging.INFO if is_chief else logging.WARNING)

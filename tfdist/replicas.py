@@ -119,3 +119,23 @@ class HandleCache(Generic[_Handle]):
         """Forgets the handle and returns it."""
         handle, self.handle, self.settings = self.handle, None, None
         return handle
+
+
+def batch_line(global_batch: int, num_replicas: int) -> tuple[str, bool]:
+    """The line ``dist.shard`` logs on the chief about the batch it splits, and whether the
+    batch looks per-worker (it cannot be split evenly over the replicas) (pure).
+
+    A per-worker batch that happens to split evenly (``ds.batch(64 // world_size)``) cannot be
+    told from a small global one: the line shows the per-replica batch, so the numbers say it.
+    """
+    each, left = divmod(global_batch, num_replicas)
+    if num_replicas == 1:
+        return f"global batch {global_batch}, one replica", False
+    if left == 0:
+        return (f"global batch {global_batch} = {each} per replica x {num_replicas} "
+                "replicas (dist.shard splits the dataset's batch)"), False
+    return (f"global batch {global_batch} does not split over {num_replicas} replicas "
+            f"({'some get no examples' if each == 0 else f'{each} or {each + 1} each'}): it "
+            f"looks per-worker. Batch the dataset with the GLOBAL batch size, "
+            f"per-replica batch x {num_replicas} (dist.global_batch_size(n)); dist.shard "
+            "splits it"), True

@@ -58,6 +58,7 @@ def init(backend: str | None = None, *, collective: str | None = None,
     if cached is not None:
         return cached
     environment = detect()
+    quiet.show_own_lines(environment.is_chief)
     chosen, why = backends.choose(settings["backend"], environment)
     if environment.is_chief:
         logger.info("tfdist: backend %s: %s", chosen, why)

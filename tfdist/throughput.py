@@ -189,7 +189,9 @@ def describe(record: dict[str, Any]) -> str:
     else:
         rate = (f"{examples['total']:,.0f} examples/s ({examples['per_worker']:,.0f} per "
                 "worker)")
-    return f"epoch {record['epoch']}: {rate}, {timing}, {record['workers']} worker(s)"
+    # Numbered as Keras's progress bar numbers it (the record keeps fit's 0-based index, as
+    # History and CSVLogger do).
+    return f"epoch {record['epoch'] + 1}: {rate}, {timing}, {record['workers']} worker(s)"
 
 
 def _cores() -> int:

@@ -11,6 +11,7 @@ check). TensorFlow is imported inside the functions that need it only.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -20,6 +21,8 @@ from tfdist.devices import affinity_thread_count
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import InitOrderError
 from tfdist.replicas import ReplicaMath
+
+logger = logging.getLogger("tfdist")
 
 if TYPE_CHECKING:
     import numpy as np
@@ -61,6 +64,7 @@ class Distributed(ReplicaMath):
         self.strategy = strategy
         self.collective = collective
         self.num_gpus = num_gpus
+        self._batch_lines: set[tuple[str, bool]] = set()
         self.sharded_batch_size: int | None = None
 
     @property
@@ -113,8 +117,14 @@ class Distributed(ReplicaMath):
             ConfigError: an unknown policy, or fewer files than workers.
         """
         from tfdist import sharding, throughput
+        from tfdist.replicas import batch_line
 
         self.sharded_batch_size = throughput.batch_size_of(dataset)
+        if self.sharded_batch_size and self.is_chief and policy != "off":
+            line, odd = batch_line(self.sharded_batch_size, self.num_replicas)
+            if (line, odd) not in self._batch_lines:  # once per batch size
+                self._batch_lines.add((line, odd))
+                logger.log(logging.WARNING if odd else logging.INFO, "tfdist: %s", line)
         return sharding.shard(dataset, self, policy, num_files=num_files)
 
     def shard_files(self, files: list[str]) -> list[str]:
