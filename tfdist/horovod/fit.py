@@ -170,9 +170,18 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
         bound = signature.bind(self, *args, **kwargs)
         if world_size > 1 and _is_arrays(bound.arguments.get("x")):
             bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
+        given = bound.arguments.get("callbacks")
+        if world_size > 1 and (given is None or isinstance(given, list | tuple)) and not any(
+                type(c).__name__ in _BROADCASTS for c in given or ()):
+            # A script's own fit, without dist.callbacks(): rank 0's initial state and the
+            # epoch's averaged logs all the same, or the ranks would train apart.
+            bound.arguments["callbacks"] = [*callbacks(), *(given or ())]
         return original(*bound.args, **bound.kwargs)
 
     return fit
+
+
+_BROADCASTS = ("BroadcastInitialState", "BroadcastGlobalVariablesCallback")
 
 
 def _build_hook(original: Any) -> Any:
