@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as torch_dist
 
+from tfdist import quiet
 from tfdist.backends import choose_torch, facts
 from tfdist.env import detect
 from tfdist.errors import ConfigError
@@ -69,6 +70,7 @@ def init(collective: str | None = None, *, backend: str | None = None,
         raise ConfigError("torch.distributed was initialised outside tfdist: remove your "
                           "init_process_group call and let tfdist.torch.init() create the group")
     environment = detect()
+    quiet.show_own_lines(environment.is_chief)  # tfdist's lines in any script, as for Keras
     chosen, why = choose_torch(settings.backend, environment)
     if environment.is_chief:
         logger.info("tfdist: torch backend %s: %s", chosen, why)
