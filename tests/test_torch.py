@@ -606,7 +606,7 @@ def test_example_in_one_plain_process():
 @needs_example
 def test_example_trains_on_the_gpu_under_tfdist_launch():
     # The machine's GPUs (the gpu mark): one worker trains on the first through NCCL, as
-    # checked by hand in the README's Supported versions.
+    # checked by hand (docs/versions.md, 'Checked by hand on one GPU').
     if torch.version.cuda is None:  # read from the build, without starting CUDA here
         pytest.skip(f"torch {torch.__version__} is a CPU build: a CUDA build trains on the GPU")
     env = clean_env()
