@@ -249,4 +249,6 @@ def test_a_rank_that_stops_entering_collectives_ends_the_others_wait_only_with_t
     else:
         assert "tfdist launch: worker 0 exited with code 1" in timed.output, timed.output
     assert timed.proc.returncode != 0
-    assert "tfdist:" not in "".join(control.lines), control.output
+    # The control gave up nowhere (tfdist's start-up and batch lines it does print)
+    assert not [line for line in control.lines if _LINE.search(line) or _CRASH_LINE.search(line)
+                or "waited more than" in line], control.output
