@@ -55,6 +55,13 @@ x = tf.zeros((16, 1))
 model.fit(x, x, batch_size=4, epochs=3, verbose=0,
           callbacks=[LearningRateWarmup(2, dist.num_replicas), Record()])
 out["rates"] = rates
+with dist.scope():  # a schedule sets the rate every step: the warmup refuses it, with the fix
+    scheduled = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    scheduled.compile(loss="mse", optimizer=keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)))
+out["schedule"] = error(lambda: scheduled.fit(
+    x, x, batch_size=4, epochs=1, verbose=0, callbacks=[LearningRateWarmup(2, 2)]))
+out["schedule_steps"] = int(scheduled.optimizer.iterations.numpy())
 print(json.dumps(out))
 """
 
@@ -82,6 +89,12 @@ def test_file_sharding_is_refused_unless_every_worker_gets_a_file(helpers):
     assert "policy='data'" in helpers["few_files"]
     assert "'rows' is not one of" in helpers["bad_policy"]
     assert helpers["data_policy"] is True
+
+
+def test_warmup_refuses_a_learning_rate_schedule_before_the_first_step(helpers):
+    assert "ExponentialDecay schedule, which sets the rate every step" in helpers["schedule"]
+    assert "warmup_steps and warmup_target" in helpers["schedule"]
+    assert helpers["schedule_steps"] == 0
 
 
 def test_warmup_ramps_from_the_unscaled_rate_to_the_scaled_one(helpers):
@@ -166,3 +179,38 @@ def test_the_batch_line_names_a_batch_that_looks_per_worker(case):
     line, looks_per_worker = batch_line(batch, replicas)
     assert line.startswith(start) and looks_per_worker == odd, line
     assert ("GLOBAL batch size" in line) == odd, line
+
+
+SHUFFLES = {
+    # name: (the pipeline from tf and a dataset of 10 rows, unseeded shuffle seen)
+    "no shuffle": (lambda tf, d: d.batch(4), False),
+    "unseeded": (lambda tf, d: d.shuffle(10).batch(4), True),
+    "seeded": (lambda tf, d: d.shuffle(10, seed=1).batch(4), False),
+    "unseeded under map, batch and prefetch": (
+        lambda tf, d: d.shuffle(10).map(lambda x: x + 1).batch(4).prefetch(1), True),
+    "unseeded inside a zip": (
+        lambda tf, d: tf.data.Dataset.zip((d.shuffle(10, seed=2), d.shuffle(10))).batch(4),
+        True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHUFFLES))
+def test_an_unseeded_shuffle_is_seen_before_the_split(case):
+    import tensorflow as tf
+
+    from tfdist.sharding import unseeded_shuffle
+
+    build, expected = SHUFFLES[case]
+    assert unseeded_shuffle(build(tf, tf.data.Dataset.range(10))) is expected
+
+
+def test_a_global_seed_seeds_every_shuffle():
+    import tensorflow as tf
+
+    from tfdist.sharding import unseeded_shuffle
+
+    tf.random.set_seed(3)
+    try:
+        assert not unseeded_shuffle(tf.data.Dataset.range(10).shuffle(10))
+    finally:
+        tf.random.set_seed(None)

@@ -435,7 +435,19 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self._epoch = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
-        self.target = float(keras.backend.get_value(self.model.optimizer.learning_rate))
+        optimizer = self.model.optimizer
+        schedule = getattr(optimizer, "_learning_rate", None)
+        if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+            # It sets the rate every step: Keras 3 fails on the rate it returns, tf_keras
+            # overwrites the warmup's. The same answer on every rank, before any step.
+            from tfdist.errors import ConfigError
+
+            raise ConfigError(
+                f"dist.callbacks(warmup_epochs=...) ramps a constant learning rate, but this "
+                f"optimizer's is a {type(schedule).__name__} schedule, which sets the rate every "
+                "step. Put the warmup in the schedule (keras.optimizers.schedules.CosineDecay's "
+                "warmup_steps and warmup_target) and drop warmup_epochs")
+        self.target = float(keras.backend.get_value(optimizer.learning_rate))
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch

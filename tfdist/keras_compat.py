@@ -334,10 +334,15 @@ def _wrap_logs_mode(original: Any) -> Any:
 
     signature = inspect.signature(original)
 
+    training = original.__name__ == "fit"
+
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_multi_worker(self.distribute_strategy):
             return original(self, *args, **kwargs)
+        if training:
+            check_optimizer(getattr(self, "optimizer", None),
+                            self.distribute_strategy.extended.should_checkpoint)
         try:
             callbacks = signature.bind_partial(self, *args, **kwargs).arguments.get("callbacks")
         except TypeError:  # a wrong argument: Keras's own call below says which
@@ -358,6 +363,42 @@ def _wrap_logs_mode(original: Any) -> Any:
             _global_step_logs.pop()
 
     return run
+
+
+def check_optimizer(optimizer: Any, is_chief: bool = True) -> None:
+    """What Keras 3's optimizer does differently on several MWMS workers, before the first step:
+    ``gradient_accumulation_steps`` fails upstream ("merge_call called while defining a new
+    graph"): refused with the fix; clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``)
+    is applied to each replica's gradients before they are averaged, not to the average as in
+    one process: one warning saying so.
+
+    Raises:
+        ConfigError: ``gradient_accumulation_steps`` is set.
+    """
+    if optimizer is None:
+        return
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        from tfdist.errors import ConfigError
+
+        raise ConfigError(
+            f"{type(optimizer).__name__}(gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}) fails in Keras 3 under several "
+            "MultiWorkerMirroredStrategy workers (upstream: 'merge_call called while defining "
+            "a new graph'). Raise the global batch instead (more workers already add to it), "
+            "or train with backend='horovod', which accumulates correctly")
+    clipping = {name: getattr(optimizer, name, None)
+                for name in ("clipnorm", "global_clipnorm", "clipvalue")}
+    clipping = {name: value for name, value in clipping.items() if value is not None}
+    if clipping and is_chief and "clipping" not in _optimizer_warned:
+        _optimizer_warned.add("clipping")
+        logger.warning(
+            "tfdist: %s clips each replica's gradients before they are averaged (Keras 3 "
+            "under tf.distribute), not their average as one process does: the weights differ "
+            "from one process's while clipping is active. backend='horovod' or tf_keras clip "
+            "the averaged gradients", ", ".join(f"{k}={v}" for k, v in clipping.items()))
+
+
+_optimizer_warned: set[str] = set()
 
 
 # id(distributed iterator) -> (first step of the chunk being run, steps in the epoch or None)

@@ -105,7 +105,9 @@ INVENTORY: tuple[Patch, ...] = (
     Patch("keras3-step-logs", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate",
           "tfdist.keras_compat", _KERAS3_FIX,
           "decides per fit/evaluate whether each step's logs are averaged over the workers (a "
-          "collective per step) or each worker's own, from the callbacks that read them",
+          "collective per step) or each worker's own, from the callbacks that read them; "
+          "before fit's first step, refuses gradient_accumulation_steps (it fails upstream) "
+          "and warns that clipping applies to each replica's gradients",
           _keras3_fix),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras_compat", "TF_USE_LEGACY_KERAS=1 and Keras 3 imported, several workers",
@@ -141,6 +143,17 @@ INVENTORY: tuple[Patch, ...] = (
           "drops the per-step collective that asks whether every worker still has a batch, "
           "only for a dataset split by DATA with a constant batch (every worker gets as many "
           "batches); every other dataset keeps it", _mwms),
+    Patch("arrays-one-order", "keras.Model.fit", "tfdist.sharding",
+          "MWMS on several workers",
+          "Keras shuffles fit's arrays with each worker's own random state, so the workers split "
+          "different permutations (rows trained twice an epoch, others never); with shuffle on, "
+          "the arrays become one dataset shuffled the same way on every worker (one seed), "
+          "split by DATA", _mwms),
+    Patch("arrays-shuffle-seed", "tensorflow.python.data.util.random_seed.get_seed",
+          "tfdist.sharding", "while fit's shuffled arrays become one dataset (MWMS, Horovod)",
+          "a shuffle's seed is paired with the process's global seed, which scripts often set "
+          "per rank; the two seeds of that one shuffle are fixed, so every rank draws the same "
+          "permutation each epoch", lambda w: _mwms(w) or _horovod(w)),
     Patch("mwms-cpu-replicas",
           "tensorflow.python.distribute.collective_all_reduce_strategy."
           "CollectiveAllReduceExtended._initialize_local_devices",
@@ -149,13 +162,14 @@ INVENTORY: tuple[Patch, ...] = (
           "TensorFlow gives a CPU worker one replica whatever logical CPUs exist; the stand-in "
           "for several GPUs per worker gives it one per logical CPU",
           lambda w: _mwms(w) and not w.gpus and w.cpu_replicas > 1),
-    Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/evaluate, "
+    Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/evaluate/predict, "
           f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build", "tfdist.horovod.fit",
           "backend horovod",
           "Model.fit behaves as under MWMS: compile wraps the optimizer so gradients are "
           "averaged, fit splits arrays by rank and broadcasts rank 0's initial state, evaluate "
-          "returns the metrics over every rank's examples, and Keras 3 builds the model before "
-          "the first step", _horovod),
+          "returns the metrics over every rank's examples, predict on a dataset dist.shard "
+          "split returns every row in order, and Keras 3 builds the model before the first "
+          "step", _horovod),
     Patch("user-writers", "keras.Model.fit", "tfdist.writers",
           "several processes, every TensorFlow backend",
           "the ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard a script passes "

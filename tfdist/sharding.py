@@ -9,7 +9,7 @@ every backend: MWMS sets tf.distribute's policy here, Horovod splits in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tfdist.errors import ConfigError
@@ -17,7 +17,9 @@ from tfdist.errors import ConfigError
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["POLICIES", "check", "shard", "shard_files", "skip_end_checks", "with_policy"]
+__all__ = ["POLICIES", "UNSEEDED_SHUFFLE", "agree_on_arrays", "arrays_as_dataset", "check",
+           "is_arrays", "shard", "shard_files", "skip_end_checks", "unseeded_shuffle",
+           "with_policy"]
 
 POLICIES = ("data", "file", "off")
 
@@ -30,9 +32,10 @@ def shard(dataset: Any, dist: Distributed, policy: str = "data", *,
         dataset: a ``tf.data.Dataset``.
         dist: the handle from :func:`tfdist.init`.
         policy: ``"data"`` (default: every worker reads all input and keeps every N-th
-            element; always correct), ``"file"`` (each worker reads its own files; pass
-            ``num_files``), or ``"off"`` (the dataset is already this worker's share, e.g.
-            built from :func:`shard_files`).
+            element; correct when every worker reads it in the same order: not shuffled, or
+            shuffled with a seed that is the same on every rank), ``"file"`` (each worker
+            reads its own files; pass ``num_files``), or ``"off"`` (the dataset is already
+            this worker's share, e.g. built from :func:`shard_files`).
         num_files: how many files the dataset reads, required with ``"file"`` so that no
             worker is left without data.
 
@@ -141,3 +144,154 @@ def _same_steps_on_every_worker(dataset: Any) -> bool:
         return int(distribute.compute_batch_size(dataset)) > 0
     except (tf.errors.OpError, ValueError, TypeError, IndexError):  # scalars: no batch
         return False
+
+
+SHUFFLE_SEED = 20251123  # the same on every rank, so that the ranks split one permutation
+
+
+def arrays_as_dataset(arguments: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """The ``fit`` arguments that turn in-memory arrays into one dataset every rank agrees on.
+
+    Keras shuffles arrays with each process's own random state, so on several workers each
+    splits a different permutation: some rows are trained twice an epoch and others never. Here
+    the arrays become one dataset batched with the GLOBAL ``batch_size`` (default 32), shuffled
+    each epoch the same way on every rank when ``shuffle`` is on (:data:`SHUFFLE_SEED`);
+    ``validation_split`` takes the last rows before shuffling, as Keras does, and every rank
+    validates on them. The backend splits every global batch (MWMS's DATA policy, Horovod's
+    :func:`tfdist.horovod.sharding.shard`).
+
+    Raises:
+        ConfigError: the global batch does not divide over the ranks, or arguments that only
+            apply to arrays are combined with others Keras would refuse.
+    """
+    import tensorflow as tf
+
+    x, y = arguments["x"], arguments.get("y")
+    weights = arguments.get("sample_weight")
+    batch = arguments.get("batch_size") or 32
+    if batch % world_size:
+        raise ConfigError(f"fit(batch_size={batch}) is the GLOBAL batch and must divide over "
+                          f"{world_size} ranks: use a multiple of {world_size}")
+    rows = len(tf.nest.flatten(x)[0])
+    split = float(arguments.get("validation_split") or 0.0)
+    changed: dict[str, Any] = {"y": None, "sample_weight": None, "batch_size": None}
+    if split:
+        if arguments.get("validation_data") is not None:
+            raise ConfigError("fit() got both validation_split and validation_data: pass one")
+        cut = int(rows * (1.0 - split))
+        changed["validation_data"] = tuple(
+            tf.nest.map_structure(lambda a: a[cut:], v) for v in (x, y, weights)
+            if v is not None)
+        changed["validation_split"] = 0.0
+        x, y, weights = (tf.nest.map_structure(lambda a: a[:cut], v) if v is not None else None
+                         for v in (x, y, weights))
+        rows = cut
+    data = tuple(v for v in (x, y, weights) if v is not None)
+    dataset = tf.data.Dataset.from_tensor_slices(data if len(data) > 1 else data[0])
+    if arguments.get("shuffle", True):
+        dataset = _agreed_shuffle(dataset, rows)
+    changed["x"] = dataset.batch(batch)
+    changed["shuffle"] = False
+    return changed
+
+
+def _agreed_shuffle(dataset: Any, rows: int) -> Any:
+    """``dataset.shuffle(rows)``, reshuffled each epoch, in the same order on every rank.
+
+    A seed given to ``shuffle`` is not enough: TensorFlow pairs it with the process's global
+    seed (``tf.random.set_seed``, ``keras.utils.set_random_seed``), which scripts often set per
+    rank. While the shuffle is made its two seeds are fixed (patch ``arrays-shuffle-seed``).
+    """
+    import tensorflow as tf
+    from tensorflow.python.data.util import random_seed
+
+    from tfdist import patches
+
+    def fixed(original: Any) -> Any:
+        def get_seed(seed: Any) -> tuple[Any, Any]:
+            return (tf.constant(SHUFFLE_SEED, tf.int64), tf.constant(SHUFFLE_SEED + 1, tf.int64))
+
+        return get_seed
+
+    with patches.scoped("arrays-shuffle-seed", random_seed, "get_seed", fixed):
+        return dataset.shuffle(rows, reshuffle_each_iteration=True)
+
+
+def is_arrays(x: Any) -> bool:
+    """Whether ``x`` (fit's first argument) is numpy arrays: one, or a list, tuple or dict."""
+    import numpy as np
+    import tensorflow as tf
+
+    leaves = tf.nest.flatten(x) if isinstance(x, list | tuple | Mapping) else [x]
+    return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
+
+
+def agree_on_arrays() -> None:
+    """Under MultiWorkerMirroredStrategy, ``fit(x, y, shuffle=True)`` on arrays (Keras's
+    default) trains one permutation that every worker agrees on, split by DATA, instead of each
+    worker's own (:func:`arrays_as_dataset`). Once."""
+    import functools
+    import inspect
+
+    import tensorflow as tf
+
+    from tfdist import patches
+
+    def wrap(original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+            except TypeError:  # a wrong argument: Keras's own call says which
+                return original(self, *args, **kwargs)
+            if bound.arguments.get("shuffle", True) and is_arrays(bound.arguments.get("x")):
+                # world_size 1: MWMS splits any global batch, evenly or not
+                bound.arguments.update(arrays_as_dataset(bound.arguments, 1))
+            return original(*bound.args, **bound.kwargs)
+
+        return fit
+
+    patches.apply("arrays-one-order", tf.keras.Model, "fit", wrap)
+
+
+UNSEEDED_SHUFFLE = (
+    "the dataset given to dist.shard shuffles without a seed (`shuffle(n)` with neither `seed=` "
+    "nor tf.random.set_seed): each worker shuffles its own way, so the split trains some rows "
+    "twice an epoch and others never. Give the shuffle a seed, the same on every rank "
+    "(`shuffle(n, seed=S)`, or tf.random.set_seed(S) before building the dataset)")
+
+
+def unseeded_shuffle(dataset: Any, depth: int = 64) -> bool:
+    """Whether ``dataset`` or one it reads from shuffles with no seed at all: TensorFlow then
+    draws a new order in every process (its seeds are (0, 0), which no seed given ever makes).
+    Walks the pipeline's Python objects, never its graph (which would hold the arrays of
+    ``from_tensor_slices``); a shuffle it cannot see (in a function, an interleave) is not
+    found (pure, until a dataset is passed)."""
+    seen: set[int] = set()
+    stack = [dataset]
+    while stack and len(seen) < depth:
+        found = stack.pop()
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if "Shuffle" in type(found).__name__ and _no_seed(found):
+            return True
+        stack.append(getattr(found, "_input_dataset", None))
+        for several in ("_input_datasets", "_datasets"):  # concatenate; zip (nested)
+            stack.extend(_flatten(getattr(found, several, None)))
+    return False
+
+
+def _no_seed(shuffle: Any) -> bool:
+    seeds = [getattr(shuffle, name, 1) for name in ("_seed", "_seed2")]
+    return all(seed is None or int(seed) == 0 for seed in seeds)
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _flatten(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _flatten(item)]
+    return [] if value is None else [value]

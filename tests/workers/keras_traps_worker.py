@@ -29,10 +29,14 @@ them all), and writes ``result-RANK.json``: per case either its observations or
 - ``control_writers_unrouted``: the recording checkpoint passed to ``fit`` as Keras has it,
   without tfdist's routing: every rank's save is given the one path (the race the routing
   removes).
+- ``optimizer_options``: Keras 3's ``gradient_accumulation_steps``, refused on MWMS before
+  the first step (it fails upstream) and trained elsewhere; ``clipnorm`` trains everywhere,
+  with one warning on Keras 3 under MWMS (each replica is clipped before the average).
 - ``lazy_model``: a Sequential model without ``keras.Input`` (Horovod's MNIST example), and a
   subclassed one: built lazily, yet every rank must start from rank 0's weights.
 - ``numpy``: ``fit(x, y, batch_size=...)`` on arrays: each rank must train on its share; a layer
-  records the rows each rank's replica sees.
+  records the rows each rank's replica sees; then with Keras's default ``shuffle=True`` and the
+  ranks' random states apart: still each row once an epoch over the ranks.
 - ``steps_per_execution``: ``compile(steps_per_execution=3)`` over 8 steps an epoch (chunks
   of 3, 3 and 2) must end with the weights of ``steps_per_execution=1`` from the same start.
 - ``batch_norm``: a model with BatchNormalization; with tfdist's callbacks every rank ends
@@ -105,6 +109,7 @@ def main(out_dir: str, backend: str) -> None:
         "chief_only_writer": lambda: _chief_only_writer(dist, keras, tf, out_dir),
         "control_writers_unrouted": lambda: _control_unrouted(dist, keras, tf, out_dir),
         "lazy_model": lambda: _lazy_model(dist, keras, tf),
+        "optimizer_options": lambda: _optimizer_options(dist, keras, tf),
         "numpy": lambda: _numpy(dist, keras),
         "steps_per_execution": lambda: _steps_per_execution(dist, keras, tf),
         "batch_norm": lambda: _batch_norm(dist, keras, tf),
@@ -322,6 +327,35 @@ def _control_unrouted(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str,
     return {"given": recorder.given}
 
 
+def _optimizer_options(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    """Keras 3's ``gradient_accumulation_steps`` (refused on MWMS, where it fails upstream;
+    trains elsewhere) and ``clipnorm`` (trains everywhere; warned on Keras 3 MWMS)."""
+    from tfdist import keras_compat
+
+    result: dict[str, Any] = {}
+    dataset = dist.shard(_data(tf)[0].batch(GLOBAL_BATCH))
+    if keras_compat.is_keras3(keras):
+        keras.utils.set_random_seed(1)
+        with dist.scope():
+            model = _model(keras)
+            model.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        try:
+            model.fit(dataset, epochs=1, verbose=0, callbacks=dist.callbacks())
+            result["accumulation"] = {"refused": None, "digest": _digest(model)}
+        except tfdist.ConfigError as error:
+            result["accumulation"] = {"refused": str(error),
+                                      "steps": int(model.optimizer.iterations.numpy())}
+    keras.utils.set_random_seed(1)
+    with dist.scope():
+        model = _model(keras)
+        model.compile(optimizer=keras.optimizers.Adam(0.01, clipnorm=0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(dataset, epochs=1, verbose=0, callbacks=dist.callbacks())
+    result["digest"] = _digest(model)
+    return result
+
+
 def _lazy_model(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     digests = {}
     for kind in ("sequential", "subclassed"):
@@ -372,7 +406,31 @@ def _numpy(dist: Any, keras: Any) -> dict[str, Any]:
         _compile(model, keras, jit_compile=False)
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False,
                         callbacks=dist.callbacks())
-    return {"digest": _digest(model), "seen": seen, "epochs": len(history.history["loss"])}
+    result = {"digest": _digest(model), "seen": list(seen),
+              "epochs": len(history.history["loss"])}
+    # Keras's default, shuffle=True, with the ranks' random states apart (no common seed):
+    # every epoch must still train each row once over the ranks.
+    keras.utils.set_random_seed(7 + dist.rank)
+    seen.clear()
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=dist.callbacks())
+    result.update(seen_shuffled=list(seen), shuffled_digest=_digest(model))
+    tf.random.set_seed(None)  # no seed at all: the shuffle below draws its own order per rank
+    dist.shard(tf.data.Dataset.range(8).shuffle(8).batch(4))  # a warning; never iterated
+    if dist.backend == "mwms":  # the control: Keras's own shuffle, below tfdist's patch
+        seen.clear()
+        _below(type(model).fit, "arrays-one-order")(model, x, y, batch_size=GLOBAL_BATCH,
+                                                     epochs=1, verbose=0)
+        result["seen_control"] = list(seen)
+    return result
+
+
+def _below(function: Any, key: str) -> Any:
+    """The function that tfdist's patch ``key`` replaced, under any later wrappers."""
+    from tfdist import patches
+
+    while getattr(function, patches._MARK)[0] != key:
+        function = getattr(function, patches._MARK)[1]
+    return getattr(function, patches._MARK)[1]
 
 
 def _steps_per_execution(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
@@ -523,9 +581,13 @@ def _evaluate_predict(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     direct = model(x[:rows], training=False)
     expected = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y[:rows], direct)
     predicted = model.predict(x[:rows], batch_size=GLOBAL_BATCH, verbose=0)
+    # predict on the split dataset, as the example does: every row, in order, on every rank
+    sharded = model.predict(dist.shard(dataset.take(rows).batch(GLOBAL_BATCH)), verbose=0)
     return {"digest": _digest(model), "loss": float(loss), "direct": float(expected),
             "rows": len(predicted),
-            "predict_error": float(np.max(np.abs(np.asarray(predicted) - np.asarray(direct))))}
+            "predict_error": float(np.max(np.abs(np.asarray(predicted) - np.asarray(direct)))),
+            "sharded_rows": len(sharded),
+            "sharded_error": float(np.max(np.abs(np.asarray(sharded) - np.asarray(direct))))}
 
 
 def _one_process(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class Distributed(ReplicaMath):
         self.strategy = strategy
         self.collective = collective
         self.num_gpus = num_gpus
-        self._batch_lines: set[tuple[str, bool]] = set()
+        self._batch_lines: set[tuple[str, int]] = set()  # logged once
         self.sharded_batch_size: int | None = None
 
     @property
@@ -108,7 +108,10 @@ class Distributed(ReplicaMath):
     def shard(self, dataset: Any, policy: str = "data", *, num_files: int | None = None) -> Any:
         """Sets how ``dataset`` (batched with the GLOBAL batch size) is split across workers.
 
-        ``"data"`` (default: every worker keeps its part of every element; always correct),
+        ``"data"`` (default: every worker reads the whole dataset and keeps its part of every
+        global batch: correct when every worker builds the same order, i.e. the input is not
+        shuffled or shuffled with a seed, the same on every rank; an unseeded shuffle it can
+        see gets a warning),
         ``"file"`` (each worker reads its own files; pass ``num_files``), or ``"off"`` (the
         dataset already is this worker's share, e.g. from :meth:`shard_files`). See
         :mod:`tfdist.sharding`.
@@ -116,16 +119,31 @@ class Distributed(ReplicaMath):
         Raises:
             ConfigError: an unknown policy, or fewer files than workers.
         """
+        from tfdist import sharding
+
+        self.look_at_input(dataset, policy)
+        return sharding.shard(dataset, self, policy, num_files=num_files)
+
+    def look_at_input(self, dataset: Any, policy: str) -> None:
+        """What every backend's :meth:`shard` learns from the dataset it splits: its global
+        batch (for the throughput meter), one line on the chief about the split, and a warning
+        when the dataset shuffles without a seed (each worker would shuffle its own way)."""
         from tfdist import sharding, throughput
         from tfdist.replicas import batch_line
 
         self.sharded_batch_size = throughput.batch_size_of(dataset)
-        if self.sharded_batch_size and self.is_chief and policy != "off":
+        if not self.is_chief or policy == "off":
+            return
+        if self.sharded_batch_size:
             line, odd = batch_line(self.sharded_batch_size, self.num_replicas)
-            if (line, odd) not in self._batch_lines:  # once per batch size
-                self._batch_lines.add((line, odd))
-                logger.log(logging.WARNING if odd else logging.INFO, "tfdist: %s", line)
-        return sharding.shard(dataset, self, policy, num_files=num_files)
+            self._log_once(logging.WARNING if odd else logging.INFO, line)
+        if self.world_size > 1 and sharding.unseeded_shuffle(dataset):
+            self._log_once(logging.WARNING, sharding.UNSEEDED_SHUFFLE)
+
+    def _log_once(self, level: int, line: str) -> None:
+        if (line, level) not in self._batch_lines:
+            self._batch_lines.add((line, level))
+            logger.log(level, "tfdist: %s", line)
 
     def shard_files(self, files: list[str]) -> list[str]:
         """This worker's share of ``files``; see :func:`tfdist.sharding.shard_files`."""

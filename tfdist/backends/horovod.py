@@ -70,10 +70,9 @@ class HorovodDistributed(Distributed):
         batch), ``"file"`` gives each rank its files then splits the batches, ``"off"`` only
         splits the batches (the dataset already is this rank's).
         """
-        from tfdist import throughput
         from tfdist.horovod.sharding import shard
 
-        self.sharded_batch_size = throughput.batch_size_of(dataset)
+        self.look_at_input(dataset, policy)
         return shard(dataset, self.rank, self.world_size, policy, num_files=num_files)
 
     def backend_callbacks(self) -> list[Any]:

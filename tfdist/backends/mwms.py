@@ -192,19 +192,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         if "configured at program startup" in str(error):
             raise too_late(environment) from None
         raise
-    from tfdist import failures, keras_compat, sharding, timeouts
-
-    keras_compat.apply()
-    if environment.is_distributed:
-        keras_compat.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
-        sharding.skip_end_checks()  # one collective fewer per step where it cannot matter
-    if not num_gpus and environment.is_distributed:
-        keras_compat.compile_without_xla(tf.keras.Model, (
-            "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
-            "all-reduce cannot be compiled; with NCCL on GPUs it can"))
-    failures.install(environment)  # a peer's failure named in one line, after TF's error
-    if timeout is not None:
-        timeouts.install(environment, timeout)  # and a collective's timeout, after it
+    _install_patches(tf, environment, num_gpus, timeout)
     handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
     if handle.is_chief:
         per_worker = (f"{num_gpus} GPU(s) per worker" if num_gpus else
@@ -216,6 +204,25 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
                     f", collectives time out after {timeout:g} s" if timeout else "",
                     environment.reason)
     return handle
+
+
+def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
+                     timeout: float | None) -> None:
+    """What MWMS needs of Keras and TensorFlow once the strategy exists (tfdist.patches)."""
+    from tfdist import failures, keras_compat, sharding, timeouts
+
+    keras_compat.apply()
+    if environment.is_distributed:
+        keras_compat.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
+        sharding.skip_end_checks()  # one collective fewer per step where it cannot matter
+        sharding.agree_on_arrays()  # fit's shuffled arrays: one permutation on every worker
+    if not num_gpus and environment.is_distributed:
+        keras_compat.compile_without_xla(tf.keras.Model, (
+            "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
+            "all-reduce cannot be compiled; with NCCL on GPUs it can"))
+    failures.install(environment)  # a peer's failure named in one line, after TF's error
+    if timeout is not None:
+        timeouts.install(environment, timeout)  # and a collective's timeout, after it
 
 
 @contextlib.contextmanager

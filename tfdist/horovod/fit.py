@@ -21,13 +21,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tfdist import patches
-from tfdist.errors import ConfigError
 from tfdist.horovod import ops
 from tfdist.keras_compat import compile_owner, compile_without_xla
+from tfdist.sharding import is_arrays
 
 __all__ = ["DistributedOptimizer", "callbacks", "install_hooks", "is_keras3", "shard_arrays"]
 
@@ -104,6 +103,7 @@ def install_hooks(rank: int, world_size: int) -> None:
                   lambda original: _fit_hook(original, rank, world_size))
     if world_size > 1:
         patches.apply("horovod-fit", model_class, "evaluate", _evaluate_hook)
+        patches.apply("horovod-fit", model_class, "predict", _predict_hook)
     if is_keras3():
         from keras.src.backend.tensorflow import trainer
 
@@ -134,6 +134,18 @@ def _evaluate_hook(original: Any) -> Any:
         return _in_order(self, logs)
 
     return evaluate
+
+
+def _predict_hook(original: Any) -> Any:
+    """``predict`` on a dataset that ``dist.shard`` split by rank predicts every row, in order,
+    on every rank, as under MWMS (each rank would otherwise return its own slices)."""
+    @functools.wraps(original)
+    def predict(self: Any, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        from tfdist.horovod.sharding import whole
+
+        return original(self, whole(x) if whole(x) is not None else x, *args, **kwargs)
+
+    return predict
 
 
 def _in_order(model: Any, logs: dict[str, float]) -> Any:
@@ -168,7 +180,7 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
     @functools.wraps(original)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
-        if world_size > 1 and _is_arrays(bound.arguments.get("x")):
+        if world_size > 1 and is_arrays(bound.arguments.get("x")):
             bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
         given = bound.arguments.get("callbacks")
         if world_size > 1 and (given is None or isinstance(given, list | tuple)) and not any(
@@ -197,56 +209,21 @@ def _build_hook(original: Any) -> Any:
     return _maybe_symbolic_build
 
 
-def _is_arrays(x: Any) -> bool:
-    leaves = tf.nest.flatten(x) if isinstance(x, (list, tuple, Mapping)) else [x]
-    return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
-
-
 def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    """The ``fit`` arguments that make this rank train on its part of in-memory arrays.
-
-    The arrays become one dataset batched with the GLOBAL ``batch_size`` (default 32), shuffled
-    each epoch the same way on every rank when ``shuffle`` is on (a seed shared by all ranks),
-    and each rank keeps its slice of every global batch (:func:`tfdist.horovod.sharding.shard`), as
-    MultiWorkerMirroredStrategy splits arrays. ``validation_split`` takes the last rows before
-    shuffling, as Keras does, and every rank validates on them.
+    """The ``fit`` arguments that make this rank train on its part of in-memory arrays: the
+    dataset of :func:`tfdist.sharding.arrays_as_dataset`, of which each rank keeps its slice of
+    every global batch (:func:`tfdist.horovod.sharding.shard`), as MultiWorkerMirroredStrategy
+    splits arrays.
 
     Raises:
-        ConfigError: the global batch does not divide over the ranks, or arguments that only
-            apply to arrays are combined with others Keras would refuse.
+        ConfigError: see :func:`tfdist.sharding.arrays_as_dataset`.
     """
     from tfdist.horovod.sharding import shard
+    from tfdist.sharding import arrays_as_dataset
 
-    x, y = arguments["x"], arguments.get("y")
-    weights = arguments.get("sample_weight")
-    batch = arguments.get("batch_size") or 32
-    if batch % world_size:
-        raise ConfigError(f"fit(batch_size={batch}) is the GLOBAL batch and must divide over "
-                          f"{world_size} ranks: use a multiple of {world_size}")
-    rows = len(tf.nest.flatten(x)[0])
-    split = float(arguments.get("validation_split") or 0.0)
-    changed: dict[str, Any] = {"y": None, "sample_weight": None, "batch_size": None}
-    if split:
-        if arguments.get("validation_data") is not None:
-            raise ConfigError("fit() got both validation_split and validation_data: pass one")
-        cut = int(rows * (1.0 - split))
-        part = functools.partial(tf.nest.map_structure, lambda a: a[cut:])
-        changed["validation_data"] = tuple(
-            part(v) for v in (x, y, weights) if v is not None)
-        changed["validation_split"] = 0.0
-        x, y, weights = (tf.nest.map_structure(lambda a: a[:cut], v) if v is not None else None
-                         for v in (x, y, weights))
-        rows = cut
-    data = tuple(v for v in (x, y, weights) if v is not None)
-    dataset = tf.data.Dataset.from_tensor_slices(data if len(data) > 1 else data[0])
-    if arguments.get("shuffle", True):
-        dataset = dataset.shuffle(rows, seed=_SHUFFLE_SEED, reshuffle_each_iteration=True)
-    changed["x"] = shard(dataset.batch(batch), rank, world_size)
-    changed["shuffle"] = False
+    changed = arrays_as_dataset(arguments, world_size)
+    changed["x"] = shard(changed["x"], rank, world_size)
     return changed
-
-
-_SHUFFLE_SEED = 20251123  # the same on every rank, so the ranks split one permutation
 
 
 def callbacks() -> list[Any]:

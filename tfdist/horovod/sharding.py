@@ -12,7 +12,7 @@ from typing import Any
 from tfdist import sharding
 from tfdist.errors import ConfigError
 
-__all__ = ["shard"]
+__all__ = ["shard", "whole"]
 
 
 def shard(dataset: Any, rank: int, size: int, policy: str = "data", *,
@@ -36,7 +36,9 @@ def shard(dataset: Any, rank: int, size: int, policy: str = "data", *,
     if size == 1:
         return dataset
     if policy == "data":
-        return dataset.map(lambda *batch: _slice(batch, rank, size))
+        sliced = dataset.map(lambda *batch: _slice(batch, rank, size))
+        sliced._tfdist_whole = dataset  # what predict reads: every row, as under MWMS
+        return sliced
     if policy == "file":
         dataset = _file_shard(dataset, rank, size)
     return dataset.rebatch(_per_rank_batch(dataset, size))
@@ -74,3 +76,8 @@ def _per_rank_batch(dataset: Any, size: int) -> int:
         raise ConfigError(f"global batch size {batch} does not divide over {size} ranks: use a "
                           f"multiple of {size}")
     return batch // size
+
+
+def whole(dataset: Any) -> Any:
+    """The dataset :func:`shard` split by DATA, before the split; None for any other."""
+    return getattr(dataset, "_tfdist_whole", None)
