@@ -96,7 +96,23 @@ def _path_attribute(callback: Any) -> str | None:
     return None
 
 
-class ChiefWrites(keras.callbacks.Callback):
+class _Forwarding(keras.callbacks.Callback):
+    """Holds ``callback`` and hands it the model and the params, as Keras hands them here."""
+
+    def __init__(self, callback: Any) -> None:
+        super().__init__()
+        self.callback = callback
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params: Any) -> None:
+        super().set_params(params)
+        self.callback.set_params(params)
+
+
+class ChiefWrites(_Forwarding):
     """Runs a file-writing callback on every rank; only the chief's files are kept.
 
     On the chief ``callback`` runs unchanged. On the other ranks its output path points into a
@@ -114,26 +130,18 @@ class ChiefWrites(keras.callbacks.Callback):
     """
 
     def __init__(self, callback: Any, rank: int) -> None:
-        super().__init__()
         attribute = _path_attribute(callback)
         if attribute is None:
             raise ValueError(f"ChiefWrites does not know where {type(callback).__name__} "
                              f"writes; it knows {sorted(_PATHS)}")
-        self.callback, self.rank = callback, rank
+        super().__init__(callback)
+        self.rank = rank
         self.scratch: str | None = None
         if rank != 0:
             self.scratch = scratch_dir(rank)
             target = getattr(callback, attribute)
             setattr(callback, attribute, os.path.join(self.scratch, os.path.basename(
                 str(target).rstrip("/")) or "out"))
-
-    def set_model(self, model: Any) -> None:
-        super().set_model(model)
-        self.callback.set_model(model)
-
-    def set_params(self, params: Any) -> None:
-        super().set_params(params)
-        self.callback.set_params(params)
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("on_") and name not in ("on_epoch_end", "on_train_end"):
@@ -167,22 +175,14 @@ def _as_given(hook: Any) -> Any:
     return run
 
 
-class PerRankFiles(keras.callbacks.Callback):
+class PerRankFiles(_Forwarding):
     """Runs ``callback`` on every rank with its saves written where it says
     (:func:`tfdist.scratch.as_given`): for a writer whose paths are this rank's own (a Keras 3
     ``BackupAndRestore`` moved to ``backup_dir/rank-N``)."""
 
     def __init__(self, callback: Any, root: str | None = None) -> None:
-        super().__init__()
-        self.callback, self.root = callback, root
-
-    def set_model(self, model: Any) -> None:
-        super().set_model(model)
-        self.callback.set_model(model)
-
-    def set_params(self, params: Any) -> None:
-        super().set_params(params)
-        self.callback.set_params(params)
+        super().__init__(callback)
+        self.root = root
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("on_") and name != "on_train_end":

@@ -15,13 +15,16 @@ the original outside the case it names.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tfdist.backends.facts import TF, Backend
 
-__all__ = ["INVENTORY", "Patch", "Where", "apply", "installed", "planned", "scoped", "where"]
+__all__ = ["INVENTORY", "Patch", "Where", "apply", "installed", "planned", "rebinding", "scoped",
+           "where"]
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,25 @@ def scoped(key: str, owner: Any, name: str, wrap: Callable[[Any], Any]) -> Itera
         yield
     finally:
         setattr(owner, name, original)
+
+
+def rebinding(original: Callable[..., Any],
+              change: Callable[[inspect.BoundArguments], None]) -> Callable[..., Any]:
+    """A replacement of the method ``original`` that lets ``change`` edit its bound arguments
+    (``arguments`` holds each by name, defaults left out) before calling it; a call whose
+    arguments do not bind goes to ``original`` unchanged, whose own error then says why."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs)
+        change(bound)
+        return original(*bound.args, **bound.kwargs)
+
+    return method
 
 
 def installed() -> list[Patch]:

@@ -230,28 +230,17 @@ def agree_on_arrays() -> None:
     """Under MultiWorkerMirroredStrategy, ``fit(x, y, shuffle=True)`` on arrays (Keras's
     default) trains one permutation that every worker agrees on, split by DATA, instead of each
     worker's own (:func:`arrays_as_dataset`). Once."""
-    import functools
-    import inspect
-
     import tensorflow as tf
 
     from tfdist import patches
 
+    def one_order(bound: Any) -> None:
+        if bound.arguments.get("shuffle", True) and is_arrays(bound.arguments.get("x")):
+            # world_size 1: MWMS splits any global batch, evenly or not
+            bound.arguments.update(arrays_as_dataset(bound.arguments, 1))
+
     def wrap(original: Any) -> Any:
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                bound = signature.bind(self, *args, **kwargs)
-            except TypeError:  # a wrong argument: Keras's own call says which
-                return original(self, *args, **kwargs)
-            if bound.arguments.get("shuffle", True) and is_arrays(bound.arguments.get("x")):
-                # world_size 1: MWMS splits any global batch, evenly or not
-                bound.arguments.update(arrays_as_dataset(bound.arguments, 1))
-            return original(*bound.args, **bound.kwargs)
-
-        return fit
+        return patches.rebinding(original, one_order)
 
     patches.apply("arrays-one-order", tf.keras.Model, "fit", wrap)
 

@@ -56,23 +56,15 @@ def install(dist: Distributed) -> None:
 
 
 def _fit(original: Any, dist: Distributed) -> Any:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError:  # a wrong argument: Keras's own call says which
-            return original(self, *args, **kwargs)
+    def route(bound: inspect.BoundArguments) -> None:
         given = bound.arguments.get("callbacks")
         if isinstance(given, Sequence):
             routed = [callbacks.route_writer(dist, c, announce=True) for c in given]
             bound.arguments["callbacks"] = routed
             if dist.save_on_every_rank:
                 check_same_savers(dist, routed)
-        return original(*bound.args, **bound.kwargs)
 
-    return fit
+    return patches.rebinding(original, route)
 
 
 def check_same_savers(dist: Distributed, given: Sequence[Any]) -> None:

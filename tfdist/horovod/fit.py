@@ -175,11 +175,7 @@ def _compile_hook(original: Any) -> Any:
 
 
 def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(self, *args, **kwargs)
+    def split(bound: inspect.BoundArguments) -> None:
         if world_size > 1 and is_arrays(bound.arguments.get("x")):
             bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
         given = bound.arguments.get("callbacks")
@@ -188,9 +184,8 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
             # A script's own fit, without dist.callbacks(): rank 0's initial state and the
             # epoch's averaged logs all the same, or the ranks would train apart.
             bound.arguments["callbacks"] = [*callbacks(), *(given or ())]
-        return original(*bound.args, **bound.kwargs)
 
-    return fit
+    return patches.rebinding(original, split)
 
 
 _BROADCASTS = ("BroadcastInitialState", "BroadcastGlobalVariablesCallback")
