@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync
 from tfdist import model_dir as layout
-from tfdist.scratch import as_given, atomic_path, scratch_dir
+from tfdist.scratch import as_given, atomic_path, scratch_dir, throwaway
 from tfdist.settings import resolve
 from tfdist.throughput import StepMeter, throughput_file
 
@@ -242,12 +242,8 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
         _save_atomically(model, path)
         return True
     if dist.save_on_every_rank:
-        scratch = scratch_dir(dist.rank)
-        try:
-            with as_given():
-                model.save(os.path.join(scratch, os.path.basename(path)))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        with throwaway(dist.rank, path) as copy:
+            model.save(copy)
     return False
 
 

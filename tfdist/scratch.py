@@ -18,7 +18,8 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "scratch_dir", "writes_as_given"]
+__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "scratch_dir", "throwaway",
+           "writes_as_given"]
 
 _made: list[str] = []
 
@@ -78,3 +79,15 @@ def atomic_path(path: str) -> Iterator[str]:
             os.unlink(partial)
         raise
     os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def throwaway(rank: int, path: str) -> Iterator[str]:
+    """Where a non-chief rank writes its copy of ``path`` (same base name, in a new scratch
+    folder), written as given; the folder is removed when the block ends."""
+    folder = scratch_dir(rank)
+    try:
+        with as_given():
+            yield os.path.join(folder, os.path.basename(str(path).rstrip("/")) or "out")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -28,7 +28,6 @@ import functools
 import inspect
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,7 @@ import tensorflow as tf
 
 from tfdist import callbacks, patches
 from tfdist.errors import ConfigError
-from tfdist.scratch import as_given, atomic_path, scratch_dir, writes_as_given
+from tfdist.scratch import as_given, atomic_path, throwaway, writes_as_given
 
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
@@ -111,11 +110,8 @@ def _save(original: Any, dist: Distributed, name: str) -> Any:
             if dist.is_chief:
                 return _chief_writes(to, path, kwargs.get("overwrite", True))
             if dist.save_on_every_rank:  # the same collectives as the chief's save
-                scratch = scratch_dir(dist.rank)
-                try:
-                    return to(os.path.join(scratch, os.path.basename(path.rstrip("/")) or "out"))
-                finally:
-                    shutil.rmtree(scratch, ignore_errors=True)
+                with throwaway(dist.rank, path) as copy:
+                    return to(copy)
             return None
 
     return save

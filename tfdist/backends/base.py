@@ -64,7 +64,7 @@ class Distributed(ReplicaMath):
         self.strategy = strategy
         self.collective = collective
         self.num_gpus = num_gpus
-        self._batch_lines: set[tuple[str, int]] = set()  # logged once
+        self._logged: set[tuple[str, int]] = set()  # lines logged once
         self.sharded_batch_size: int | None = None
 
     @property
@@ -141,8 +141,8 @@ class Distributed(ReplicaMath):
             self._log_once(logging.WARNING, sharding.UNSEEDED_SHUFFLE)
 
     def _log_once(self, level: int, line: str) -> None:
-        if (line, level) not in self._batch_lines:
-            self._batch_lines.add((line, level))
+        if (line, level) not in self._logged:
+            self._logged.add((line, level))
             logger.log(level, "tfdist: %s", line)
 
     def shard_files(self, files: list[str]) -> list[str]:
