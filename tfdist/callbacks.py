@@ -229,7 +229,8 @@ def _save_atomically(model: Any, path: str) -> None:
 
 
 def save(dist: Distributed, model: Any, path: str) -> bool:
-    """Saves ``model`` to ``path`` (``.keras``) once, from the chief, atomically.
+    """Saves ``model`` to ``path`` once, from the chief, atomically: any path ``model.save``
+    takes (``.keras``; ``.h5``; with tf_keras a SavedModel folder, which replaces the old one).
 
     Call it on every rank: where a save runs collectives (MultiWorkerMirroredStrategy) the
     other ranks save into a scratch directory that is removed at once, so that every rank runs
@@ -685,8 +686,7 @@ def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
     """
     o = CallbackOptions(**options)
     model_dir = o.model_dir
-    # The backend's own first (Horovod: broadcast from rank 0, then metric averaging, which
-    # must run before anything reads the epoch's logs).
+    # The backend's own first (Horovod: the broadcast from rank 0).
     callbacks: list[Any] = list(dist.backend_callbacks())
     averaged = (resolve("batch_statistics", o.average_batch_statistics)
                 and batch_statistics.averages_batch_statistics(dist))

@@ -42,10 +42,11 @@ from typing import Any
 from tfdist import patches
 from tfdist.settings import resolve
 
-__all__ = ["AFFECTED", "LOG_SAFE_CALLBACKS", "apply", "compile_owner", "compile_without_xla",
-           "is_keras3", "keras2_module", "keras2_package", "keras2_random_generator",
-           "legacy_keras_requested", "needs_fix", "random_states", "refuse_mixed_keras",
-           "repair_eager_record", "step_logs_global", "steps_in_chunk"]
+__all__ = ["AFFECTED", "LOG_SAFE_CALLBACKS", "apply", "compile_owner",
+           "compile_without_xla", "is_keras3", "keras2_module", "keras2_package",
+           "keras2_random_generator", "legacy_keras_requested", "needs_fix", "own_step",
+           "peeked_batch", "random_states", "refuse_mixed_keras", "repair_eager_record",
+           "step_logs_global", "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -230,9 +231,11 @@ def _wrap_symbolic_build(original: Any) -> Any:
         import tensorflow as tf
         from keras.src import tree
 
-        for _, _, it in iterator:
-            data_batch = next(it)
-            break
+        data_batch = peeked_batch(iterator)
+        if data_batch is None:
+            for _, _, it in iterator:
+                data_batch = next(it)
+                break
 
         def local(value: Any) -> Any:
             if isinstance(value, tf.distribute.DistributedValues):
@@ -242,6 +245,21 @@ def _wrap_symbolic_build(original: Any) -> Any:
         return original(self, iterator=None, data_batch=tree.map_structure(local, data_batch))
 
     return _maybe_symbolic_build
+
+
+def peeked_batch(iterator: Any) -> Any:
+    """The first batch of the PyDataset or Python generator that Keras 3's epoch ``iterator``
+    reads, taken without drawing from the iterator, or ``None`` for other input. Drawing would
+    start a PyDataset's loader a batch ahead (every epoch after it is read from another start
+    than one process reads) or use up a generator's first batch."""
+    adapter: Any = getattr(iterator, "data_adapter", None)
+    first = getattr(adapter, "_first_batches", None)  # a generator's, peeked and put back
+    if first:
+        return first[0]
+    dataset = getattr(adapter, "py_dataset", None)
+    if dataset is not None and hasattr(adapter, "_standardize_batch"):
+        return adapter._standardize_batch(dataset[0])
+    return None
 
 
 def _wrap_reduce_per_replica(original: Any) -> Any:
@@ -281,7 +299,7 @@ LOG_SAFE_CALLBACKS = frozenset({
 _BATCH_HOOKS = ("on_train_batch_end", "on_batch_end", "on_test_batch_end")
 
 
-def step_logs_global(mode: str, callbacks: Any) -> tuple[bool, str]:
+def step_logs_global(mode: str, callbacks: Any, model: Any = None) -> tuple[bool, str]:
     """Whether each step's logs must be averaged over the workers, and why (pure).
 
     Args:
@@ -289,13 +307,19 @@ def step_logs_global(mode: str, callbacks: Any) -> tuple[bool, str]:
         callbacks: the ``callbacks`` of a ``fit``/``evaluate`` call: a list, a Keras
             ``CallbackList`` or ``None``. tfdist's wrappers (``ChiefOnly``, ``ChiefWrites``)
             are looked through.
+        model: the model trained or evaluated, or ``None``.
 
     Returns:
-        ``(global, reason)``; under ``"auto"`` the first callback that reads per-step logs
-        makes them global.
+        ``(global, reason)``; under ``"auto"`` a model with its own ``train_step`` or
+        ``test_step`` makes them global (what such a step returns need not be a compiled
+        metric, which Keras reads over all workers at the epoch's end: the last step's value
+        is the epoch's), then the first callback that reads per-step logs.
     """
     if mode != "auto":
         return mode == "global", f"TFDIST_STEP_LOGS={mode}"
+    step = own_step(model)
+    if step:
+        return True, f"{type(model).__name__} has its own {step}, whose results Keras logs"
     for callback in getattr(callbacks, "callbacks", callbacks) or ():
         inner = callback
         while type(inner).__module__.startswith("tfdist.") and hasattr(inner, "callback"):
@@ -303,6 +327,21 @@ def step_logs_global(mode: str, callbacks: Any) -> tuple[bool, str]:
         if _reads_step_logs(inner):
             return True, f"the callback {type(inner).__name__} reads each step's logs"
     return False, "no callback reads each step's logs"
+
+
+_LIBRARIES = frozenset({"keras", "tf_keras", "tensorflow", "tfdist"})
+
+
+def own_step(model: Any) -> str | None:
+    """The name of the first of ``train_step``, ``test_step`` that ``model``'s class defines
+    itself (outside Keras and tfdist), or ``None`` (pure)."""
+    if model is None:
+        return None
+    for name in ("train_step", "test_step"):
+        owner = next((c for c in type(model).__mro__ if name in vars(c)), None)
+        if owner is not None and owner.__module__.split(".")[0] not in _LIBRARIES:
+            return name
+    return None
 
 
 def _reads_step_logs(callback: Any) -> bool:
@@ -347,7 +386,7 @@ def _wrap_logs_mode(original: Any) -> Any:
             callbacks = signature.bind_partial(self, *args, **kwargs).arguments.get("callbacks")
         except TypeError:  # a wrong argument: Keras's own call below says which
             callbacks = kwargs.get("callbacks")
-        is_global, why = step_logs_global(resolve("step_logs"), callbacks)
+        is_global, why = step_logs_global(resolve("step_logs"), callbacks, self)
         if getattr(self, "_tfdist_global_step_logs", is_global) != is_global:
             self.train_function = self.test_function = None  # traced for the other mode
         self._tfdist_global_step_logs = is_global

@@ -157,6 +157,15 @@ INVENTORY: tuple[Patch, ...] = (
           "a shuffle's seed is paired with the process's global seed, which scripts often set "
           "per rank; the two seeds of that one shuffle are fixed, so every rank draws the same "
           "permutation each epoch", lambda w: _mwms(w) or _horovod(w)),
+    Patch("sequence-one-order",
+          "keras.src.trainers.data_adapters.py_dataset_adapter.random, "
+          "tf_keras.src.engine.data_adapter.random, tf_keras.src.utils.data_utils.random",
+          "tfdist.sharding", "several processes: MWMS, Horovod",
+          "Keras shuffles a PyDataset's (Sequence's) batches with Python's random, which each "
+          "rank seeds its own way, so the ranks split different batches at one step (rows "
+          "trained three times an epoch, others once); the shuffle draws from one seeded "
+          "stream, the same on every rank",
+          lambda w: _mwms(w) or (_horovod(w) and w.several_processes)),
     Patch("mwms-cpu-replicas",
           "tensorflow.python.distribute.collective_all_reduce_strategy."
           "CollectiveAllReduceExtended._initialize_local_devices",
@@ -165,14 +174,33 @@ INVENTORY: tuple[Patch, ...] = (
           "TensorFlow gives a CPU worker one replica whatever logical CPUs exist; the stand-in "
           "for several GPUs per worker gives it one per logical CPU",
           lambda w: _mwms(w) and not w.gpus and w.cpu_replicas > 1),
-    Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/evaluate/predict, "
+    Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/predict, "
           f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build", "tfdist.horovod.fit",
           "backend horovod",
           "Model.fit behaves as under MWMS: compile wraps the optimizer so gradients are "
-          "averaged, fit splits arrays by rank and broadcasts rank 0's initial state, evaluate "
-          "returns the metrics over every rank's examples, predict on a dataset dist.shard "
-          "split returns every row in order, and Keras 3 builds the model before the first "
-          "step", _horovod),
+          "averaged, fit splits arrays, PyDatasets and generators by rank and broadcasts rank "
+          "0's initial state, predict "
+          "on a dataset dist.shard split returns every row in order, and Keras 3 builds the "
+          "model before the first step", _horovod),
+    Patch("keras2-step-results", "tf_keras.src.engine.training.reduce_per_replica",
+          "tfdist.step_results", "MWMS on several workers, tf_keras (Keras 2)",
+          "tf_keras sums what each replica's step returns over the replicas ('auto' is 'sum' "
+          "off TPUs): per-step logs, a custom step's values and train_on_batch/test_on_batch "
+          "results are the replicas' sum; means them, as Keras 3 does",
+          lambda w: _mwms(w) and not w.keras3),
+    Patch("predict-on-batch", "keras.Model.predict_on_batch", "tfdist.step_results",
+          "MWMS on several workers, Keras 3",
+          "Keras 3 gives every replica the whole batch and concatenates them all (each row "
+          "once per replica); runs the batch through the model once, on this worker",
+          lambda w: _mwms(w) and w.keras3),
+    Patch("epoch-results", "keras.Model._get_metrics_result_or_logs "
+          "(tf_keras: _validate_and_get_metrics_result)", "tfdist.step_results",
+          "several processes, every TensorFlow backend",
+          "under Horovod each rank's metrics hold its own examples: the epoch's, validation's "
+          "and evaluate's results are read from the metrics' states summed over the ranks, a "
+          "custom step's own values averaged over them; on both backends, a metric of yours "
+          "(whose state is added over the workers) is named once on the chief",
+          lambda w: w.several_processes and w.backend.framework == TF),
     Patch("user-writers", "keras.Model.fit", "tfdist.writers",
           "several processes, every TensorFlow backend",
           "the ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard a script passes "
@@ -180,11 +208,12 @@ INVENTORY: tuple[Patch, ...] = (
           "dist.callbacks() does (the chief writes; a backup folder per rank), and refuses "
           "checkpoints passed on some ranks only where a save runs collectives",
           lambda w: w.several_processes and w.backend.framework == TF),
-    Patch("save-once", "keras.Model.save/save_weights", "tfdist.writers",
-          "several processes, every TensorFlow backend",
-          "model.save on every rank would write one path from every rank at once; the chief "
-          "writes it (atomically), the others a scratch copy that is removed (MWMS: the save "
-          "runs collectives) or nothing (Horovod)",
+    Patch("save-once", "keras.Model.save/save_weights, tensorflow.saved_model.save",
+          "tfdist.writers", "several processes, every TensorFlow backend",
+          "model.save, save_weights or tf.saved_model.save on every rank would write one path "
+          "from every rank at once (an h5 lock, MergeV2Checkpoints errors); the chief writes "
+          "it (a file or SavedModel folder atomically), the others a scratch copy that is "
+          "removed (MWMS: the save runs collectives) or nothing (Horovod)",
           lambda w: w.several_processes and w.backend.framework == TF),
     Patch("failure-line", "sys.excepthook", "tfdist.failures",
           "several processes, every backend",

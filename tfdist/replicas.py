@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 
 from tfdist.errors import ConfigError
 
-__all__ = ["HandleCache", "ReplicaMath", "split_batch"]
+__all__ = ["HandleCache", "ReplicaMath", "batch_line", "last_batch_line", "split_batch"]
 
 
 def split_batch(global_batch_size: int, replicas: int) -> int:
@@ -139,3 +139,25 @@ def batch_line(global_batch: int, num_replicas: int) -> tuple[str, bool]:
             f"looks per-worker. Batch the dataset with the GLOBAL batch size, "
             f"per-replica batch x {num_replicas} (dist.global_batch_size(n)); dist.shard "
             "splits it"), True
+
+
+def last_batch_line(rows_left: int, num_replicas: int) -> str | None:
+    """The warning for an epoch whose last batch (``rows_left`` rows; 0: none short) does not
+    split evenly over the replicas, or ``None`` (pure).
+
+    Each replica's loss is the mean over its own rows, and the replicas' gradients are averaged
+    with equal weights: with unequal shares that step's gradient is not one process's (2
+    replicas, rows [2, 1]: the lone row weighs twice). A replica with no rows at all gives
+    BatchNormalization an empty batch, whose statistics (then every weight) become NaN.
+    """
+    if rows_left <= 0 or num_replicas <= 1 or rows_left % num_replicas == 0:
+        return None
+    each, more = divmod(rows_left, num_replicas)
+    shares = (f"{more} replica(s) get {each + 1} rows, the others {each}" if each else
+              f"{num_replicas - more} of the {num_replicas} replicas get no rows")
+    empty = (", and BatchNormalization's statistics on an empty replica, then every weight, "
+             "become NaN" if not each else "")
+    return (f"each epoch's last batch holds {rows_left} rows, which do not split evenly over "
+            f"{num_replicas} replicas ({shares}): that step's gradient is not one process's"
+            f"{empty}. Batch with drop_remainder=True, or pick a global batch that divides the "
+            "rows")

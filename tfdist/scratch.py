@@ -65,20 +65,36 @@ def writes_as_given() -> bool:
 def atomic_path(path: str) -> Iterator[str]:
     """A temporary name beside ``path`` to write to; renamed to ``path`` when the block ends
     without an error, removed when it raises. A job killed mid-write leaves the previous file.
+    A folder written there replaces a folder at ``path`` (two renames: a kill between them
+    leaves the new folder under the temporary name and the old one under ``.old-``).
 
     The process id keeps two writers of one path apart (several one-process jobs sharing a
     folder): each renames a complete file, and the last one wins.
     """
+    path = os.fspath(path).rstrip("/") or path
     folder = os.path.dirname(path)
     os.makedirs(folder or ".", exist_ok=True)
     partial = os.path.join(folder, f".partial-{os.getpid()}-{os.path.basename(path)}")
     try:
         yield partial
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
+        _remove(partial)
         raise
-    os.replace(partial, path)
+    if os.path.isdir(partial) and os.path.isdir(path):  # a folder (a SavedModel) replaces one
+        old = os.path.join(folder, f".old-{os.getpid()}-{os.path.basename(path)}")
+        os.replace(path, old)
+        os.replace(partial, path)
+        _remove(old)
+    else:
+        os.replace(partial, path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -17,8 +17,9 @@ from tfdist.errors import ConfigError
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["POLICIES", "UNSEEDED_SHUFFLE", "agree_on_arrays", "arrays_as_dataset", "check",
-           "is_arrays", "shard", "shard_files", "skip_end_checks", "unseeded_shuffle",
+__all__ = ["GENERATOR", "POLICIES", "UNSEEDED_SHUFFLE", "agree_on_arrays", "agree_on_sequences",
+           "arrays_as_dataset", "check", "is_arrays", "is_generator", "is_sequence",
+           "last_batch_rows", "shard", "shard_files", "skip_end_checks", "unseeded_shuffle",
            "with_policy"]
 
 POLICIES = ("data", "file", "off")
@@ -226,15 +227,23 @@ def is_arrays(x: Any) -> bool:
     return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
 
 
-def agree_on_arrays() -> None:
+def agree_on_arrays(is_chief: bool = False) -> None:
     """Under MultiWorkerMirroredStrategy, ``fit(x, y, shuffle=True)`` on arrays (Keras's
     default) trains one permutation that every worker agrees on, split by DATA, instead of each
-    worker's own (:func:`arrays_as_dataset`). Once."""
+    worker's own (:func:`arrays_as_dataset`); ``fit`` on a Python generator gets one warning on
+    the chief (:data:`GENERATOR`). Once."""
+    import logging
+
     import tensorflow as tf
 
     from tfdist import patches
 
+    warned: list[str] = []
+
     def one_order(bound: Any) -> None:
+        if is_generator(bound.arguments.get("x")) and is_chief and not warned:
+            warned.append(GENERATOR)
+            logging.getLogger("tfdist").warning("tfdist: %s", GENERATOR)
         if bound.arguments.get("shuffle", True) and is_arrays(bound.arguments.get("x")):
             # world_size 1: MWMS splits any global batch, evenly or not
             bound.arguments.update(arrays_as_dataset(bound.arguments, 1))
@@ -243,6 +252,79 @@ def agree_on_arrays() -> None:
         return patches.rebinding(original, one_order)
 
     patches.apply("arrays-one-order", tf.keras.Model, "fit", wrap)
+
+
+class _AgreedRandom:
+    """Python's ``random`` module as Keras's sequence adapters see it: ``shuffle`` draws from one
+    seeded stream, the same on every rank (each rank shuffles as often: once an epoch); all
+    else is the module's."""
+
+    def __init__(self, module: Any, seed: int) -> None:
+        self._module, self._stream = module, module.Random(seed)
+
+    def shuffle(self, items: Any) -> None:
+        self._stream.shuffle(items)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _sequence_modules() -> list[Any]:
+    """The modules of the installed Kerases that shuffle a PyDataset's (Keras 3) or a
+    Sequence's (tf_keras) batches with Python's ``random``."""
+    import importlib
+
+    from tfdist.keras_compat import keras2_package
+
+    found = []
+    names = ["keras.src.trainers.data_adapters.py_dataset_adapter"]
+    if keras2_package():
+        names += [f"{keras2_package()}.src.engine.data_adapter",
+                  f"{keras2_package()}.src.utils.data_utils"]
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # Keras 2.12's layout, or no Keras 3 beside tf_keras
+            continue
+        if hasattr(module, "random"):
+            found.append(module)
+    return found
+
+
+def agree_on_sequences() -> None:
+    """``fit`` on a ``keras.utils.PyDataset`` (Keras 3) or ``Sequence`` (tf_keras) with
+    ``shuffle=True`` (the default) takes its batches in one order every rank agrees on: Keras
+    draws it from Python's ``random``, which each rank seeds its own way, and a split of each
+    global batch over the workers is right only if every worker reads the same batch. Once."""
+    from tfdist import patches
+
+    for module in _sequence_modules():
+        patches.apply("sequence-one-order", module, "random",
+                      lambda original: _AgreedRandom(original, SHUFFLE_SEED))
+
+
+def is_sequence(x: Any) -> bool:
+    """Whether ``x`` (fit's first argument) is a Keras 3 ``PyDataset`` or a tf_keras
+    ``Sequence``: indexed batches that Keras reads (and shuffles) itself."""
+    names = {cls.__name__ for cls in type(x).__mro__}
+    return bool(names & {"PyDataset", "Sequence"}) and hasattr(x, "__getitem__")
+
+
+def is_generator(x: Any) -> bool:
+    """Whether ``x`` (fit's first argument) is a Python generator or iterator of batches."""
+    import types
+
+    return isinstance(x, types.GeneratorType) or (
+        hasattr(x, "__next__") and hasattr(x, "__iter__") and not hasattr(x, "__getitem__")
+        and "tensorflow" not in type(x).__module__)
+
+
+GENERATOR = (
+    "fit reads a Python generator on several workers: each worker runs its own copy, which "
+    "must yield the same batches in the same order on every worker (each global batch is "
+    "split over them), and under a strategy Keras takes the first batch to build the model "
+    "without training it. For one process's numbers, pass a tf.data.Dataset through "
+    "dist.shard or a keras.utils.PyDataset (its order is agreed over the ranks)")
 
 
 UNSEEDED_SHUFFLE = (
@@ -271,6 +353,32 @@ def unseeded_shuffle(dataset: Any, depth: int = 64) -> bool:
         for several in ("_input_datasets", "_datasets"):  # concatenate; zip (nested)
             stack.extend(_flatten(getattr(found, several, None)))
     return False
+
+
+def last_batch_rows(dataset: Any, depth: int = 100) -> int | None:
+    """The rows of each epoch's last batch when it is short, 0 when none is (a batch that
+    divides its input, or ``drop_remainder``), ``None`` when that is not known: no constant
+    ``batch``, or an input of unknown or infinite length. Follows the chain back from
+    ``dataset`` to its first ``batch``, as the throughput meter does (pure, until a dataset is
+    passed)."""
+    for _ in range(depth):
+        if dataset is None:
+            return None
+        size = getattr(dataset, "_batch_size", None)
+        if size is not None:
+            break
+        dataset = getattr(dataset, "_input_dataset", None)
+    else:
+        return None
+    try:
+        batch = int(size.numpy() if hasattr(size, "numpy") else size)
+        drop = getattr(dataset, "_drop_remainder", False)
+        if bool(drop.numpy() if hasattr(drop, "numpy") else drop):
+            return 0
+        rows = int(dataset._input_dataset.cardinality())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return rows % batch if rows >= 0 and batch > 0 else None
 
 
 def _no_seed(shuffle: Any) -> bool:

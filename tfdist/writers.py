@@ -13,11 +13,13 @@ two patches (:mod:`tfdist.patches`) route them the way ``dist.callbacks()`` rout
   folder per rank. Where a save runs collectives, a checkpoint that one rank passes and another
   does not (Horovod's habit, ``if rank == 0: callbacks.append(...)``) would leave the ranks a
   collective apart: :class:`~tfdist.errors.ConfigError` before the first step, with the fix.
-- ``model.save`` and ``save_weights``: the chief writes the file (``.keras`` and ``.h5``
-  atomically, under a temporary name that is renamed), the other ranks write a scratch copy
-  that is removed (MultiWorkerMirroredStrategy: the save runs collectives) or nothing
-  (Horovod). Files that differ per rank are written as given inside
-  :func:`tfdist.scratch.as_given` (``tfdist.per_rank_files()``).
+- ``model.save``, ``save_weights`` and ``tf.saved_model.save``: the chief writes the file
+  (``.keras``, ``.h5`` and SavedModel folders atomically, under a temporary name that is
+  renamed), the other ranks write a scratch copy that is removed (MultiWorkerMirroredStrategy:
+  the save runs collectives) or nothing (Horovod). Called on the chief alone, a save under
+  MultiWorkerMirroredStrategy leaves the others a collective behind: call it on every rank.
+  Files that differ per rank are written as given inside :func:`tfdist.scratch.as_given`
+  (``tfdist.per_rank_files()``).
 
 Imported only by :func:`install`, after the backend exists.
 """
@@ -52,6 +54,9 @@ def install(dist: Distributed) -> None:
     for name in ("save", "save_weights"):
         patches.apply("save-once", model_class, name, functools.partial(_save, dist=dist,
                                                                          name=name))
+    # TensorFlow's own SavedModel writer: the same collectives under MWMS, one folder.
+    patches.apply("save-once", tf.saved_model, "save", functools.partial(
+        _save, dist=dist, name="tf.saved_model.save", keyword="export_dir"))
 
 
 def _fit(original: Any, dist: Distributed) -> Any:
@@ -91,24 +96,27 @@ def check_same_savers(dist: Distributed, given: Sequence[Any]) -> None:
 _announced: set[str] = set()
 
 
-def _save(original: Any, dist: Distributed, name: str) -> Any:
+def _save(original: Any, dist: Distributed, name: str, keyword: str = "filepath") -> Any:
+    """``original(self, path, ...)``, a save of ``self`` to the path given first or as
+    ``keyword``, written once from the chief."""
     @functools.wraps(original)
     def save(self: Any, *args: Any, **kwargs: Any) -> Any:
-        where = "filepath" if "filepath" in kwargs else 0
-        path = kwargs["filepath"] if where == "filepath" else (args[0] if args else None)
+        where = keyword if keyword in kwargs else 0
+        path = kwargs[keyword] if where == keyword else (args[0] if args else None)
         if writes_as_given() or not isinstance(path, str | os.PathLike):
             return original(self, *args, **kwargs)  # tfdist's own writers, or a file object
 
         def to(target: str) -> Any:
-            if where == "filepath":
-                return original(self, *args, **{**kwargs, "filepath": target})
+            if where == keyword:
+                return original(self, *args, **{**kwargs, keyword: target})
             return original(self, target, *args[1:], **kwargs)
 
         path = os.fspath(path)
         _announce(dist, name, path)
         with as_given():
             if dist.is_chief:
-                return _chief_writes(to, path, kwargs.get("overwrite", True))
+                return _chief_writes(to, path, kwargs.get("overwrite", True),
+                                     folder=name != "save_weights")
             if dist.save_on_every_rank:  # the same collectives as the chief's save
                 with throwaway(dist.rank, path) as copy:
                     return to(copy)
@@ -117,9 +125,13 @@ def _save(original: Any, dist: Distributed, name: str) -> Any:
     return save
 
 
-def _chief_writes(to: Any, path: str, overwrite: Any) -> Any:
-    if not path.endswith((".keras", ".h5")) or (not overwrite and os.path.exists(path)):
-        return to(path)  # a folder or checkpoint prefix; or Keras asks before overwriting
+def _chief_writes(to: Any, path: str, overwrite: Any, *, folder: bool) -> Any:
+    """Writes ``path`` under a temporary name, renamed when complete: a file (``.keras``,
+    ``.h5``) or, with ``folder``, a SavedModel folder (which replaces the old one). A checkpoint
+    prefix (several files) is written as given; so is a file Keras asks before overwriting."""
+    atomic = path.endswith((".keras", ".h5")) or folder
+    if not atomic or (not overwrite and os.path.exists(path)):
+        return to(path)
     with atomic_path(path) as partial:
         return to(partial)
 

@@ -127,7 +127,8 @@ class Distributed(ReplicaMath):
     def look_at_input(self, dataset: Any, policy: str) -> None:
         """What every backend's :meth:`shard` learns from the dataset it splits: its global
         batch (for the throughput meter), one line on the chief about the split, and a warning
-        when the dataset shuffles without a seed (each worker would shuffle its own way)."""
+        when the dataset shuffles without a seed (each worker would shuffle its own way) or its
+        last batch does not split evenly over the replicas."""
         from tfdist import sharding, throughput
         from tfdist.replicas import batch_line
 
@@ -139,6 +140,16 @@ class Distributed(ReplicaMath):
             self._log_once(logging.WARNING if odd else logging.INFO, line)
         if self.world_size > 1 and sharding.unseeded_shuffle(dataset):
             self._log_once(logging.WARNING, sharding.UNSEEDED_SHUFFLE)
+        self.look_at_last_batch(sharding.last_batch_rows(dataset))
+
+    def look_at_last_batch(self, rows_left: int | None) -> None:
+        """One warning on the chief when each epoch's last batch, of ``rows_left`` rows, does
+        not split evenly over the replicas (:func:`tfdist.replicas.last_batch_line`)."""
+        from tfdist.replicas import last_batch_line
+
+        line = last_batch_line(rows_left or 0, self.num_replicas)
+        if line and self.is_chief:
+            self._log_once(logging.WARNING, line)
 
     def _log_once(self, level: int, line: str) -> None:
         if (line, level) not in self._logged:
@@ -158,7 +169,8 @@ class Distributed(ReplicaMath):
         return callbacks.build(self, *extra, **options)
 
     def save(self, model: Any, path: str) -> bool:
-        """Saves ``model`` to ``path`` (``.keras``) once, from the chief, atomically.
+        """Saves ``model`` to ``path`` once, from the chief, atomically (``.keras``, ``.h5``,
+        or a tf_keras SavedModel folder).
 
         Call it on every rank, e.g. after ``fit``: ``if dist.is_chief: model.save(...)`` can
         leave the other ranks a collective behind under MultiWorkerMirroredStrategy. See
@@ -236,7 +248,7 @@ class Distributed(ReplicaMath):
     # --- what tfdist's own rooms call --------------------------------------------------------
 
     def backend_callbacks(self) -> list[Any]:
-        """Callbacks the backend needs first in ``fit`` (Horovod: broadcast, metric averaging)."""
+        """Callbacks the backend needs first in ``fit`` (Horovod: the broadcast from rank 0)."""
         return []
 
     def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:

@@ -209,13 +209,17 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
 def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
                      timeout: float | None) -> None:
     """What MWMS needs of Keras and TensorFlow once the strategy exists (tfdist.patches)."""
-    from tfdist import failures, keras_compat, sharding, timeouts
+    from tfdist import failures, keras_compat, sharding, step_results, timeouts
 
     keras_compat.apply()
     if environment.is_distributed:
         keras_compat.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
+        # What steps, predict_on_batch and the epoch return: one process's numbers.
+        step_results.install_mwms(tf.keras.Model, keras_compat.is_keras3(tf.keras),
+                                  environment.rank == 0)
         sharding.skip_end_checks()  # one collective fewer per step where it cannot matter
-        sharding.agree_on_arrays()  # fit's shuffled arrays: one permutation on every worker
+        sharding.agree_on_arrays(environment.rank == 0)  # fit's shuffled arrays: one order
+        sharding.agree_on_sequences()  # a PyDataset's shuffled batches: one order
     if not num_gpus and environment.is_distributed:
         keras_compat.compile_without_xla(tf.keras.Model, (
             "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "

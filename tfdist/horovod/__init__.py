@@ -3,9 +3,10 @@
 With Horovod, ``strategy_scope()`` does the steps of Horovod's tutorials: ``hvd.init()``, one GPU
 per local rank, and from then on ``Model.compile`` averages gradients across ranks; the handle
 shards data by rank (``dist.shard``), scales the learning rate (``dist.scale_lr``), and
-``dist.callbacks()`` broadcasts the initial state from rank 0, averages metrics, and checkpoints
-and logs on rank 0 only. tf_keras (Keras 2) uses Horovod's own Keras helpers; Keras 3, which
-they do not support, uses tfdist's on Horovod's core collective ops.
+``dist.callbacks()`` broadcasts the initial state from rank 0 and checkpoints and logs on rank 0
+only; the epoch's and ``evaluate``'s metrics are over every rank's examples
+(:mod:`tfdist.step_results`). tf_keras (Keras 2) starts from Horovod's own broadcast callback;
+Keras 3, which Horovod's Keras helpers do not support, uses tfdist's on Horovod's core ops.
 
 For custom loops: ``dist.gradient_tape()``, ``dist.broadcast_initial_state(model, optimizer)``
 and ``dist.reduce(op, value)``, or :class:`DistributedGradientTape` directly.

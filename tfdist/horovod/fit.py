@@ -1,16 +1,17 @@
 """``model.fit`` under Horovod: the optimizer wrapper and callbacks, for Keras 3 and tf_keras.
 
-tf_keras (Keras 2) uses Horovod's own ``DistributedOptimizer``, ``BroadcastGlobalVariablesCallback``
-and ``MetricAverageCallback``. Keras 3 cannot: Horovod's optimizer wrapper silently stops
-averaging there, and its callbacks fail (``.ref``, ``keras.backend.constant``). For Keras 3 tfdist
-averages the gradients in ``optimizer.apply`` and broadcasts and averages with its own callbacks,
-all on Horovod's core collective ops (:mod:`tfdist.horovod.ops`).
+tf_keras (Keras 2) starts from Horovod's own ``BroadcastGlobalVariablesCallback``. Keras 3
+cannot use Horovod's Keras parts: its optimizer wrapper silently stops averaging there, and its
+callbacks fail (``.ref``, ``keras.backend.constant``). For both Kerases tfdist averages the
+gradients in the optimizer itself (:func:`DistributedOptimizer`), and for Keras 3 broadcasts
+with its own callback, all on Horovod's core collective ops (:mod:`tfdist.horovod.ops`).
 
 :func:`install_hooks` also makes ``Model.fit`` behave as under MultiWorkerMirroredStrategy where
-plain Horovod would not: arrays passed to ``fit`` are split by rank (:func:`shard_arrays`), and
-a model Keras 3 would build lazily in the first step is built before the initial broadcast, so
-that every rank starts from rank 0's weights. ``jit_compile=True`` trains without XLA, with a
-warning: Horovod's ops cannot be compiled by XLA.
+plain Horovod would not: arrays passed to ``fit`` are split by rank (:func:`shard_arrays`), a
+model Keras 3 would build lazily in the first step is built before the initial broadcast, so
+that every rank starts from rank 0's weights, and the epoch's, validation's and ``evaluate``'s
+results are over every rank's examples (:mod:`tfdist.step_results`). ``jit_compile=True``
+trains without XLA, with a warning: Horovod's ops cannot be compiled by XLA.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import tensorflow as tf
 from tfdist import patches
 from tfdist.horovod import ops
 from tfdist.keras_compat import compile_owner, compile_without_xla
-from tfdist.sharding import is_arrays
+from tfdist.sharding import GENERATOR, is_arrays, is_generator, is_sequence
 
 __all__ = ["DistributedOptimizer", "callbacks", "install_hooks", "is_keras3", "shard_arrays"]
 
@@ -102,38 +103,20 @@ def install_hooks(rank: int, world_size: int) -> None:
     patches.apply("horovod-fit", model_class, "fit",
                   lambda original: _fit_hook(original, rank, world_size))
     if world_size > 1:
-        patches.apply("horovod-fit", model_class, "evaluate", _evaluate_hook)
         patches.apply("horovod-fit", model_class, "predict", _predict_hook)
+        from tfdist import sharding, step_results
+
+        sharding.agree_on_sequences()  # every rank reads the same batch of a PyDataset
+
+        # The epoch's, evaluate's and validation's results over every rank's examples.
+        step_results.install_horovod(
+            model_class, lambda tensors: [ops.reduce(t, "sum") for t in tensors],
+            lambda logs: ops.average_logs(logs, "tfdist_step_results"), rank == 0)
     if is_keras3():
         from keras.src.backend.tensorflow import trainer
 
         patches.apply("horovod-fit", trainer.TensorFlowTrainer, "_maybe_symbolic_build",
                       _build_hook)
-
-
-def _evaluate_hook(original: Any) -> Any:
-    """``evaluate`` returns the metrics over every rank's examples, as under MWMS: each rank
-    evaluates its shard, then the metrics' states (totals and counts) are summed over the
-    ranks, so uneven shards weigh by their examples."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(self, *args, **kwargs)
-        return_dict = bool(bound.arguments.get("return_dict", False))
-        bound.arguments["return_dict"] = True
-        original(*bound.args, **bound.kwargs)
-        variables = [v for metric in self.metrics for v in metric.variables]
-        if variables:
-            summed = ops.reduce([tf.convert_to_tensor(v) for v in variables], "sum")
-            for variable, value in zip(variables, summed, strict=True):
-                variable.assign(value)
-        logs = {name: float(value) for name, value in self.get_metrics_result().items()}
-        if return_dict:
-            return logs
-        return _in_order(self, logs)
-
-    return evaluate
 
 
 def _predict_hook(original: Any) -> Any:
@@ -146,16 +129,6 @@ def _predict_hook(original: Any) -> Any:
         return original(self, whole(x) if whole(x) is not None else x, *args, **kwargs)
 
     return predict
-
-
-def _in_order(model: Any, logs: dict[str, float]) -> Any:
-    """``evaluate``'s list result (a scalar for one metric), in Keras's order."""
-    if hasattr(model, "_flatten_metrics_in_order"):  # Keras 3
-        return model._flatten_metrics_in_order(logs)
-    from tfdist.keras_compat import keras2_module
-
-    training = keras2_module("engine.training")
-    return training.flatten_metrics_in_order(logs, model.metrics_names)
 
 
 def _compile_hook(original: Any) -> Any:
@@ -176,8 +149,17 @@ def _compile_hook(original: Any) -> Any:
 
 def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
     def split(bound: inspect.BoundArguments) -> None:
-        if world_size > 1 and is_arrays(bound.arguments.get("x")):
+        from tfdist.horovod.sharding import generator_slices, sequence_slices
+
+        x = bound.arguments.get("x")
+        if world_size > 1 and is_arrays(x):
             bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
+        elif world_size > 1 and is_sequence(x):  # each rank its part of every global batch
+            bound.arguments["x"] = sequence_slices(x, rank, world_size)
+        elif world_size > 1 and is_generator(x):
+            if rank == 0:
+                _warn_once(GENERATOR)
+            bound.arguments["x"] = generator_slices(x, rank, world_size)
         given = bound.arguments.get("callbacks")
         if world_size > 1 and (given is None or isinstance(given, list | tuple)) and not any(
                 type(c).__name__ in _BROADCASTS for c in given or ()):
@@ -189,6 +171,13 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
 
 
 _BROADCASTS = ("BroadcastInitialState", "BroadcastGlobalVariablesCallback")
+_warned: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    if line not in _warned:
+        _warned.add(line)
+        logger.warning("tfdist: %s", line)
 
 
 def _build_hook(original: Any) -> Any:
@@ -198,6 +187,11 @@ def _build_hook(original: Any) -> Any:
     @functools.wraps(original)
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         if self._distribute_strategy is None and (iterator is not None or data_batch is not None):
+            from tfdist.keras_compat import peeked_batch
+
+            peeked = peeked_batch(iterator) if data_batch is None else None
+            if peeked is not None:  # a PyDataset's or generator's: not drawn from the iterator
+                return self._symbolic_build(data_batch=peeked)
             return self._symbolic_build(iterator=iterator, data_batch=data_batch)
         return original(self, iterator=iterator, data_batch=data_batch)
 
@@ -222,15 +216,13 @@ def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> di
 
 
 def callbacks() -> list[Any]:
-    """Broadcast of the initial state from rank 0, then metric averaging; put them first."""
+    """Broadcast of the initial state from rank 0; put it first. (The epoch's and evaluate's
+    results are over every rank's examples without a callback: :mod:`tfdist.step_results`.)"""
     if not is_keras3():
         from tfdist.horovod.install import import_horovod_keras
 
-        hvd_keras = import_horovod_keras()
-        # Horovod's averages the epoch's logs only; evaluate() gets tfdist's.
-        return [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
-                hvd_keras.callbacks.MetricAverageCallback(), MetricAverage(epochs=False)]
-    return [BroadcastInitialState(), MetricAverage()]
+        return [import_horovod_keras().callbacks.BroadcastGlobalVariablesCallback(0)]
+    return [BroadcastInitialState()]
 
 
 def broadcast_initial_state(model: Any, optimizer: Any = None, root_rank: int = 0) -> None:
@@ -269,19 +261,3 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Any = None) -> None:
         broadcast_initial_state(self.model)
-
-
-class MetricAverage(keras.callbacks.Callback):
-    """Averages the epoch's (``epochs=True``) and evaluate()'s metrics across ranks, in place,
-    so that logs, checkpoints and History see the job's values rather than one rank's shard."""
-
-    def __init__(self, epochs: bool = True) -> None:
-        super().__init__()
-        self.epochs = epochs
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if self.epochs:
-            ops.average_logs(logs, f"tfdist_metrics_epoch_{epoch}")
-
-    def on_test_end(self, logs: Any = None) -> None:
-        ops.average_logs(logs, "tfdist_metrics_test")

@@ -12,7 +12,7 @@ from typing import Any
 from tfdist import sharding
 from tfdist.errors import ConfigError
 
-__all__ = ["shard", "whole"]
+__all__ = ["generator_slices", "sequence_slices", "shard", "whole"]
 
 
 def shard(dataset: Any, rank: int, size: int, policy: str = "data", *,
@@ -54,6 +54,54 @@ def _slice(batch: tuple[Any, ...], rank: int, size: int) -> Any:
     stop = tf.minimum(start + per_rank, count)
     sliced = tf.nest.map_structure(lambda t: t[start:stop], batch)
     return sliced if len(sliced) > 1 else sliced[0]
+
+
+def _slice_arrays(batch: Any, rank: int, size: int) -> Any:
+    """This rank's part of one global batch of numpy arrays, as :func:`_slice` takes it."""
+    import tensorflow as tf
+
+    count = len(tf.nest.flatten(batch)[0])
+    per_rank = (count + size - 1) // size
+    start = min(rank * per_rank, count)
+    return tf.nest.map_structure(lambda a: a[start:start + per_rank], batch)
+
+
+def sequence_slices(sequence: Any, rank: int, size: int) -> Any:
+    """A Keras 3 ``PyDataset`` or tf_keras ``Sequence`` whose every batch is this rank's part of
+    ``sequence``'s (its workers, queue, length and epoch hooks kept): the split
+    MultiWorkerMirroredStrategy makes of each global batch. The ranks read the same batch at
+    each step (:func:`tfdist.sharding.agree_on_sequences`)."""
+    base = next(c for c in type(sequence).__mro__ if c.__name__ in ("PyDataset", "Sequence"))
+
+    class RankSlices(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            if base.__name__ == "PyDataset":
+                super().__init__(workers=sequence.workers,
+                                 use_multiprocessing=sequence.use_multiprocessing,
+                                 max_queue_size=sequence.max_queue_size)
+
+        def __len__(self) -> int:
+            return len(sequence)
+
+        def __getitem__(self, index: int) -> Any:
+            return _slice_arrays(sequence[index], rank, size)
+
+        @property
+        def num_batches(self) -> Any:
+            return getattr(sequence, "num_batches", len(sequence))
+
+        def on_epoch_begin(self) -> None:
+            getattr(sequence, "on_epoch_begin", lambda: None)()
+
+        def on_epoch_end(self) -> None:
+            sequence.on_epoch_end()
+
+    return RankSlices()
+
+
+def generator_slices(generator: Any, rank: int, size: int) -> Any:
+    """This rank's part of each batch ``generator`` yields."""
+    return (_slice_arrays(batch, rank, size) for batch in generator)
 
 
 def _file_shard(dataset: Any, rank: int, size: int) -> Any:
