@@ -102,7 +102,7 @@ def train() -> None:
               # tfdist: chief-only checkpoints and logs, per-worker backups, LR warmup.
               callbacks=dist.callbacks(model_dir=FLAGS.model_dir,
                                        warmup_epochs=FLAGS.warmup_epochs))
-    # tfdist: with Horovod each rank evaluates its shard; the callbacks average the metrics.
+    # tfdist: each rank evaluates its shard; the metrics are over every rank's rows.
     loss, accuracy = model.evaluate(test, verbose=0, callbacks=dist.callbacks())
     # tfdist: predict returns every row, in order, on every rank (also on the split dataset).
     predicted = model.predict(test, verbose=0).argmax(axis=-1)

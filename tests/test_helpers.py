@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import ROOT
@@ -181,6 +182,51 @@ def test_the_batch_line_names_a_batch_that_looks_per_worker(case):
     assert ("GLOBAL batch size" in line) == odd, line
 
 
+LAST_BATCHES = {
+    # name: (rows left in the last batch, replicas, the line holds (or None: no line))
+    "none short": (0, 2, None),
+    "splits evenly": (4, 2, None),
+    "one replica": (3, 1, None),
+    "uneven": (3, 2, "3 rows, which do not split evenly over 2 replicas (1 replica(s) get 2 "
+               "rows, the others 1): that step's gradient is not one process's. Batch"),
+    "a replica gets none": (1, 2, "(1 of the 2 replicas get no rows): that step's gradient is "
+                            "not one process's, and BatchNormalization's statistics on an "
+                            "empty replica, then every weight, become NaN"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAST_BATCHES))
+def test_a_last_batch_that_does_not_split_evenly_is_named(case):
+    from tfdist.replicas import last_batch_line
+
+    rows, replicas, part = LAST_BATCHES[case]
+    line = last_batch_line(rows, replicas)
+    assert (line is None) if part is None else (part in line and "drop_remainder=True" in line)
+
+
+LAST_BATCH_ROWS = {
+    # name: (the pipeline from tf and a dataset of 10 rows, rows of its last batch)
+    "short": (lambda tf, d: d.batch(4), 2),
+    "divides": (lambda tf, d: d.batch(5), 0),
+    "drop_remainder": (lambda tf, d: d.batch(4, drop_remainder=True), 0),
+    "under map and prefetch, after a shuffle": (
+        lambda tf, d: d.shuffle(10, seed=1).batch(3).map(lambda x: x).prefetch(1), 1),
+    "filtered: length unknown": (lambda tf, d: d.filter(lambda x: x > 2).batch(4), None),
+    "repeated: no end": (lambda tf, d: d.repeat().batch(4), None),
+    "unbatched": (lambda tf, d: d, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAST_BATCH_ROWS))
+def test_the_rows_of_the_last_batch_are_known_where_the_length_is(case):
+    import tensorflow as tf
+
+    from tfdist.sharding import last_batch_rows
+
+    build, expected = LAST_BATCH_ROWS[case]
+    assert last_batch_rows(build(tf, tf.data.Dataset.range(10))) == expected
+
+
 SHUFFLES = {
     # name: (the pipeline from tf and a dataset of 10 rows, unseeded shuffle seen)
     "no shuffle": (lambda tf, d: d.batch(4), False),
@@ -214,3 +260,25 @@ def test_a_global_seed_seeds_every_shuffle():
         assert not unseeded_shuffle(tf.data.Dataset.range(10).shuffle(10))
     finally:
         tf.random.set_seed(None)
+
+
+def test_an_atomic_write_replaces_a_file_or_a_folder_whole(tmp_path):
+    from tfdist.scratch import atomic_path
+
+    for kind in ("file", "folder"):
+        target = tmp_path / kind
+        for version in ("old", "new"):
+            with atomic_path(str(target)) as partial:
+                if kind == "file":
+                    Path(partial).write_text(version)
+                else:  # a SavedModel-like folder: the new one replaces the old one whole
+                    Path(partial).mkdir()
+                    (Path(partial) / version).write_text(version)
+        assert (target.read_text() if kind == "file" else
+                sorted(p.name for p in target.iterdir())) == ("new" if kind == "file" else
+                                                              ["new"])
+    with pytest.raises(RuntimeError), atomic_path(str(tmp_path / "file")) as partial:
+        Path(partial).write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert (tmp_path / "file").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]

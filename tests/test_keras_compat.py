@@ -149,6 +149,30 @@ def test_step_logs_are_global_only_when_a_callback_reads_them(case):
         assert f"the callback {named} reads each step's logs" == why
 
 
+def test_a_model_with_its_own_step_has_global_step_logs():
+    """What an own train_step/test_step returns need not be a compiled metric, which Keras
+    reads over all workers at the epoch's end: its last step's value is the epoch's."""
+    import keras
+
+    class OwnTrain(keras.Model):
+        def train_step(self, data):  # type: ignore[no-untyped-def]
+            return {}
+
+    class OwnTest(keras.Sequential):
+        def test_step(self, data):  # type: ignore[no-untyped-def]
+            return {}
+
+    class Plain(keras.Sequential):
+        pass
+
+    assert keras_compat.step_logs_global("auto", None, OwnTrain()) == (
+        True, "OwnTrain has its own train_step, whose results Keras logs")
+    assert keras_compat.own_step(OwnTest()) == "test_step"
+    assert keras_compat.own_step(Plain()) is None
+    assert keras_compat.step_logs_global("auto", None, Plain())[0] is False
+    assert keras_compat.step_logs_global("local", None, OwnTrain())[0] is False
+
+
 @pytest.mark.parametrize("mode", ["global", "local"])
 def test_step_logs_setting_overrides_the_callbacks(mode):
     for callbacks in _callbacks().values():

@@ -84,16 +84,21 @@ def _row(name):
                                     "keras3-steps-per-execution", "keras3-epoch-chunks",
                                     "keras3-step-logs", "keras3-input-position",
                                     "input-end-check", "failure-line", "user-writers",
-                                    "save-once", "arrays-one-order", "arrays-shuffle-seed"}),
+                                    "save-once", "arrays-one-order", "arrays-shuffle-seed",
+                                    "predict-on-batch", "epoch-results",
+                                    "sequence-one-order"}),
     ("mwms", "3.15.1", True, False, {"keras3-symbolic-build", "keras3-reduce-per-replica",
                                      "keras3-steps-per-execution", "keras3-epoch-chunks",
                                      "keras3-step-logs", "keras3-input-position",
                                      "input-end-check", "failure-line",
                                      "compile-without-xla", "user-writers", "save-once",
-                                     "arrays-one-order", "arrays-shuffle-seed"}),
+                                     "arrays-one-order", "arrays-shuffle-seed",
+                                     "predict-on-batch", "epoch-results",
+                                     "sequence-one-order"}),
     ("horovod", "2.15.0", True, True, {"keras2-input-position", "compile-without-xla",
                                        "horovod-fit", "failure-line", "user-writers",
-                                       "save-once", "arrays-shuffle-seed"}),
+                                       "save-once", "arrays-shuffle-seed",
+                                       "epoch-results", "sequence-one-order"}),
 ])
 def test_what_applies_to_a_launch(backend, keras, several, gpus, expected):
     where = patches.where(_row(backend), {"keras": keras, "tensorflow": "2.21.0"}, {},
@@ -107,7 +112,8 @@ def test_settings_decide_too():
     where = patches.where(_row("mwms"), {"keras": "3.15.1", "tensorflow": "2.21.0"}, environ,
                           several_processes=True, gpus=False)
     keys = {p.key for p in patches.planned(where)}
-    assert {"mixed-keras", "keras2-input-position", "mwms-cpu-replicas", "timeout-line"} <= keys
+    assert {"mixed-keras", "keras2-input-position", "mwms-cpu-replicas", "timeout-line",
+            "keras2-step-results"} <= keys
     assert "keras3-symbolic-build" not in keys  # tf.keras is tf_keras: Keras 3's fix is moot
 
 

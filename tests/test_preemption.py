@@ -314,16 +314,30 @@ RESUME = {
 }
 
 
+_straight_runs: dict[tuple[str, ...], Path] = {}
+
+
+def _straight(python: str, backend: str, folder: Path, env: dict[str, str]) -> Path:
+    """The results folder of an uninterrupted run with ``env``: made once per interpreter,
+    backend and environment, for every resume case that compares with it."""
+    key = (python, backend, *sorted(env.items()))
+    if key not in _straight_runs:
+        straight = _run(python, backend, folder / "straight", folder / "m1", "-1", "0", **env)
+        assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+        _straight_runs[key] = folder / "straight"
+    return _straight_runs[key]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(RESUME))
-def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, case):
+def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_factory, case):
     backend, legacy, data, rank, step, total = RESUME[case]
     python = _python(backend)
+    tmp_path = tmp_path_factory.mktemp(case)
     # The dataset reshuffles every epoch: the resumed run must see the stopped run's order, and
     # draw the stopped run's Dropout masks.
     env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
-    straight = _run(python, backend, tmp_path / "straight", tmp_path / "m1", "-1", "0", **env)
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    straight = _straight(python, backend, tmp_path, env)
     # A check after every step, so the stop comes at the first step after the signal.
     run = _run(python, backend, tmp_path / "out", tmp_path / "m2", rank, step,
                "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
@@ -332,7 +346,7 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path, c
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
     assert [r["code"] for r in stopped + resumed] == [75, 75, 0, 0]
     assert "resuming at step" in run.stdout and "backup instead" not in run.stdout
-    expected = _results(tmp_path / "straight")
+    expected = _results(straight)
     for before, after, alone in zip(stopped, resumed, expected, strict=True):
         assert before["steps"] + after["steps"] == alone["steps"] == total, (
             before, after)  # no step trained twice, none skipped
@@ -397,7 +411,7 @@ def test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_mask
                "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
-    expected = _results(tmp_path / "straight")
+    expected = _results(straight)
     for before, after, alone in zip(stopped, resumed, expected, strict=True):
         assert before["steps"] + after["steps"] == alone["steps"], (before, after)
         assert after["digest"] != alone["digest"], (after, alone)
@@ -454,7 +468,7 @@ def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path):
     run = launch(tmp_path / "out", tmp_path / "b.pt", "1", "20", "--max-restarts", "1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
-    expected = _results(tmp_path / "straight")
+    expected = _results(straight)
     assert [r["code"] for r in stopped] == [75, 75]
     assert len({(r["epoch"], r["step"]) for r in stopped}) == 1  # one agreed step
     for before, after, alone in zip(stopped, resumed, expected, strict=True):
@@ -511,7 +525,7 @@ def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backen
                "1", worker=worker, TF_USE_LEGACY_KERAS=legacy)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
-    expected = _results(tmp_path / "straight")
+    expected = _results(straight)
     assert [r["code"] for r in stopped + resumed] == [75, 75, 0, 0]
     assert len({(r["epoch"], r["step"]) for r in stopped}) == 1, stopped  # one agreed step
     assert "resuming the loop at" in run.stdout + run.stderr

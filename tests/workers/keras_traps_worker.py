@@ -1,6 +1,6 @@
 """One worker of the Keras traps test: what public scripts do that used to break on 2 workers.
 
-    python keras_traps_worker.py OUT_DIR {mwms,horovod}
+    python keras_traps_worker.py OUT_DIR {mwms,horovod,single}
 
 Runs every case below in this one process, in order, on every rank (so one launch covers
 them all), and writes ``result-RANK.json``: per case either its observations or
@@ -68,6 +68,9 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   (``ChiefOnly(AtomicCheckpoint)``) with ``fit`` inside the scope, must still break: it shows
   that the cases above exercise the defect.
 
+- The numbers a script prints (``keras_numbers.py``), compared by the test with one plain
+  process's (``single``: the worker runs only those).
+
 Weights are compared across ranks by digest (``tfdist.sync.digest``).
 """
 
@@ -80,6 +83,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import keras_numbers
 import numpy as np
 
 import tfdist
@@ -125,9 +129,12 @@ def main(out_dir: str, backend: str) -> None:
         "step_logs": lambda: _step_logs(dist, keras, tf),
         "jit_compile": lambda: _jit_compile(dist, keras, tf),
         "mixed_keras": lambda: _mixed_keras(dist, keras3),
+        **keras_numbers.cases(dist, keras, tf, out_dir),  # compared with one process's: see there
         # Last: when it shows the old defect, the ranks' collectives are aborted.
         "control_chief_only_save": lambda: _control(dist, keras, tf, out_dir),
     }
+    if backend == "single":  # one plain process: the numbers the others must equal
+        cases = keras_numbers.cases(dist, keras, tf, out_dir)
     failed = False
     for name, case in cases.items():
         try:

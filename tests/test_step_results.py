@@ -1,0 +1,69 @@
+"""The pure parts of tfdist.step_results: which metrics are the user's, and the warning for a
+model whose own step returns values that are not its metrics' results. The patches themselves
+are tested on 2 real workers against one process (tests/test_keras_traps.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _metrics():
+    import keras
+
+    class Largest(keras.metrics.Metric):
+        def __init__(self):  # type: ignore[no-untyped-def]
+            super().__init__(name="largest")
+            self.largest = self.add_weight(name="largest", shape=(), initializer="zeros")
+
+        def update_state(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            pass
+
+        def result(self):  # type: ignore[no-untyped-def]
+            return self.largest
+
+    class Stateless(keras.metrics.Metric):
+        def update_state(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            pass
+
+        def result(self):  # type: ignore[no-untyped-def]
+            return 0.0
+
+    class Holder:  # Keras's compiled-metrics container holds the user's in `metrics`
+        def __init__(self, metrics):  # type: ignore[no-untyped-def]
+            self.metrics = metrics
+
+    largest = Largest()
+    return {
+        "Keras's own": ([keras.metrics.AUC(), keras.metrics.Mean()], []),
+        "yours": ([keras.metrics.AUC(), largest], ["largest"]),
+        "yours, in a container, twice": ([Holder([largest]), largest], ["largest"]),
+        "yours without a state": ([Stateless(name="none")], []),
+        "none": (None, []),
+    }
+
+
+@pytest.mark.parametrize("case", ["Keras's own", "yours", "yours, in a container, twice",
+                                  "yours without a state", "none"])
+def test_the_users_metrics_with_a_state_are_found(case):
+    from tfdist.step_results import own_metrics
+
+    metrics, names = _metrics()[case]
+    assert [m.name for m in own_metrics(metrics)] == names
+
+
+@pytest.mark.parametrize(("keras3", "says"), [
+    (True, "Keras averaged them over the replicas each step and logs the last step's. A loss "
+           "from compute_loss is divided by the number of replicas under tf.distribute, any "
+           "other value is not, so a compute_loss value reads 1/replicas of one process's."),
+    (False, "Keras summed them over the replicas each step and logs the last step's. A loss "
+            "from compute_loss is divided by the number of replicas under tf.distribute, any "
+            "other value is not, so any other value reads replicas times one process's."),
+])
+def test_a_custom_steps_own_values_are_explained_with_the_fix(keras3, says):
+    from tfdist.step_results import own_step_line
+
+    line = own_step_line("Net", "train_step", keras3)
+    assert line.startswith("Net's own train_step returns values that are not its metrics' "
+                           f"results: {says}"), line
+    assert line.endswith("return their results ({m.name: m.result() for m in self.metrics}): "
+                         "Keras reads those over all workers")
