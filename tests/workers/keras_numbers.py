@@ -306,6 +306,9 @@ def _saving(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
     for save in saves.values():
         save()
         save()
+    # Under Horovod a save runs no collective, so the other ranks return before the chief's
+    # file is complete: wait for it, as a script that reads the chief's files must.
+    dist.sum_over_ranks([1.0])
     loaded = _model(dist, keras)  # on every rank: a model made in the scope runs collectives
     loaded.load_weights(os.path.join(folder, weights))
     return {"digest": digest(model_variables(model)), "saves": sorted(saves),
