@@ -411,7 +411,7 @@ def test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_mask
                "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
-    expected = _results(straight)
+    expected = _results(tmp_path / "straight")
     for before, after, alone in zip(stopped, resumed, expected, strict=True):
         assert before["steps"] + after["steps"] == alone["steps"], (before, after)
         assert after["digest"] != alone["digest"], (after, alone)
@@ -468,7 +468,7 @@ def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path):
     run = launch(tmp_path / "out", tmp_path / "b.pt", "1", "20", "--max-restarts", "1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
-    expected = _results(straight)
+    expected = _results(tmp_path / "straight")
     assert [r["code"] for r in stopped] == [75, 75]
     assert len({(r["epoch"], r["step"]) for r in stopped}) == 1  # one agreed step
     for before, after, alone in zip(stopped, resumed, expected, strict=True):
@@ -525,7 +525,7 @@ def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backen
                "1", worker=worker, TF_USE_LEGACY_KERAS=legacy)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
-    expected = _results(straight)
+    expected = _results(tmp_path / "straight")
     assert [r["code"] for r in stopped + resumed] == [75, 75, 0, 0]
     assert len({(r["epoch"], r["step"]) for r in stopped}) == 1, stopped  # one agreed step
     assert "resuming the loop at" in run.stdout + run.stderr
