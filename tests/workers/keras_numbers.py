@@ -191,8 +191,8 @@ def _short_last_batch(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     return found
 
 
-def _recording_model(dist: Any, keras: Any, tf: Any, seen: list[float]) -> Any:
-    """A model whose first layer notes feature 0 of every training row its replica sees."""
+def row_recorder(keras: Any, tf: Any, seen: list[float]) -> Any:
+    """A layer that appends feature 0 of every training row its replica sees to ``seen``."""
     def record(batch: Any) -> Any:
         seen.extend(float(v) for v in batch.numpy()[:, 0])
         return np.float32(0)
@@ -205,9 +205,14 @@ def _recording_model(dist: Any, keras: Any, tf: Any, seen: list[float]) -> Any:
             zero.set_shape(())
             return inputs + zero
 
+    return RowRecorder()
+
+
+def _recording_model(dist: Any, keras: Any, tf: Any, seen: list[float]) -> Any:
+    """A model whose first layer notes feature 0 of every training row its replica sees."""
     keras.utils.set_random_seed(3)
     with dist.scope():
-        model = keras.Sequential([keras.Input((8,)), RowRecorder(),
+        model = keras.Sequential([keras.Input((8,)), row_recorder(keras, tf, seen),
                                   keras.layers.Dense(1, activation="sigmoid")])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
                       jit_compile=False)

@@ -395,21 +395,9 @@ def _numpy(dist: Any, keras: Any) -> dict[str, Any]:
     keras.utils.set_random_seed(1)
     _, x, y = _data(tf)
     seen: list[float] = []  # feature 0 of every training row this rank's replica saw
-
-    def record(batch: Any) -> Any:
-        seen.extend(float(v) for v in batch.numpy()[:, 0])
-        return np.float32(0)
-
-    class RowRecorder(keras.layers.Layer):
-        def call(self, inputs: Any, training: Any = None) -> Any:
-            if not training:
-                return inputs
-            zero = tf.py_function(record, [inputs], tf.float32)
-            zero.set_shape(())
-            return inputs + zero
-
     with dist.scope():
-        model = keras.Sequential([keras.Input((8,)), RowRecorder(), keras.layers.Dense(2)])
+        model = keras.Sequential([keras.Input((8,)), keras_numbers.row_recorder(keras, tf, seen),
+                                  keras.layers.Dense(2)])
         _compile(model, keras, jit_compile=False)
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False,
                         callbacks=dist.callbacks())
