@@ -150,8 +150,8 @@ def _summed_states(model: Any, sum_over_ranks: Callable[[list[Any]], list[Any]]
 
 
 def _unique(variables: Any) -> list[Any]:
-    seen: set[int] = set()
-    return [v for v in variables if not (id(v) in seen or seen.add(id(v)))]  # type: ignore[func-returns-value]
+    """Each variable once, in first-seen order (Keras 3 lists a shared one once per user)."""
+    return list({id(v): v for v in variables}.values())
 
 
 _named: set[type] = set()  # the classes of metrics and models named in a warning
