@@ -20,12 +20,11 @@ MODEL_DIR ?= runs/keras_train
 # Each step of `make test` and of the environments' builds is timed into $(TIMES).
 TIMES := .test-times
 TIMED := $(PYTHON) tools/timed.py run $(TIMES)
-# The test processes of each pytest run: none by default (one process). `make test
-# XDIST="-n 2 --dist loadgroup"` runs two (tests/parallel.py says which tests stay together):
-# the main run took 16 min against about 19 in one process, measured once on 2 cores, but the
-# load of two multi-process tests at once made a rank of one 2-worker launch miss its heartbeats
-# once, so CI keeps one process until ranks tolerate that load.
-XDIST ?=
+# The test processes of each pytest run: two (pytest-xdist; tests/parallel.py says which tests
+# stay together). Most tests are real worker processes that spend part of their time waiting.
+# `make test XDIST=` runs one. Two multi-process tests at once once made a rank miss
+# TensorFlow's 10 s heartbeat; tfdist's heartbeat timeout is 30 s (TFDIST_HEARTBEAT_TIMEOUT).
+XDIST ?= -n 2 --dist loadgroup
 # The editable installs of tfdist write tfdist.egg-info in the checkout: one at a time.
 EDITABLE_LOCK := flock $(CURDIR)/.editable.lock
 

@@ -41,6 +41,7 @@ def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr
     assert "[0] tfdist: 2 worker(s), 2 replica(s), backend mwms, collective ring" in run.stdout
     assert "learning rate 0.002" in run.stdout  # --scale_lr doubled 1e-3
+    assert "a rank silent for 30 s is named" in run.stdout  # TFDIST_HEARTBEAT_TIMEOUT's default
     assert _accuracy(run.stdout) > 0.9
     # Every rank prints a digest of its final weights: equal digests, identical weights.
     weights = final_weights([run.stdout])

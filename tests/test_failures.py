@@ -312,10 +312,13 @@ def _srun_step(rank: int, port: int) -> dict[str, str]:
 @pytest.mark.multiprocess
 def test_a_hung_peer_is_named_by_the_others_within_a_bound():
     # Rank 1 is stopped (SIGSTOP: a hang, not a crash) in the middle of fit. Rank 0 must end
-    # with TensorFlow's error and tfdist's line naming rank 1; measured from the stop.
+    # with TensorFlow's error and tfdist's line naming rank 1; measured from the stop. The
+    # heartbeat timeout given reaches TensorFlow's coordination service (read back from its
+    # config for the start line).
     output, took, code = _launch_and_signal(
         [sys.executable, "-m", "tfdist", "launch", "-n", "2", "--grace-period", "2",
-         str(WORKERS / "long_fit_worker.py")], signal.SIGSTOP, _env())
+         str(WORKERS / "long_fit_worker.py")], signal.SIGSTOP, _env(TFDIST_HEARTBEAT_TIMEOUT="6"))
+    assert "a rank silent for 6 s is named" in output, output[-3000:]
     assert re.search(r"\[0\] tfdist: rank 1 \(host 127\.0\.0\.1\) failed or stopped responding"
                      r".*rank 0 stops here after step \d+ of epoch \d+", output), output[-3000:]
     print(f"rank 0 named the hung rank {took:.1f} s after the stop")

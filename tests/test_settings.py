@@ -1,4 +1,5 @@
-"""The one settings table: precedence, one parser per kind, the README, and who reads what.
+"""The one settings table: precedence, one parser per kind, its copy in docs/settings.md, and
+who reads what.
 
 Pure: no framework, no process. The last two tests read tfdist's source (``ast``) to keep every
 ``TFDIST_*`` setting in :data:`tfdist.settings.SETTINGS` and every launcher variable in
@@ -94,15 +95,15 @@ def test_current_says_where_each_value_came_from():
     assert found["TFDIST_TORCH_COLLECTIVE"] == ("nccl", "TFDIST_TORCH_BACKEND")
 
 
-# --- the README ------------------------------------------------------------------------------
+# --- docs/settings.md -----------------------------------------------------------------------
 
-def test_readme_settings_table_is_the_table():
-    readme = (ROOT / "README.md").read_text()
+def test_the_documented_settings_table_is_the_table():
+    page = (ROOT / "docs" / "settings.md").read_text()
     match = re.search(r"<!-- settings table:.*?-->\n(.*?)\n<!-- end of settings table -->",
-                      readme, re.S)
-    assert match, "README.md lost its settings table markers"
+                      page, re.S)
+    assert match, "docs/settings.md lost its settings table markers"
     assert match.group(1).strip() == settings.markdown_table(), (
-        "README.md's settings table differs from tfdist/settings.py: paste the output of "
+        "docs/settings.md's settings table differs from tfdist/settings.py: paste the output of "
         "`tfdist settings --markdown` between the markers")
 
 

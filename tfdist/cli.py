@@ -328,7 +328,7 @@ def _add_settings(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         "this environment sets it; an invalid value is an error naming the allowed ones.",
     )
     parser.add_argument("--markdown", action="store_true",
-                        help="print the README's reference table instead")
+                        help="print the reference table of docs/settings.md instead")
     parser.set_defaults(handler=_run_settings)
 
 

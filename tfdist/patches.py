@@ -174,6 +174,13 @@ INVENTORY: tuple[Patch, ...] = (
           "TensorFlow gives a CPU worker one replica whatever logical CPUs exist; the stand-in "
           "for several GPUs per worker gives it one per logical CPU",
           lambda w: _mwms(w) and not w.gpus and w.cpu_replicas > 1),
+    Patch("mwms-heartbeat", "tensorflow.python.eager.context.Context."
+          "configure_coordination_service", "tfdist.backends.mwms",
+          "MWMS on several workers, while the strategy is created",
+          "MWMS starts TensorFlow's coordination service with its 10 s heartbeat timeout, "
+          "which declares a rank starved of CPU crashed; the wrapper passes "
+          "TFDIST_HEARTBEAT_TIMEOUT (30 s by default) where the call sets none",
+          _mwms),
     Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/predict, "
           f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build", "tfdist.horovod.fit",
           "backend horovod",

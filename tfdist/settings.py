@@ -9,7 +9,7 @@ their feature off, and a typo names the setting, the variable and the allowed va
 Launch protocol variables that ``tfdist launch`` writes for its workers (``TFDIST_LAUNCHER``,
 ``TFDIST_LOCAL_RANK``...) are not settings: :mod:`tfdist.env` reads them with the launchers'.
 
-Pure: no TensorFlow, no torch. The README's settings tables are checked against :data:`SETTINGS`
+Pure: no TensorFlow, no torch. docs/settings.md's table is checked against :data:`SETTINGS`
 (``tests/test_settings.py``).
 """
 
@@ -134,7 +134,7 @@ class Setting:
             from the cluster" (or off).
         choices: the allowed values of a choice (compared in lower case).
         argument: where a script passes it (``"init(backend=)"``), or ``""`` for variable only.
-        doc: one line for the README's table.
+        doc: one line for docs/settings.md's table.
         aliases: older variable names still read, with a warning naming the new one.
     """
 
@@ -192,6 +192,12 @@ SETTINGS: tuple[Setting, ...] = (
             "line: for a rank alive but stuck, which the heartbeat does not catch; default: "
             "wait forever. Set it above the longest time one rank may work alone (the chief "
             "saving, a first trace)", argument="init(collective_timeout=)"),
+    Setting("heartbeat_timeout", "TFDIST_HEARTBEAT_TIMEOUT", _positive_seconds, 30.0,
+            "seconds a rank's process may send no heartbeat before every rank stops with a "
+            "line naming it (stopped, frozen, cut off or dead). MWMS: TensorFlow's coordination "
+            "service (TensorFlow's own default, 10 s, fails ranks that are only starved of CPU); "
+            "the heartbeat is a thread of its own, so a rank that computes, saves or evaluates "
+            "alone keeps beating"),
     Setting("threads", "TFDIST_NUM_THREADS", _positive_int, None,
             "TensorFlow (and torch) threads; default: the cores this process is pinned to",
             argument="init(threads=)"),
@@ -303,7 +309,7 @@ def resolve(name: str, argument: Any = None, environ: Mapping[str, str] | None =
 
 
 def markdown_table() -> str:
-    """The README's settings table, one row per setting (``tfdist settings --markdown``)."""
+    """docs/settings.md's table, one row per setting (``tfdist settings --markdown``)."""
     rows = ["| argument | environment | default | meaning |", "|---|---|---|---|"]
     for entry in SETTINGS:
         argument = f"`{entry.argument}`" if entry.argument else ""
@@ -332,7 +338,7 @@ def current(environ: Mapping[str, str] | None = None) -> list[tuple[Setting, Any
 
 
 def shown(value: Any) -> str:
-    """``value`` as the README and ``tfdist settings`` write it."""
+    """``value`` as docs/settings.md and ``tfdist settings`` write it."""
     if value is None:
         return "-"
     return _shown(value)

@@ -103,4 +103,5 @@ def resolve_settings(backend: str | None = None, collective: str | None = None,
             "collective": resolve("collective", collective, environ),
             "threads": resolve("threads", threads, environ),
             "collective_timeout": resolve("collective_timeout", collective_timeout, environ),
-            "cpu_replicas": resolve("cpu_replicas", None, environ)}
+            "cpu_replicas": resolve("cpu_replicas", None, environ),
+            "heartbeat_timeout": resolve("heartbeat_timeout", None, environ)}

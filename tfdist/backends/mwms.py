@@ -38,6 +38,9 @@ logger = logging.getLogger("tfdist")
 # How long the exit handshake waits for the other ranks, which have already passed the
 # collective barrier before it: a bound for a peer that died there, not a working time.
 _EXIT_HANDSHAKE_S = 60.0
+# TensorFlow's coordination service without a configured heartbeat timeout
+# (coordination_service.cc, kDefaultHeartbeatTimeout).
+_TF_HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 class MultiWorkerDistributed(Distributed):
@@ -184,7 +187,8 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
     if cpu_replicas > 1:
         split_cpu(tf, cpu_replicas)
     try:
-        with _cpu_devices_per_worker(cpu_replicas):
+        with _cpu_devices_per_worker(cpu_replicas), \
+                _heartbeat_timeout(settings["heartbeat_timeout"], environment):
             strategy = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=_resolver(environment, num_gpus),
                 communication_options=options)
@@ -198,10 +202,12 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         per_worker = (f"{num_gpus} GPU(s) per worker" if num_gpus else
                       f"{cpu_replicas} logical CPUs per worker" if cpu_replicas > 1 else
                       "on the CPU")
+        silent = _configured_heartbeat_timeout()
         logger.info("tfdist: MultiWorkerMirroredStrategy, %d workers, %s collectives, %s "
-                    "(%d replicas in all)%s; launched by %s", handle.world_size,
+                    "(%d replicas in all)%s%s; launched by %s", handle.world_size,
                     collective.upper(), per_worker, handle.num_replicas,
                     f", collectives time out after {timeout:g} s" if timeout else "",
+                    f", a rank silent for {silent:g} s is named" if silent else "",
                     environment.reason)
     return handle
 
@@ -257,6 +263,42 @@ def _cpu_devices_per_worker(replicas: int) -> Iterator[None]:
     with patches.scoped("mwms-cpu-replicas", mwms.CollectiveAllReduceExtended,
                         "_initialize_local_devices", wrap):
         yield
+
+
+@contextlib.contextmanager
+def _heartbeat_timeout(seconds: float, environment: ClusterEnvironment) -> Iterator[None]:
+    """While MWMS is created, the coordination service it starts gets ``seconds`` as its
+    heartbeat timeout (``TFDIST_HEARTBEAT_TIMEOUT``) instead of TensorFlow's 10 s.
+
+    MWMS configures the service itself (``configure_coordination_service``, unless a service
+    is configured already) and passes no timeout. Each rank's agent beats from a C++ thread
+    every half timeout; a rank whose process gets a sliver of a core (a busy neighbour, a
+    swapping node) can miss 10 s, and the service then fails every rank as if it had crashed.
+    """
+    if not environment.is_distributed:
+        yield
+        return
+    from tensorflow.python.eager import context
+
+    from tfdist import patches
+
+    def change(bound: Any) -> None:
+        bound.arguments.setdefault("heartbeat_timeout_in_ms", round(seconds * 1000))
+
+    with patches.scoped("mwms-heartbeat", context.Context, "configure_coordination_service",
+                        lambda original: patches.rebinding(original, change)):
+        yield
+
+
+def _configured_heartbeat_timeout() -> float | None:
+    """The heartbeat timeout in TensorFlow's coordination service config, in seconds (its
+    default, 10 s, where the config leaves it 0); None without a service (one worker)."""
+    from tensorflow.python.eager import context
+
+    config = context.context().coordination_service
+    if config is None:
+        return None
+    return (config.heartbeat_timeout_in_ms or _TF_HEARTBEAT_TIMEOUT_MS) / 1000
 
 
 def _resolver(environment: ClusterEnvironment, num_gpus: int) -> Any:
