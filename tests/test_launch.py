@@ -442,6 +442,26 @@ def test_worker_ignoring_sigterm_is_killed_after_grace_period(tmp_path: Path) ->
 
 
 @multiprocess
+def test_a_time_limit_gives_each_worker_its_end_and_stops_them_there(tmp_path: Path) -> None:
+    # Each worker prints the end it was given and sleeps past it: the launch stops them at the
+    # end, as Slurm stops a job at its time limit, and says so.
+    script = _script(tmp_path, """
+        import os, time
+        print("end", float(os.environ["TFDIST_END_TIME"]) - time.time(), flush=True)
+        time.sleep(60)
+        """)
+    start = time.monotonic()
+    result = _tfdist("launch", "-n", "2", "--time-limit", "3s", "--grace-period", "1", script)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 124, result.stderr
+    assert "the time limit (--time-limit) is reached" in result.stderr
+    for rank in (0, 1):
+        left = float(_lines(result.stdout, rank)[0].split()[1])
+        assert 0 < left <= 3, result.stdout
+    assert 3 <= elapsed < 10, elapsed
+
+
+@multiprocess
 def test_worker_killed_by_signal_exits_128_plus_signum(tmp_path: Path) -> None:
     pidfile = tmp_path / "pid0"
     out = io.StringIO()
@@ -602,6 +622,7 @@ def test_launch_errors_print_the_fix_and_exit_2(
         (["launch", "--nproc-per-node", "gpu", "x"], "expected a whole number, got 'gpu'"),
         # No torch backend: tfdist.torch meets at rank 0's TF_CONFIG address (the default).
         (["launch", "-n", "1", "--backend", "torch", "x"], "invalid choice: 'torch'"),
+        (["launch", "-n", "1", "--time-limit", "soon", "x"], "write 90s, 10min, 2h, 1d"),
         ([], "COMMAND"),
     ],
 )
@@ -623,6 +644,9 @@ def test_bad_flags_exit_2_with_usage(
         (["--nproc_per_node=5"], {"num_workers": 5}),
         (["-n", "1", "--max_restarts", "2"], {"max_restarts": 2}),
         (["-n", "1", "--max-restarts=3"], {"max_restarts": 3}),
+        (["-n", "1", "--time-limit", "90s"], {"time_limit": 90.0}),
+        (["-n", "1", "--time-limit", "2"], {"time_limit": 120.0}),  # minutes, as sbatch --time
+        (["-n", "1", "--time-limit", "1:00:00"], {"time_limit": 3600.0}),
         (["-n", "1", "--module"], {"module": True}),
         (["-n", "1", "-m"], {"module": True}),
         (["-n", "1", "--log-dir", "logs", "--dry-run"], {"log_dir": "logs", "dry_run": True}),

@@ -283,10 +283,11 @@ def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, backend):
 
 
 def _run(python: str, backend: str, out: Path, model: Path, rank: str, step: str, *extra: str,
-         workers: int = 2, worker: str = WORKER, **env: str) -> subprocess.CompletedProcess[str]:
+         workers: int = 2, worker: str = WORKER, sig: str | None = None,
+         **env: str) -> subprocess.CompletedProcess[str]:
     out.mkdir(exist_ok=True)
-    return subprocess.run(_launch(python, backend, [str(out), str(model), backend, rank, step],
-                                  *extra, workers=workers, worker=worker),
+    args = [str(out), str(model), backend, rank, step, *([sig] if sig else [])]
+    return subprocess.run(_launch(python, backend, args, *extra, workers=workers, worker=worker),
                           cwd=ROOT, env=_env(**env), capture_output=True, text=True,
                           timeout=300, check=False)
 
@@ -359,6 +360,67 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
     else:  # stopped inside an epoch
         assert stopped[0]["step"] > 0 and stopped[0]["steps"] < total, stopped
     assert not list((tmp_path / "m2").glob("preempted*"))  # removed once an epoch finished
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["mwms-keras3"])
+def test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes(
+        tmp_path_factory, case):
+    # No signal at all: `tfdist launch --time-limit 40s` gives the workers their end, and the
+    # margin (28 s) is reached 12 s after the launch, while the slowed steps (0.5 s each, 24 s
+    # of training) run. The guard stops both ranks at one step, saves and exits 75 before the
+    # launch's own stop at 40 s; the next launch (the requeued job) resumes there.
+    backend, legacy, data, *_, total = RESUME[case]
+    python = _python(backend)
+    tmp_path = tmp_path_factory.mktemp(case)
+    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
+    straight = _straight(python, backend, tmp_path, env)
+    first = _run(python, backend, tmp_path / "out", tmp_path / "m2", "-1", "0",
+                 "--time-limit", "40s", TFDIST_WALLTIME_MARGIN="28",
+                 PREEMPT_TEST_STEP_SLEEP="0.5", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
+    assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "[0] tfdist: walltime: " in first.stdout and "margin is 28 s" in first.stdout
+    assert "--time-limit) is reached" not in first.stderr  # the guard stopped them, in time
+    second = _run(python, backend, tmp_path / "out2", tmp_path / "m2", "-1", "0", **env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    stopped, resumed = _results(tmp_path / "out"), _results(tmp_path / "out2")
+    assert [r["code"] for r in stopped + resumed] == [75, 75, 0, 0]
+    assert [r["signal"] for r in stopped] == [None, None]
+    assert len({(r["epoch"], r["step"]) for r in stopped}) == 1, stopped  # one agreed step
+    for before, after, alone in zip(stopped, resumed, _results(straight), strict=True):
+        assert 0 < before["steps"] < total, before  # stopped mid-training
+        assert before["steps"] + after["steps"] == alone["steps"] == total, (before, after)
+        assert after["digest"] == alone["digest"], (after, alone)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["horovod-tf_keras"])
+def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
+        tmp_path_factory, case):
+    # TFDIST_CHECKPOINT_EVERY=2s: every 2 s of training (0.25 s a step) and at each epoch's
+    # end every rank saves the exact state and trains on. Rank 1 is then killed (SIGKILL: no
+    # handler, no save) after its 30th step; the next launch resumes from the last safety save
+    # and trains every step after it once, ending bit-identical to an uninterrupted run.
+    backend, legacy, data, *_, total = RESUME[case]
+    python = _python(backend)
+    tmp_path = tmp_path_factory.mktemp(case)
+    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
+    straight = _straight(python, backend, tmp_path, env)
+    killed = _run(python, backend, tmp_path / "out", tmp_path / "m2", "1", "30", sig="KILL",
+                  TFDIST_CHECKPOINT_EVERY="2s", PREEMPT_TEST_STEP_SLEEP="0.25", **env)
+    assert killed.returncode == 128 + signal.SIGKILL, killed.stdout[-3000:] + killed.stderr
+    assert "tfdist: safety save after step" in killed.stdout, killed.stdout[-3000:]
+    state = preemption.read_state(str(tmp_path / "m2"))
+    assert state is not None, list((tmp_path / "m2").iterdir())
+    saved = state["epoch"] * STEPS_PER_EPOCH + state["step"]
+    assert 0 < saved < 30, state  # a safety save before the kill; at most 2 s of steps lost
+    resumed = _run(python, backend, tmp_path / "again", tmp_path / "m2", "-1", "0", **env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming at step" in resumed.stdout and "backup instead" not in resumed.stdout
+    for after, alone in zip(_results(tmp_path / "again"), _results(straight), strict=True):
+        assert after["steps"] == total - saved, (after, state)  # each step after the save once
+        assert after["digest"] == alone["digest"], (after, alone)
+    assert not list((tmp_path / "m2").glob("preempted*"))  # the fit that ended removed it
 
 
 @pytest.mark.multiprocess

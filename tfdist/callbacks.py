@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync
+from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync, walltime
 from tfdist import model_dir as layout
 from tfdist.scratch import as_given, atomic_path, scratch_dir, throwaway
 from tfdist.settings import resolve
@@ -274,13 +274,19 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             default 1.
         logs: callbacks that keep log files open (TensorBoard, CSVLogger): their
             ``on_train_end`` closes them before the process ends.
+        every: seconds between two safety saves (the same state, at an agreed step, training
+            going on; each epoch's end is one too); env ``TFDIST_CHECKPOINT_EVERY``, default
+            none. A fit that ends normally removes its last one.
     """
 
     def __init__(self, dist: Distributed, model_dir: str,
-                 check_seconds: float | None = None, *, logs: Sequence[Any] = ()) -> None:
+                 check_seconds: float | None = None, *, logs: Sequence[Any] = (),
+                 every: float | str | None = None) -> None:
         super().__init__()
         self.dist, self.model_dir, self.logs = dist, model_dir, list(logs)
-        self.watch = preemption.Watch(dist, resolve("preempt_check_seconds", check_seconds))
+        self.watch = preemption.Watch(dist, resolve("preempt_check_seconds", check_seconds),
+                                      every=resolve("checkpoint_every", every))
+        self._saved_here = False  # this fit wrote a safety save (removed when it ends well)
         self.epoch, self.step, self._in_fit = 0, 0, False
         self.resumed_from: dict[str, Any] | None = None  # the state this fit resumed from
         self._state_found = False
@@ -307,7 +313,9 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self.watch.uninstall(redeliver=False)
         preemption.after_training(self.watch.catch, pending, self.dist.rank)
         # Resumed at the end of the last epoch: fit ran no epoch, and the state is used up. Left
-        # behind, the next fit with this model_dir would resume from it and train nothing.
+        # behind, the next fit with this model_dir would resume from it and train nothing. So
+        # would it from this fit's last safety save.
+        self._state_found = self._state_found or self._saved_here
         self._discard_state()
 
     def _discard_state(self) -> None:
@@ -329,34 +337,39 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             return  # the epoch's last step: its end checks, after the epoch's backup and logs
         if self.watch.step():
             self._save_and_exit(validating=False)
+        elif self.watch.save_now:
+            self._safety_save(validating=False)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._discard_state()  # this epoch's backup, written before this callback, is newer
         # Every epoch ends with a check, however long the interval between checks has grown.
         if self.watch.check():
             self._save_and_exit(validating=False, epoch_done=True)
+        elif self.watch.every is not None:  # safety saves on: each epoch's end is one too
+            self._safety_save(validating=False, epoch_done=True)
 
     def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
-        if self._in_fit and self.watch.step():
+        if not self._in_fit:
+            return
+        if self.watch.step():
             self._save_and_exit(validating=True, epoch_done=True)
+        elif self.watch.save_now:
+            self._safety_save(validating=True, epoch_done=True)
+
+    def _safety_save(self, *, validating: bool, epoch_done: bool = False) -> None:
+        """The exact state at this agreed step, every ``every`` seconds; training goes on."""
+        started = time.monotonic()
+        final = self._save(validating=validating, epoch_done=epoch_done)
+        self.watch.saved()
+        self._saved_here, self._state_found = True, False  # this state is newer than any found
+        if final is not None:
+            logger.info("tfdist: safety save after step %d of epoch %d%s in %s (%.2f s; "
+                        "TFDIST_CHECKPOINT_EVERY=%gs)", self.step, self.epoch + 1,
+                        " (during validation)" if validating else "", final,
+                        time.monotonic() - started, self.watch.every)
 
     def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
-        def write(folder: str) -> None:
-            save(self.dist, self.model, os.path.join(folder, "model.keras"))
-            # What the model file leaves out, per rank: the random generators' states
-            # (Dropout's seed generator), without which the resumed run would draw other masks.
-            extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
-            np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
-
-        state: dict[str, Any] = {
-            "epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
-            "validating": validating, "num_replicas": self.dist.num_replicas,
-            "signal": self.watch.signal.name if self.watch.signal else None}
-        if self._input is not None:
-            where = self._input.position(self.step)
-            state["input"] = {"iterator": where.iterator, "drawn": where.drawn,
-                              "recreates": self._input.recreates}
-        final = preemption.save_state(self.dist, self.model_dir, write, state)
+        final = self._save(validating=validating, epoch_done=epoch_done)
         if final is not None:
             logger.warning("tfdist: saved the state after step %d of epoch %d%s in %s; exiting "
                            "with code %d", self.step, self.epoch + 1,
@@ -368,6 +381,26 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             except Exception as error:  # the state is saved: a log is not worth failing for
                 logger.warning("tfdist: closing %s failed: %s", type(callback).__name__, error)
         preemption.exit_preempted(self.dist)
+
+    def _save(self, *, validating: bool, epoch_done: bool) -> str | None:
+        """Writes the exact state at this step (every rank); the folder on the chief."""
+        def write(folder: str) -> None:
+            save(self.dist, self.model, os.path.join(folder, "model.keras"))
+            # What the model file leaves out, per rank: the random generators' states
+            # (Dropout's seed generator), without which the resumed run would draw other masks.
+            extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
+            np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
+
+        state: dict[str, Any] = {
+            "epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
+            "validating": validating, "num_replicas": self.dist.num_replicas,
+            "signal": self.watch.signal.name if self.watch.signal else None,
+            "walltime": self.watch.walltime}
+        if self._input is not None:
+            where = self._input.position(self.step)
+            state["input"] = {"iterator": where.iterator, "drawn": where.drawn,
+                              "recreates": self._input.recreates}
+        return preemption.save_state(self.dist, self.model_dir, write, state)
 
     def _resume(self, state: dict[str, Any]) -> None:
         epoch, step = int(state["epoch"]), int(state["step"])
@@ -507,8 +540,10 @@ if _KERAS3:
                 self._weights_path, self._training_metadata_path = own
 
         def _save_model(self) -> None:
+            started = time.monotonic()
             with as_given():  # this rank's own folder
                 super()._save_model()
+            walltime.record_save(time.monotonic() - started)
 
         def on_train_end(self, logs: Any = None) -> None:
             super().on_train_end(logs)
@@ -531,6 +566,11 @@ else:
             self.root = backup_dir
             super().__init__(backup_dir if strategy_spans_workers
                              else os.path.join(backup_dir, f"rank-{rank}"), **kwargs)
+
+        def _backup(self, epoch: int, batch: int = 0) -> None:
+            started = time.monotonic()
+            super()._backup(epoch, batch)
+            walltime.record_save(time.monotonic() - started)
 
         def on_train_end(self, logs: Any = None) -> None:
             super().on_train_end(logs)  # removes the checkpoints, not the folders above them
@@ -653,6 +693,9 @@ class CallbackOptions:
             and one JSON line in ``TFDIST_THROUGHPUT_FILE`` or ``model_dir/throughput.jsonl``.
         global_batch: examples per step over all workers, for the meter; default: the batch
             size of the dataset given to ``dist.shard``.
+        checkpoint_every: with ``model_dir``, a safety save of the same exact state as for a
+            preemption at one agreed step this often (seconds, or ``"10min"``), and at each
+            epoch's end, training going on; env ``TFDIST_CHECKPOINT_EVERY``, default off.
     """
 
     model_dir: str | None = None
@@ -667,6 +710,7 @@ class CallbackOptions:
     average_batch_statistics: bool | None = None
     throughput: bool = True
     global_batch: int | None = None
+    checkpoint_every: float | str | None = None
 
 
 def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
@@ -705,7 +749,8 @@ def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
     callbacks += [route_writer(dist, writer) for writer in _chief_writers(dist, o)]
     if model_dir and o.preempt:  # last: a stop at an epoch's end comes after its backup
         callbacks.append(PreemptionCheckpoint(dist, model_dir, logs=[
-            callback for callback in callbacks if _keeps_logs_open(callback)]))
+            callback for callback in callbacks if _keeps_logs_open(callback)],
+            every=o.checkpoint_every))
     callbacks.append(_Progress())
     if o.throughput:
         callbacks.append(ThroughputMeter(dist, o.global_batch, throughput_file(model_dir)))

@@ -167,6 +167,15 @@ def _add_launch_output(group: argparse._ArgumentGroup) -> None:
         "all workers again, at most N times (default: 0)",
     )
     group.add_argument(
+        "--time-limit",
+        type=_duration,
+        metavar="DURATION",
+        help="each run's walltime, as a Slurm job's: workers see its end (TFDIST_END_TIME), so "
+        "that tfdist's walltime guard saves and exits 75 in time; at the end the launch stops "
+        "them (SIGTERM, then SIGKILL after --grace-period). 90s, 10min, 2h, or sbatch "
+        "--time's forms (a bare number is minutes)",
+    )
+    group.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -214,6 +223,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         dry_run=args.dry_run,
         gpus_per_worker=args.gpus_per_worker,
+        time_limit=args.time_limit,
     )
 
 
@@ -432,3 +442,13 @@ def _at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _duration(text: str) -> float:
+    """``--time-limit``'s seconds (:func:`tfdist.walltime.parse_duration`, bare number: minutes)."""
+    from tfdist.walltime import parse_duration
+
+    try:
+        return parse_duration(text, bare="min")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -366,6 +367,11 @@ class LaunchOptions:
         log_dir: created if missing; each worker's output also goes, unprefixed, to
             :func:`log_path` (``log_dir/rank-R.log``, emptied at the start, the runs one after
             the other), flushed as it arrives.
+        time_limit: each run's walltime in seconds: its workers get its end as
+            ``TFDIST_END_TIME`` (:mod:`tfdist.walltime` stops, saves and exits 75 in time), and
+            the launch stops them at the end as Slurm would (SIGTERM, then SIGKILL after
+            ``grace_period``); the next run of ``max_restarts`` gets a new limit, as a requeued
+            job does.
         gpus_per_worker: K: every worker gets the first ``num_workers * K`` GPU ids
             (:func:`tfdist.devices.launch_gpus`), of which its ``tfdist.init()`` keeps its own
             K; more than one is MultiWorkerMirroredStrategy's. Without it the workers share the
@@ -383,6 +389,7 @@ class LaunchOptions:
     max_restarts: int = 0
     log_dir: str | os.PathLike[str] | None = None
     gpus_per_worker: int | None = None
+    time_limit: float | None = None
 
     def check(self) -> _Mode:
         """Checks the options before anything starts; returns the backend's launch mode.
@@ -496,7 +503,8 @@ def launch(command: Sequence[str], num_workers: int, *, base_env: Mapping[str, s
     Returns:
         0 if every worker succeeds (or for a dry run); 75 if they were preempted; else the first
         failing worker's exit code (128 + N if killed by signal N); 130 on Ctrl-C and 143 on
-        SIGTERM to the launcher (75 if every worker then saved its state and exited preempted).
+        SIGTERM to the launcher, 124 when ``time_limit`` ran out (75 if every worker then saved
+        its state and exited preempted).
 
     Raises:
         ConfigError: If an option is impossible; the message says which to change.
@@ -542,13 +550,18 @@ def _run(options: LaunchOptions, mode: _Mode, plan: _Plan, out: TextIO | None) -
         logs = None if options.log_dir is None else _open_logs(options.log_dir,
                                                                options.num_workers, files)
 
+        deadline: list[float | None] = [None]
+
         def supervise(workers: list[WorkerSpec]) -> int:
             return run_workers(workers, grace_period=options.grace_period,
                                prefix=options.prefix, out=out, logs=logs,
-                               hide_noise=plan.quiet_output)
+                               hide_noise=plan.quiet_output, end_time=deadline[0])
 
         for restart in range(restarts + 1):
             env = {**plan.env, "TFDIST_RESTART_COUNT": str(restart)}
+            if options.time_limit is not None:  # each run a new limit, as a requeued job
+                deadline[0] = time.time() + options.time_limit
+                env["TFDIST_END_TIME"] = f"{deadline[0]:.3f}"
             code = mode.run(options, env, plan.cpu_sets, supervise)
             if code == 0 or code in (130, 128 + signal.SIGTERM) or restart == restarts:
                 break
@@ -572,6 +585,9 @@ def _plan_header(options: LaunchOptions) -> str:
     if options.max_restarts:
         lines.append(f"Up to {options.max_restarts} restart(s): each run's workers get "
                      "TFDIST_RESTART_COUNT=0, 1, ...")
+    if options.time_limit is not None:
+        lines.append(f"--time-limit: each run ends {options.time_limit:g} s after its start; its "
+                     "workers get that end as TFDIST_END_TIME (seconds since the epoch).")
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,9 @@ What happens, in order:
    all. The handler only records it: nothing is saved inside a signal handler, and the current
    step finishes.
 2. At agreed steps, about once a second of training, each rank contributes whether it has seen
-   a signal to one tiny collective (:meth:`tfdist.backends.base.Distributed.sum_over_ranks`).
+   a signal (and the chief its time left before the run's end, :mod:`tfdist.walltime`, which
+   stops every rank the same way with no signal) to one tiny collective
+   (:meth:`tfdist.backends.base.Distributed.sum_over_ranks`).
    All ranks get the same answer at the same step, so they all stop there, even when only one
    of them was signalled. The same collective agrees on the next check: each rank proposes
    a step interval from its measured step time, and all take the mean of the proposals, which
@@ -44,6 +46,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from tfdist import model_dir as layout
+from tfdist import walltime
 from tfdist.errors import ConfigError
 from tfdist.scratch import remove_scratch_dirs, scratch_dir
 from tfdist.settings import catchable_signal, resolve
@@ -109,6 +112,18 @@ def signals() -> tuple[signal.Signals, ...]:
     return tuple(chosen)
 
 
+def _clock_of(dist: Agreeing) -> walltime.Clock | None:
+    """The chief's walltime clock, started (None on the other ranks: the chief decides)."""
+    if not dist.is_chief:
+        return None
+    environment = getattr(dist, "environment", None)
+    if environment is None:
+        return None
+    found = walltime.clock(environment)
+    found.start()
+    return found
+
+
 def next_interval(previous: int, proposal: float) -> int:
     """Steps until the next check (pure): the ranks' mean ``proposal``, but at most twice the
     ``previous`` interval and :data:`MAX_INTERVAL`, and at least one step."""
@@ -116,23 +131,34 @@ def next_interval(previous: int, proposal: float) -> int:
 
 
 class Watch:
-    """Records the first preemption signal; tells every rank at the same step.
+    """Records the first preemption signal; tells every rank at the same step. So it does when
+    the chief's walltime clock says the run's end is within the margin (:mod:`tfdist.walltime`).
 
     Args:
         dist: the handle; its :meth:`~tfdist.backends.base.Distributed.sum_over_ranks` is the
             one collective a check runs.
         check_seconds: about how much training time passes between two checks.
         catch: the signals to record (default :func:`signals`).
+        clock: the walltime clock (default: this process's, :func:`tfdist.walltime.clock`, on
+            the chief).
+        every: seconds between two safety saves; None: none.
 
     Attributes:
         signal: the first signal this process received, or None.
         received_at: ``time.monotonic()`` when it arrived.
-        stop_requested: set once a check found a signal on some rank: every rank then stops.
+        stop_requested: set once a check found a signal on some rank, or the end near: every
+            rank then stops.
+        walltime: the stop came from the walltime guard.
+        every: seconds between two safety saves (``TFDIST_CHECKPOINT_EVERY``), or None.
+        save_now: set by the check of this step when a safety save is due: every rank saves
+            the state here and trains on (then calls :meth:`saved`).
+        clock: the chief's :class:`tfdist.walltime.Clock` (None on the other ranks).
         checks: how many checks ran (each one collective).
     """
 
     def __init__(self, dist: Agreeing, check_seconds: float = 1.0,
-                 catch: Sequence[signal.Signals] | None = None) -> None:
+                 catch: Sequence[signal.Signals] | None = None,
+                 clock: walltime.Clock | None = None, every: float | None = None) -> None:
         if not check_seconds > 0:
             raise ConfigError(f"check_seconds={check_seconds}: use a positive number of seconds")
         self.dist, self.check_seconds = dist, check_seconds
@@ -140,7 +166,14 @@ class Watch:
         self.signal: signal.Signals | None = None
         self.received_at: float | None = None
         self.stop_requested = False
+        self.walltime = False  # the stop came from the walltime guard, not from a signal
         self.checks = 0
+        # The walltime guard's clock: the chief's decides (tfdist.walltime).
+        self.clock = clock if clock is not None else _clock_of(dist)
+        self._margin = resolve("walltime_margin")
+        self.every = every
+        self.save_now = False  # this step is an agreed safety save (every `every` seconds)
+        self._saved_at = time.monotonic()
         # Steps counted, the step of the next check, the agreed interval, and the step and time
         # of the last check.
         self._steps, self._next_check, self._interval = 0, 1, 1
@@ -186,6 +219,7 @@ class Watch:
         if self.stop_requested:
             return True
         self._steps += 1
+        self.save_now = False
         if self._steps < self._next_check:
             return False
         return self.check()
@@ -197,10 +231,18 @@ class Watch:
         """
         if self.stop_requested:
             return True
-        per_step = (time.monotonic() - self._checked_time) / max(1, self._steps
-                                                                  - self._checked_step)
+        gap = time.monotonic() - self._checked_time
+        per_step = gap / max(1, self._steps - self._checked_step)
         proposal = min(MAX_INTERVAL, max(1, round(self.check_seconds / max(per_step, 1e-6))))
-        signalled, proposals = self.dist.sum_over_ranks([self.signal is not None, proposal])
+        left = self.clock.left() if self.dist.is_chief and self.clock is not None else None
+        # The chief's time left and margin (0 elsewhere): the sums are the chief's on every rank.
+        guard = ([1.0, left, walltime.margin(walltime.longest_save(), gap, self._margin)]
+                 if left is not None else [0.0, 0.0, 0.0])
+        # A safety save is due by the chief's clock.
+        due = (self.dist.is_chief and self.every is not None
+               and time.monotonic() - self._saved_at >= self.every)
+        signalled, proposals, known, left_s, margin_s, due_s = self.dist.sum_over_ranks(
+            [self.signal is not None, proposal, *guard, due])
         self.checks += 1
         # The mean of the proposals is the same number on every rank, and so is the interval.
         self._interval = next_interval(self._interval, proposals / self.dist.world_size)
@@ -212,25 +254,46 @@ class Watch:
                 logger.warning("tfdist: preemption requested (%s on %s): every rank stops "
                                "after step %d", self.signal.name if self.signal else "a signal",
                                "this rank" if self.signal else "another rank", self._steps)
+        elif known > 0 and left_s <= margin_s:
+            self.stop_requested = self.walltime = True
+            if self.dist.is_chief:
+                logger.warning("tfdist: walltime: %.0f s left before this run's end (from %s), "
+                               "the margin is %.0f s (TFDIST_WALLTIME_MARGIN): every rank stops "
+                               "after step %d, saves and exits %d", left_s,
+                               self.clock.source if self.clock else "?", margin_s,
+                               self._steps, EXIT_PREEMPTED)
+        self.save_now = due_s > 0 and not self.stop_requested
         return self.stop_requested
+
+    def saved(self) -> None:
+        """Call after a safety save (or any save of the whole state): the next is ``every``
+        seconds from now."""
+        self._saved_at, self.save_now = time.monotonic(), False
 
 
 @contextlib.contextmanager
-def watch(dist: Agreeing, check_seconds: float | None = None) -> Iterator[Watch]:
-    """Watches for preemption signals in a custom loop; call ``.step()`` after every step::
+def watch(dist: Agreeing, check_seconds: float | None = None,
+          every: float | str | None = None) -> Iterator[Watch]:
+    """Watches for preemption signals (and the walltime) in a custom loop; call ``.step()``
+    after every step::
 
         with tfdist.preemption.watch(dist) as stop:
             for batch in dataset:
                 train_step(batch)
                 if stop.step():
                     save_state(); sys.exit(tfdist.preemption.EXIT_PREEMPTED)
+                if stop.save_now:  # with TFDIST_CHECKPOINT_EVERY
+                    save_state(); stop.saved()
 
     Args:
         dist: the handle.
         check_seconds: about how often to agree; env ``TFDIST_PREEMPT_CHECK_SECONDS``,
             default 1.
+        every: seconds between two safety saves; env ``TFDIST_CHECKPOINT_EVERY``, default
+            none.
     """
-    found = Watch(dist, resolve("preempt_check_seconds", check_seconds))
+    found = Watch(dist, resolve("preempt_check_seconds", check_seconds),
+                  every=resolve("checkpoint_every", every))
     found.install()
     try:
         yield found
@@ -353,6 +416,7 @@ def read_state(model_dir: str) -> dict[str, Any] | None:
                 state: dict[str, Any] = json.load(f)
         except (OSError, ValueError):
             continue
+        walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
         return {**state, "path": path}
     return None
 
@@ -432,16 +496,19 @@ def save_state(dist: Agreeing, model_dir: str, write: Callable[[str], None],
     """
     final = os.path.join(model_dir, CHECKPOINT_DIR)
     partial = os.path.join(model_dir, f".{CHECKPOINT_DIR}.partial")
+    started = time.monotonic()
     if dist.is_chief:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.sum_over_ranks([0.0])  # a barrier: the folder exists for every rank
     write(partial)
     dist.sum_over_ranks([0.0])  # every rank has written before the chief commits
+    took = time.monotonic() - started
+    walltime.record_save(took)  # the walltime guard's margin follows the saves
     if not dist.is_chief:
         return None
     with open(os.path.join(partial, STATE_FILE), "w", encoding="utf-8") as f:
-        json.dump({**state, "world_size": dist.world_size}, f)
+        json.dump({**state, "world_size": dist.world_size, "save_seconds": round(took, 3)}, f)
     commit(partial, final)
     return final
 
@@ -510,6 +577,7 @@ def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | N
     # Kept: variables made after this (an optimizer's, at its first step) are restored then,
     # through this status; once it is garbage collected, their values are dropped.
     _restores.append(restored)
-    position = {k: v for k, v in state.items() if k not in ("path", "loop", "world_size")}
+    position = {k: v for k, v in state.items()
+                if k not in ("path", "loop", "world_size", "save_seconds")}
     logger.warning("tfdist: resuming the loop at %s from %s", position, state["path"])
     return position

@@ -68,6 +68,15 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _duration(text: str) -> float:
+    from tfdist.walltime import parse_duration
+
+    try:
+        return parse_duration(text, bare="s")
+    except ValueError:
+        raise ValueError("is no positive duration: write 90s, 10min, 2h or 1d") from None
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -269,6 +278,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_requeues", "TFDIST_MAX_REQUEUES", _non_negative_int, 20,
             "after a preemption tfdist requeues a Slurm job with `scontrol requeue` while "
             "`SLURM_RESTART_COUNT` is below this"),
+    Setting("checkpoint_every", "TFDIST_CHECKPOINT_EVERY", _duration, None,
+            "with `dist.callbacks(model_dir=...)` or `dist.preemption()`: every rank saves the "
+            "same exact state as for a preemption at one agreed step this often (`90s`, `10min`, "
+            "`2h`; a bare number is seconds), and at each epoch's end, so a hard kill (out of "
+            "memory, a dead node, SIGKILL) loses at most this much; default: off",
+            argument="callbacks(checkpoint_every=)"),
+    Setting("walltime_margin", "TFDIST_WALLTIME_MARGIN", _positive_seconds, None,
+            "seconds before the run's end (Slurm's time limit, `tfdist launch --time-limit`) at "
+            "which every rank stops at one step, saves its exact state and exits 75 to be "
+            "requeued, with no signal needed; default: twice the longest save timed plus twice "
+            "the time between two agreements plus 10 s, at least 60 s"),
     Setting("preempt_check_seconds", "TFDIST_PREEMPT_CHECK_SECONDS", _positive_seconds, 1.0,
             "about how often the ranks agree whether one of them was signalled (one tiny "
             "collective each time); the step interval follows the measured step time",

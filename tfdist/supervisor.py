@@ -3,8 +3,9 @@
 :func:`run_workers` starts each :class:`WorkerSpec` in its own session (process group), pinned
 to its cores, prints its lines with a ``[rank] `` prefix (and, with ``--log-dir``, unprefixed to
 one file per rank), forwards SIGUSR1 to every worker, and stops every worker as soon as one
-fails, or the launcher gets Ctrl-C or SIGTERM. Workers that exit preempted (75) together are no
-failure. The launch's plan (which workers, with which variables) is :mod:`tfdist.launch`'s.
+fails, the launcher gets Ctrl-C or SIGTERM, or the run's time limit ends. Workers that exit
+preempted (75) together are no failure. The launch's plan (which workers, with which
+variables) is :mod:`tfdist.launch`'s.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from tfdist import quiet, timeouts
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
 
-__all__ = ["PREEMPT_WAIT_S", "WorkerSpec", "exit_code", "run_workers", "split_lines", "warn"]
+__all__ = ["EXIT_TIME_LIMIT", "PREEMPT_WAIT_S", "WorkerSpec", "exit_code", "run_workers",
+           "split_lines", "warn"]
 
+# What the launch returns when its --time-limit stopped the workers (timeout(1)'s code).
+EXIT_TIME_LIMIT = 124
 # Once one worker has exited preempted (75), how long the others may take to do the same.
 PREEMPT_WAIT_S = 120.0
 _POLL_S = 0.05
@@ -82,6 +86,7 @@ def run_workers(
     out: TextIO | None = None,
     logs: Mapping[int, BinaryIO] | None = None,
     hide_noise: bool = False,
+    end_time: float | None = None,
 ) -> int:
     """Start ``workers``, stream their output to ``out`` and wait; returns as :func:`launch`.
 
@@ -90,7 +95,8 @@ def run_workers(
     start-up lines (:func:`tfdist.quiet.is_noise`) reach the logs only, not ``out``. Each worker
     runs in its own session (process group). When one fails, or the launcher gets Ctrl-C or
     SIGTERM, every group gets SIGTERM, then SIGKILL after ``grace_period`` seconds; their output
-    is read to the end.
+    is read to the end. So they are at ``end_time`` (``time.time()``, ``--time-limit``), and the
+    launch returns :data:`EXIT_TIME_LIMIT` unless every worker then exits preempted.
     """
     procs: list[_Popen] = []
     threads: list[threading.Thread] = []
@@ -112,7 +118,7 @@ def run_workers(
                         tails[len(threads)])
                 threads.append(threading.Thread(target=_pump, args=args, daemon=True))
                 threads[-1].start()
-            failure = _wait_first_failure(procs)
+            failure = _wait_first_failure(procs, end_time)
             if failure is None:
                 return 0
             return _report_failure(*failure, procs, workers[failure[0]], threads[failure[0]],
@@ -120,10 +126,9 @@ def run_workers(
     except KeyboardInterrupt:
         warn("interrupted; stopping the workers")
         return 130
-    except _SigtermError:
-        warn("got SIGTERM; stopping the workers (SIGTERM first: they save their state if they "
-              "can)")
-        return 128 + signal.SIGTERM
+    except _StopError as stopped:
+        warn(stopped.message)
+        return stopped.code
     finally:
         # A second Ctrl-C while stopping must not leave workers behind; the stop is bounded.
         with _handle([signal.SIGINT, signal.SIGTERM], signal.SIG_IGN):
@@ -147,12 +152,17 @@ def _report_failure(rank: int, returncode: int, procs: Sequence[_Popen], spec: W
     return exit_code(returncode)
 
 
-class _SigtermError(Exception):
-    """The launcher got SIGTERM."""
+class _StopError(Exception):
+    """The launch stops its workers: what it says, and the code it returns."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
 
 
 def _raise_terminated(*_: object) -> NoReturn:
-    raise _SigtermError
+    raise _StopError("got SIGTERM; stopping the workers (SIGTERM first: they save their state if "
+                   "they can)", 128 + signal.SIGTERM)
 
 
 @contextmanager
@@ -240,11 +250,16 @@ def _emit(lines: list[bytes], head: str, lock: threading.Lock, out: TextIO) -> N
             pass  # Closed stdout (e.g. piped into head): keep draining so workers don't block.
 
 
-def _wait_first_failure(procs: Sequence[_Popen]) -> tuple[int, int] | None:
+def _wait_first_failure(procs: Sequence[_Popen],
+                        end_time: float | None = None) -> tuple[int, int] | None:
     # A preempted worker (75) is not a failure: the others stop at the same step and exit 75
     # too. Only one that does not within PREEMPT_WAIT_S, or exits otherwise, is.
     preempted_since: float | None = None
     while True:
+        if end_time is not None and time.time() >= end_time:
+            raise _StopError("the time limit (--time-limit) is reached; stopping the workers as "
+                           "Slurm would (SIGTERM, then SIGKILL after --grace-period): what they "
+                           "did not save is lost", EXIT_TIME_LIMIT)
         codes = [proc.poll() for proc in procs]
         failed = [(rank, code) for rank, code in enumerate(codes)
                   if code and code != EXIT_PREEMPTED]

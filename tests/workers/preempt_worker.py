@@ -14,7 +14,8 @@ TensorFlow's legacy stateful ops again (the control: their state is not saved).
 ``PREEMPT_TEST_INPUT`` picks the input: ``epochs`` (default: the dataset read once per epoch,
 reshuffled each time), ``repeat`` (a repeated dataset read with ``steps_per_epoch=12``, so
 epochs straddle its passes) or ``validation`` (``epochs`` with
-``validation_data``). Every rank prints
+``validation_data``). ``PREEMPT_TEST_STEP_SLEEP=S`` makes each training step S seconds longer
+(a slow run for the walltime guard to stop; the weights do not change). Every rank prints
 ``tfdist-test: rank R step S`` after each step, so a test can signal the launcher instead, and
 writes ``result-RANK-RUN.json``: where it stopped, the steps it trained, the exit code it leaves
 with, and after a finished fit a digest of its weights and optimizer state (and the weights,
@@ -27,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -68,11 +70,13 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
         fit_args["validation_data"] = dist.shard(
             tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(32))
     steps = {"done": 0, "tested": 0}
+    step_sleep = float(os.environ.get("PREEMPT_TEST_STEP_SLEEP", "0"))
 
     class Announce(keras.callbacks.Callback):
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
             steps["done"] += 1
             print(f"tfdist-test: rank {dist.rank} step {steps['done']}", flush=True)
+            time.sleep(step_sleep)
             if steps["done"] == target and not validating:
                 os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
 

@@ -183,8 +183,10 @@ class Distributed(ReplicaMath):
 
         return callbacks.save(self, model, path)
 
-    def preemption(self, check_seconds: float | None = None) -> Any:
-        """Watches for preemption signals in a custom loop (:func:`tfdist.preemption.watch`)::
+    def preemption(self, check_seconds: float | None = None, every: float | None = None) -> Any:
+        """Watches for preemption signals and the walltime in a custom loop
+        (:func:`tfdist.preemption.watch`; ``every``: seconds between safety saves, env
+        ``TFDIST_CHECKPOINT_EVERY``)::
 
             position = dist.load_state(model_dir, model=model, optimizer=optimizer)
             with dist.preemption() as stop:
@@ -194,10 +196,14 @@ class Distributed(ReplicaMath):
                         dist.save_state(model_dir, {"epoch": e, "step": s},
                                         model=model, optimizer=optimizer)
                         dist.exit_preempted()
+                    if stop.save_now:  # a safety save, every `every` seconds
+                        dist.save_state(model_dir, {"epoch": e, "step": s},
+                                        model=model, optimizer=optimizer)
+                        stop.saved()
         """
         from tfdist import preemption
 
-        return preemption.watch(self, check_seconds)
+        return preemption.watch(self, check_seconds, every)
 
     def save_state(self, model_dir: str, position: dict[str, Any], **objects: Any) -> bool:
         """Saves a custom loop's ``objects`` and ``position`` in ``model_dir/preempted``, written

@@ -54,6 +54,10 @@ class ClusterEnvironment:
             ``sbatch --ntasks-per-node`` and inherited by its steps), or None.
         slurm_gpus: the physical ids of the node's GPUs Slurm gave the step (``SLURM_STEP_GPUS``,
             else ``SLURM_JOB_GPUS``), or None.
+        end_time: when this run must end, in seconds since the epoch: ``TFDIST_END_TIME``
+            (``tfdist launch --time-limit``), else Slurm's ``SLURM_JOB_END_TIME``; None when
+            neither is set (:mod:`tfdist.walltime`).
+        end_time_from: the variable ``end_time`` came from, or None.
         reason: which variables decided the detection, for logs and ``tfdist env``.
     """
 
@@ -81,6 +85,8 @@ class ClusterEnvironment:
     job_nodes: int | None = None
     job_tasks_per_node: int | None = None
     slurm_gpus: str | None = None
+    end_time: float | None = None
+    end_time_from: str | None = None
     reason: str = ""
 
     @property
@@ -128,7 +134,28 @@ def common(environ: Mapping[str, str]) -> dict[str, Any]:
         "job_nodes": _optional_int(environ, "SLURM_JOB_NUM_NODES"),
         "job_tasks_per_node": _optional_int(environ, "SLURM_NTASKS_PER_NODE"),
         "slurm_gpus": environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS") or None,
+        **_end_time(environ),
     }
+
+
+def _end_time(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``end_time`` and ``end_time_from``: ``TFDIST_END_TIME`` (set by ``tfdist launch
+    --time-limit``) wins over Slurm's ``SLURM_JOB_END_TIME``.
+
+    Raises:
+        ConfigError: a ``TFDIST_END_TIME`` that is no number.
+    """
+    given = environ.get("TFDIST_END_TIME", "").strip()
+    if given:
+        try:
+            return {"end_time": float(given), "end_time_from": "TFDIST_END_TIME"}
+        except ValueError:
+            raise ConfigError(f"TFDIST_END_TIME={given!r} is no time: seconds since the epoch, "
+                              "as `tfdist launch --time-limit` sets it") from None
+    slurm = environ.get("SLURM_JOB_END_TIME", "").strip()
+    if slurm.isdigit():
+        return {"end_time": float(slurm), "end_time_from": "SLURM_JOB_END_TIME"}
+    return {}
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int | None:

@@ -220,8 +220,9 @@ class TorchDistributed(ReplicaMath):
         torch_dist.all_gather_object(found, obj)
         return found
 
-    def preemption(self, check_seconds: float | None = None) -> Any:
-        """Watches for preemption signals (:func:`tfdist.preemption.watch`)::
+    def preemption(self, check_seconds: float | None = None, every: float | None = None) -> Any:
+        """Watches for preemption signals and the walltime (:func:`tfdist.preemption.watch`;
+        ``every``: seconds between safety saves, env ``TFDIST_CHECKPOINT_EVERY``)::
 
             state = dist.load("ckpt/state.pt")          # None on the first run
             with dist.preemption() as stop:
@@ -230,10 +231,13 @@ class TorchDistributed(ReplicaMath):
                     if stop.step():                      # the same answer on every rank
                         dist.save({...}, "ckpt/state.pt")
                         dist.exit_preempted()            # requeue (Slurm), exit 75
+                    if stop.save_now:                    # a safety save
+                        dist.save({...}, "ckpt/state.pt")
+                        stop.saved()
         """
         from tfdist import preemption
 
-        return preemption.watch(self, check_seconds)
+        return preemption.watch(self, check_seconds, every)
 
     def exit_preempted(self) -> NoReturn:
         """Requeues the Slurm job from the chief, waits for every rank and exits with 75

@@ -1,0 +1,216 @@
+"""The walltime guard: training stops, saves and is requeued before the job's time runs out,
+without any signal.
+
+At its time limit Slurm sends SIGTERM to every task and srun kills them about 0.2 s later: a
+script that waits for that signal saves nothing, and everything since the last epoch backup is
+lost. A warning signal (``--signal=USR1@90``) gives time, but many jobs are submitted without
+one. Every Slurm job has an end, which newer Slurm exports (``SLURM_JOB_END_TIME``; 22.05 does
+not, in the batch shell or in a step: measured) and ``squeue`` tells, so tfdist stops in time by
+itself:
+
+1. The end (:attr:`tfdist.env.ClusterEnvironment.end_time`, :func:`end_from`, :class:`Clock`),
+   first found: ``TFDIST_END_TIME`` (seconds since the epoch; ``tfdist launch --time-limit``
+   sets it for each run), ``SLURM_JOB_END_TIME``, else Slurm itself (``squeue -h -o %e -j
+   JOBID``). Under Slurm the chief asks Slurm again every :data:`REREAD_S` seconds, in a thread
+   of its own, so that a job extended with ``scontrol update TimeLimit`` trains on.
+2. The margin (:func:`margin`): ``TFDIST_WALLTIME_MARGIN`` seconds, else twice the longest save
+   this process timed (or the saved state it resumed from records), plus twice the time between
+   two agreements, plus :data:`EXIT_S`; at least :data:`FLOOR_S`.
+3. At each agreement of :class:`tfdist.preemption.Watch` (about once a second, one small
+   collective that already runs for the signals) the chief adds its time left and its margin.
+   When the time left is at most the margin, every rank stops at that step, saves the same exact
+   state as for a signal, exits 75, and the job is requeued where it may be.
+
+The pure parts (:func:`end_from`, :func:`parse_squeue_end`, :func:`parse_duration`,
+:func:`margin`) are table-tested; :class:`Clock` takes its reader and time as arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tfdist.env import ClusterEnvironment
+
+__all__ = ["EXIT_S", "FLOOR_S", "REREAD_S", "Clock", "clock", "end_from", "longest_save",
+           "margin", "parse_duration", "parse_squeue_end", "record_save", "squeue_end"]
+
+logger = logging.getLogger("tfdist")
+
+FLOOR_S = 60.0  # the default margin at least: no save timed yet, or a fast one
+EXIT_S = 10.0  # after the save: the exit handshake, `scontrol requeue`, the processes' end
+REREAD_S = 300.0  # how often the chief asks Slurm for the job's end again
+_YEAR_S = 366 * 24 * 3600.0  # an end further away than this is no limit (an "infinite" job)
+_saves: list[float] = []  # the seconds of the saves this process timed
+
+
+def end_from(end: float | None, source: str | None, now: float) -> tuple[float | None, str]:
+    """The end of this run as the guard takes it (pure): ``end`` (seconds since the epoch, from
+    the launch: :attr:`tfdist.env.ClusterEnvironment.end_time`) and where it came from, or
+    ``(None, why not)``; 0 or more than a year away is no limit."""
+    if end is None:
+        return None, "no TFDIST_END_TIME or SLURM_JOB_END_TIME"
+    if end <= 0 or end - now > _YEAR_S:
+        return None, f"{source}={end:.0f}: no time limit"
+    return end, source or "?"
+
+
+def parse_squeue_end(text: str) -> float | None:
+    """``squeue -o %e``'s end time (local time, ``2026-11-26T14:03:00``) in seconds since the
+    epoch; None for ``Unknown``, ``N/A``, ``NONE`` or anything else that is no date (pure, but
+    for the local time zone)."""
+    text = text.strip()
+    try:
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+def squeue_end(job_id: str, squeue: str | None = None, timeout_s: float = 20.0) -> float | None:
+    """The job's end as Slurm has it now, or None (no squeue, no answer, no limit)."""
+    squeue = squeue or shutil.which("squeue")
+    if squeue is None:
+        return None
+    try:
+        done = subprocess.run([squeue, "-h", "-o", "%e", "-j", job_id], capture_output=True,
+                              text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.split()
+    return parse_squeue_end(lines[0]) if done.returncode == 0 and lines else None
+
+
+_UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minute": 60,
+          "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400,
+          "days": 86400}
+_WITH_UNIT = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]+)")
+_SLURM = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def parse_duration(text: str, bare: str = "s") -> float:
+    """Seconds in a duration (pure): ``30s``, ``10min``, ``2h``, ``1d``, or Slurm's ``--time``
+    forms ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; a bare number is in
+    the unit ``bare`` (``"min"`` as for ``sbatch --time``, or ``"s"``).
+
+    Raises:
+        ValueError: not a positive duration, with the forms allowed.
+    """
+    word = text.strip().lower()
+    found = _WITH_UNIT.fullmatch(word)
+    seconds: float | None = None
+    if found and found.group(2) in _UNITS:
+        seconds = float(found.group(1)) * _UNITS[found.group(2)]
+    elif re.fullmatch(r"\d+(?:\.\d+)?", word):
+        seconds = float(word) * _UNITS[bare]
+    elif slurm := _SLURM.fullmatch(word):
+        days, first, second, third = slurm.groups()
+        if days is not None:  # D-HH[:MM[:SS]]
+            seconds = (int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60
+                       + int(third or 0))
+        elif third is not None:  # HH:MM:SS
+            seconds = int(first) * 3600 + int(second) * 60 + int(third)
+        elif second is not None:  # MM:SS
+            seconds = int(first) * 60 + int(second)
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"{text!r} is no positive duration: write 90s, 10min, 2h, 1d, or as "
+                         "sbatch --time: MM:SS, HH:MM:SS, D-HH:MM:SS")
+    return seconds
+
+
+def margin(save_s: float, gap_s: float, override: float | None = None) -> float:
+    """Seconds before the end at which training stops (pure): ``override``
+    (``TFDIST_WALLTIME_MARGIN``), else twice the longest save, twice the time between two
+    agreements, and :data:`EXIT_S`, at least :data:`FLOOR_S`."""
+    if override is not None:
+        return override
+    return max(FLOOR_S, 2 * save_s + 2 * gap_s + EXIT_S)
+
+
+def record_save(seconds: float | None) -> None:
+    """Notes how long a save of the training state took (tfdist's exact saves, the epoch
+    backups, and the time a resumed state records)."""
+    if seconds is not None and seconds >= 0:
+        _saves.append(float(seconds))
+
+
+def longest_save() -> float:
+    """The longest save this process knows of, in seconds (0 before the first)."""
+    return max(_saves, default=0.0)
+
+
+class Clock:
+    """The end of this run, as the chief follows it.
+
+    Args:
+        end: seconds since the epoch, or None (no limit known yet).
+        source: where ``end`` came from, for the log line.
+        reread: asks for the end again (Slurm's), or None; called in a thread of its own, first
+            at :meth:`start` and then every ``every`` seconds.
+        now: the clock (``time.time``).
+    """
+
+    def __init__(self, end: float | None, source: str,
+                 reread: Callable[[], float | None] | None = None, every: float = REREAD_S,
+                 now: Callable[[], float] = time.time) -> None:
+        self.end, self.source = end, source
+        self._reread, self._every, self._now = reread, every, now
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def left(self) -> float | None:
+        """Seconds until the end, or None without one."""
+        return None if self.end is None else self.end - self._now()
+
+    def start(self) -> None:
+        """Starts re-reading the end, if there is a reader (once)."""
+        if self._reread is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._follow, name="tfdist-walltime", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _follow(self) -> None:
+        while True:
+            assert self._reread is not None
+            with contextlib.suppress(Exception):  # a failed query keeps the end known
+                found = self._reread()
+                if found is not None and found != self.end:
+                    if self.end is not None:
+                        logger.warning("tfdist: the job's end moved by %+.0f s (now %s): the "
+                                       "walltime guard follows it", found - self.end,
+                                       _local(found))
+                    self.end, self.source = found, "squeue"
+            if self._stop.wait(self._every):
+                return
+
+
+def _local(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch).isoformat(timespec="seconds")
+
+
+_clock: list[Clock] = []  # this process's, made once
+
+
+def clock(environment: ClusterEnvironment) -> Clock:
+    """This process's clock, made at the first call: the end the launch gives and, for a Slurm
+    job whose end is not ``TFDIST_END_TIME``, Slurm's answer at once and every
+    :data:`REREAD_S` seconds once :meth:`Clock.start` runs."""
+    if _clock:
+        return _clock[0]
+    end, source = end_from(environment.end_time, environment.end_time_from, time.time())
+    job = environment.job_id
+    follow = job is not None and environment.end_time_from != "TFDIST_END_TIME"
+    reread = (lambda: squeue_end(job)) if follow and job and shutil.which("squeue") else None
+    _clock.append(Clock(end, source, reread))
+    return _clock[0]
