@@ -90,8 +90,11 @@ def train() -> None:
         ds = ds.map(tfdist.datasets.normalize)
         if shuffle:  # the same seed on every worker, so the shards partition the data
             ds = ds.shuffle(2048, seed=FLAGS.seed)
-        ds = ds.batch(FLAGS.batch_size).prefetch(tf.data.AUTOTUNE)
-        # tfdist: batch with the GLOBAL batch size and shard explicitly by element.
+        # tfdist: batch with the GLOBAL batch size and shard explicitly by element. Training
+        # drops each epoch's last, partial batch (another one each epoch, the data being
+        # reshuffled): a batch that does not split evenly over the replicas gives no gradient
+        # one process would compute, and tfdist would say so.
+        ds = ds.batch(FLAGS.batch_size, drop_remainder=shuffle).prefetch(tf.data.AUTOTUNE)
         return dist.shard(ds) if shard else ds
 
     train, test = split("train", shuffle=True), split("test", shuffle=False)

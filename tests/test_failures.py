@@ -342,6 +342,24 @@ def test_a_killed_horovod_peer_is_named_by_the_others_at_once():
     assert took < 90, f"rank 0 exited {took:.0f} s after rank 1 was killed"
 
 
+@needs_horovod
+@pytest.mark.multiprocess
+def test_a_stopped_horovod_peer_is_named_by_the_heartbeat():
+    # Without the heartbeat Gloo waits HOROVOD_GLOO_TIMEOUT_SECONDS (120 s) and then names no
+    # rank. Rank 1 of a Horovod fit in an srun step (tfdist's rendezvous server in rank 0) is
+    # stopped: rank 0's heartbeat, kept on that server, names it after TFDIST_HEARTBEAT_TIMEOUT
+    # (8 s here; 30 s by default).
+    output, took, code = _step_and_signal(
+        str(HVD_PY), str(WORKERS / "long_fit_worker.py"), signal.SIGSTOP,
+        _env(TFDIST_BACKEND="horovod", TF_USE_LEGACY_KERAS="0", TFDIST_HEARTBEAT_TIMEOUT="8"))
+    print(f"rank 0 named the stopped rank {took:.1f} s after the stop")
+    assert "tfdist: rank 1 sent no heartbeat for" in output, output[-3000:]
+    assert re.search(r"^tfdist: rank 1 \(host localhost\) failed or stopped responding", output,
+                     re.M), output[-3000:]
+    assert code != 0
+    assert took < 30, f"rank 0 noticed the stop after {took:.0f} s"
+
+
 @needs_torch
 @pytest.mark.multiprocess
 def test_a_killed_torch_peer_is_named_by_the_others_at_once():

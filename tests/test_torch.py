@@ -313,6 +313,32 @@ def test_runnable_threads_counts_running_threads_of_that_name_only():
     assert _runnable_threads("no such thread") == 0
 
 
+def test_the_chiefs_print_is_one_write_so_a_ranks_line_cannot_land_inside_it():
+    # Python's print writes the text and the line end apart; unbuffered, another rank's line
+    # sharing the stream (torchrun without --tee) once landed between them, joined to the
+    # chief's: the other rank's "final weights" line was then not at a line's start.
+    class Stream:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            self.writes.append("<flush>")
+
+    chief = tfdist.torch.TorchDistributed(detect({}), Rendezvous("env://", 0, 2, "test"), "gloo",
+                                          torch.device("cpu"))
+    stream = Stream()
+    chief.print("test loss", 0.5, file=stream)
+    chief.print("a", "b", sep="-", end="", file=stream, flush=False)
+    assert stream.writes == ["test loss 0.5\n", "<flush>", "a-b"]
+    other = tfdist.torch.TorchDistributed(detect({}), Rendezvous("env://", 1, 2, "test"), "gloo",
+                                          torch.device("cpu"))
+    other.print("never", file=stream)
+    assert stream.writes == ["test loss 0.5\n", "<flush>", "a-b"]
+
+
 def test_batch_arithmetic_and_lr_warmup_on_two_replicas():
     dist = tfdist.torch.TorchDistributed(detect({}), Rendezvous("env://", 1, 2, "test"), "gloo",
                                          torch.device("cpu"))

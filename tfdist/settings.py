@@ -205,8 +205,9 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds a rank's process may send no heartbeat before every rank stops with a "
             "line naming it (stopped, frozen, cut off or dead). MWMS: TensorFlow's coordination "
             "service (TensorFlow's own default, 10 s, fails ranks that are only starved of CPU); "
-            "the heartbeat is a thread of its own, so a rank that computes, saves or evaluates "
-            "alone keeps beating"),
+            "Horovod on Gloo and the torch shim: tfdist's heartbeat through the rendezvous' "
+            "store (torch: at most half TFDIST_TORCH_TIMEOUT). The heartbeat is a thread of its "
+            "own, so a rank that computes, saves or evaluates alone keeps beating"),
     Setting("threads", "TFDIST_NUM_THREADS", _positive_int, None,
             "TensorFlow (and torch) threads; default: the cores this process is pinned to",
             argument="init(threads=)"),

@@ -153,13 +153,15 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     if idle and environment.local_rank == 0:
         logger.warning("tfdist: %s", idle)
     from tfdist import failures, keras_compat
-    from tfdist.horovod import fit
+    from tfdist.horovod import fit, heartbeat
 
     fit.install_hooks(int(hvd.rank()), int(hvd.size()))
     if environment.is_distributed:
         keras_compat.refuse_mixed_keras()  # a Keras 3 model would train without averaging
-    # Horovod's error for a peer that died or hung names no rank: the line does, after it.
+    # Horovod's error for a peer that died or hung names no rank: the line does, after it;
+    # a peer that stops is named by tfdist's heartbeat, over the Gloo rendezvous' store.
     failures.install(environment)
+    heartbeat.start(environment, hvd)
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     handle = HorovodDistributed(environment, hvd, controller, num_gpus)
     if handle.is_chief:

@@ -11,10 +11,10 @@ threads follow the same policy as TensorFlow's backends (:mod:`tfdist.devices`).
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -307,10 +307,17 @@ class TorchDistributed(ReplicaMath):
         ``barrier``."""
         close_group(self, barrier)
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the chief only, flushed (worker output is often piped)."""
+    def print(self, *args: Any, sep: str | None = " ", end: str | None = "\n",
+              file: Any = None, flush: bool = True) -> None:
+        """``print`` on the chief only, flushed (worker output is often piped), in one write:
+        Python's own writes the text and the line end apart, and unbuffered (``PYTHONUNBUFFERED``)
+        another rank's line sharing the stream can land between them, joined to this one."""
         if self.is_chief:
-            builtins.print(*args, **{"flush": True, **kwargs})
+            stream = file if file is not None else sys.stdout
+            text = (" " if sep is None else sep).join(map(str, args))
+            stream.write(text + ("\n" if end is None else end))
+            if flush:
+                stream.flush()
 
     def log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         """Logs to the ``tfdist`` logger on the chief only."""

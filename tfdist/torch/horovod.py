@@ -106,6 +106,7 @@ def create(environment: ClusterEnvironment,
         LaunchError: a launch Horovod cannot join.
     """
     del settings
+    from tfdist.horovod import heartbeat
     from tfdist.horovod import join as joining
     from tfdist.horovod.install import import_horovod_torch
 
@@ -117,6 +118,7 @@ def create(environment: ClusterEnvironment,
         torch.cuda.set_device(device)
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     failures.install(environment)  # Horovod's shut-down error names no rank: the line does
+    heartbeat.start(environment, hvd)  # and a stopped peer is named after 30 s
     rendezvous = Rendezvous(None, int(hvd.rank()), int(hvd.size()),
                             f"Horovod's {controller} controller")
     handle = HorovodTorchDistributed(environment, rendezvous, controller, device, hvd)
