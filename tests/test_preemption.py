@@ -329,16 +329,23 @@ def _straight(python: str, backend: str, folder: Path, env: dict[str, str]) -> P
     return _straight_runs[key]
 
 
+def _resume_case(tmp_path_factory: pytest.TempPathFactory, case: str
+                 ) -> tuple[str, str, Path, dict[str, str], Path]:
+    """A :data:`RESUME` case's interpreter, backend, fresh folder, environment and the results
+    folder of its uninterrupted run. The dataset reshuffles every epoch: a resumed run must see
+    the stopped run's order, and draw the stopped run's Dropout masks."""
+    backend, legacy, data = RESUME[case][:3]
+    python = _python(backend)
+    tmp_path = tmp_path_factory.mktemp(case)
+    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
+    return python, backend, tmp_path, env, _straight(python, backend, tmp_path, env)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(RESUME))
 def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_factory, case):
-    backend, legacy, data, rank, step, total = RESUME[case]
-    python = _python(backend)
-    tmp_path = tmp_path_factory.mktemp(case)
-    # The dataset reshuffles every epoch: the resumed run must see the stopped run's order, and
-    # draw the stopped run's Dropout masks.
-    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
-    straight = _straight(python, backend, tmp_path, env)
+    *_, rank, step, total = RESUME[case]
+    python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
     # A check after every step, so the stop comes at the first step after the signal.
     run = _run(python, backend, tmp_path / "out", tmp_path / "m2", rank, step,
                "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
@@ -370,11 +377,8 @@ def test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resume
     # margin (28 s) is reached 12 s after the launch, while the slowed steps (0.5 s each, 24 s
     # of training) run. The guard stops both ranks at one step, saves and exits 75 before the
     # launch's own stop at 40 s; the next launch (the requeued job) resumes there.
-    backend, legacy, data, *_, total = RESUME[case]
-    python = _python(backend)
-    tmp_path = tmp_path_factory.mktemp(case)
-    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
-    straight = _straight(python, backend, tmp_path, env)
+    total = RESUME[case][-1]
+    python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
     first = _run(python, backend, tmp_path / "out", tmp_path / "m2", "-1", "0",
                  "--time-limit", "40s", TFDIST_WALLTIME_MARGIN="28",
                  PREEMPT_TEST_STEP_SLEEP="0.5", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
@@ -401,11 +405,8 @@ def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
     # end every rank saves the exact state and trains on. Rank 1 is then killed (SIGKILL: no
     # handler, no save) after its 30th step; the next launch resumes from the last safety save
     # and trains every step after it once, ending bit-identical to an uninterrupted run.
-    backend, legacy, data, *_, total = RESUME[case]
-    python = _python(backend)
-    tmp_path = tmp_path_factory.mktemp(case)
-    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
-    straight = _straight(python, backend, tmp_path, env)
+    total = RESUME[case][-1]
+    python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
     killed = _run(python, backend, tmp_path / "out", tmp_path / "m2", "1", "30", sig="KILL",
                   TFDIST_CHECKPOINT_EVERY="2s", PREEMPT_TEST_STEP_SLEEP="0.25", **env)
     assert killed.returncode == 128 + signal.SIGKILL, killed.stdout[-3000:] + killed.stderr

@@ -142,7 +142,7 @@ def test_without_an_end_the_watch_waits_for_signals_only():
 
 def test_the_margin_grows_with_the_saves_timed(monkeypatch):
     monkeypatch.delenv("TFDIST_WALLTIME_MARGIN", raising=False)
-    monkeypatch.setattr(walltime, "_saves", [])
+    monkeypatch.setattr(walltime, "_longest", [0.0])
     clock = walltime.Clock(NOW + 100, "TFDIST_END_TIME", now=lambda: NOW)
     assert not preemption.Watch(_Agreeing(), check_seconds=3600, clock=clock).step()  # 100 > 60
     walltime.record_save(30.0)  # 2 * 30 + 10 + twice a gap of about 0 s: 70 s

@@ -70,11 +70,13 @@ class Heartbeat:
     """The two threads of one rank (see the module docstring); :meth:`start` them once.
 
     Args:
-        store: a client of the group's TCPStore, for this object alone.
+        store: a client of the ranks' store, for this object alone (torch's TCPStore,
+            :class:`tfdist.horovod.heartbeat.HttpStore`): ``add``, ``get``, ``check``,
+            ``compare_set``.
         environment: this process's launch, for the line naming the silent rank.
         rank: this rank; size: the group's.
         limit_s: seconds of silence that make a peer stopped.
-        store_rank: the rank whose process serves the store, or None (torchrun's agent).
+        store_rank: the rank whose process serves the store, or None (a launcher's).
     """
 
     def __init__(self, store: Any, environment: ClusterEnvironment, rank: int, size: int,

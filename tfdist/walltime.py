@@ -50,7 +50,7 @@ FLOOR_S = 60.0  # the default margin at least: no save timed yet, or a fast one
 EXIT_S = 10.0  # after the save: the exit handshake, `scontrol requeue`, the processes' end
 REREAD_S = 300.0  # how often the chief asks Slurm for the job's end again
 _YEAR_S = 366 * 24 * 3600.0  # an end further away than this is no limit (an "infinite" job)
-_saves: list[float] = []  # the seconds of the saves this process timed
+_longest: list[float] = [0.0]  # the longest save this process timed, in seconds
 
 
 def end_from(end: float | None, source: str | None, now: float) -> tuple[float | None, str]:
@@ -139,12 +139,12 @@ def record_save(seconds: float | None) -> None:
     """Notes how long a save of the training state took (tfdist's exact saves, the epoch
     backups, and the time a resumed state records)."""
     if seconds is not None and seconds >= 0:
-        _saves.append(float(seconds))
+        _longest[0] = max(_longest[0], float(seconds))
 
 
 def longest_save() -> float:
     """The longest save this process knows of, in seconds (0 before the first)."""
-    return max(_saves, default=0.0)
+    return _longest[0]
 
 
 class Clock:
