@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import ROOT
 
@@ -202,6 +203,29 @@ def test_a_last_batch_that_does_not_split_evenly_is_named(case):
     rows, replicas, part = LAST_BATCHES[case]
     line = last_batch_line(rows, replicas)
     assert (line is None) if part is None else (part in line and "drop_remainder=True" in line)
+    line = last_batch_line(rows, replicas, arrays=True)  # fit's arrays: a number of rows
+    assert (line is None) if part is None else (
+        part.replace(". Batch", "") in line and "x[:len(x) // batch_size * batch_size]" in line)
+
+
+ARRAYS_ROWS_LEFT = {
+    # name: (fit's arguments, with x of 100 rows where not given; rows in the last batch)
+    "default batch 32": ({}, 4),
+    "divides": ({"batch_size": 25}, 0),
+    "validation_split cuts first": ({"batch_size": 16, "validation_split": 0.2}, 0),
+    "validation_data wins": ({"batch_size": 16, "validation_split": 0.2,
+                              "validation_data": ([], [])}, 4),
+    "a dict of inputs": ({"x": {"a": np.zeros(10), "b": np.ones(10)}, "batch_size": 4}, 2),
+    "a tuple of inputs": ({"x": (np.zeros((7, 2)), np.ones(7)), "batch_size": 4}, 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARRAYS_ROWS_LEFT))
+def test_the_last_batch_of_fits_arrays_is_counted(case):
+    from tfdist.sharding import arrays_rows_left
+
+    arguments, expected = ARRAYS_ROWS_LEFT[case]
+    assert arrays_rows_left({"x": np.zeros((100, 3)), **arguments}) == expected
 
 
 LAST_BATCH_ROWS = {

@@ -382,6 +382,7 @@ def _wrap_logs_mode(original: Any) -> Any:
         if training:
             check_optimizer(getattr(self, "optimizer", None),
                             self.distribute_strategy.extended.should_checkpoint)
+        check_metrics(self)
         try:
             callbacks = signature.bind_partial(self, *args, **kwargs).arguments.get("callbacks")
         except TypeError:  # a wrong argument: Keras's own call below says which
@@ -438,6 +439,37 @@ def check_optimizer(optimizer: Any, is_chief: bool = True) -> None:
 
 
 _optimizer_warned: set[str] = set()
+
+
+def check_metrics(model: Any) -> None:
+    """Refuses a compiled metric object that was created outside the strategy's scope (Keras 3
+    accepts it, tf_keras refuses it): under several MultiWorkerMirroredStrategy workers its
+    state stays each worker's own, so its results differ from rank to rank and from one
+    process's. The same answer on every rank, before the first step.
+
+    Raises:
+        ConfigError: naming the metric and the fix.
+    """
+    compiled = getattr(model, "_compile_metrics", None)
+    strategy = model.distribute_strategy
+    stack = [getattr(compiled, name, None) for name in ("_user_metrics", "_user_weighted_metrics")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif any(not strategy.extended.variable_created_in_scope(getattr(v, "value", v))
+                 for v in getattr(item, "variables", None) or ()):
+            from tfdist.errors import ConfigError
+
+            name = getattr(item, "name", type(item).__name__)
+            raise ConfigError(
+                f"the metric {name} ({type(item).__name__}) was created outside `with "
+                "dist.scope():`: under several MultiWorkerMirroredStrategy workers its state "
+                "stays each worker's own, and its results differ from rank to rank and from "
+                "one process's (tf_keras refuses it too). Create it inside the scope, or pass "
+                "its name to compile (metrics=['auc'])")
 
 
 # id(distributed iterator) -> (first step of the chunk being run, steps in the epoch or None)

@@ -110,7 +110,8 @@ INVENTORY: tuple[Patch, ...] = (
           "decides per fit/evaluate whether each step's logs are averaged over the workers (a "
           "collective per step) or each worker's own, from the callbacks that read them; "
           "before fit's first step, refuses gradient_accumulation_steps (it fails upstream) "
-          "and warns that clipping applies to each replica's gradients",
+          "and warns that clipping applies to each replica's gradients; refuses a compiled "
+          "metric object made outside the scope (its state would stay each worker's own)",
           _keras3_fix),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras_compat", "TF_USE_LEGACY_KERAS=1 and Keras 3 imported, several workers",

@@ -55,9 +55,9 @@ if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
 __all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "after_training", "commit",
-           "exit_preempted", "load_loop_state", "next_interval", "parse_signal", "read_state",
-           "requeue", "requeue_plan", "save_loop_state", "save_state", "signals",
-           "take_late_signal", "watch"]
+           "default_signals_in_children", "exit_preempted", "load_loop_state", "next_interval",
+           "parse_signal", "read_state", "requeue", "requeue_plan", "save_loop_state", "save_state",
+           "signals", "take_late_signal", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -110,6 +110,29 @@ def signals() -> tuple[signal.Signals, ...]:
         if found not in chosen:
             chosen.append(found)
     return tuple(chosen)
+
+
+def default_signals_in_children() -> None:
+    """Starts forked children (a ``PyDataset``'s or ``Sequence``'s process pool with
+    ``use_multiprocessing=True``, a DataLoader's workers) with the preemption signals at their
+    default action. Otherwise they inherit the training process's handlers, TensorFlow's
+    preemption notifier's and tfdist's, which record SIGTERM instead of ending: the pool's
+    ``terminate()`` then waits for children that never end, and the script hangs at its exit.
+    Once a process."""
+    if _fork_hook:
+        return
+    chosen = signals()
+    _fork_hook.append(chosen)
+
+    def default_actions() -> None:
+        for sig in chosen:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, signal.SIG_DFL)
+
+    os.register_at_fork(after_in_child=default_actions)
+
+
+_fork_hook: list[tuple[signal.Signals, ...]] = []
 
 
 def _clock_of(dist: Agreeing) -> walltime.Clock | None:

@@ -141,9 +141,10 @@ def batch_line(global_batch: int, num_replicas: int) -> tuple[str, bool]:
             "splits it"), True
 
 
-def last_batch_line(rows_left: int, num_replicas: int) -> str | None:
+def last_batch_line(rows_left: int, num_replicas: int, *, arrays: bool = False) -> str | None:
     """The warning for an epoch whose last batch (``rows_left`` rows; 0: none short) does not
-    split evenly over the replicas, or ``None`` (pure).
+    split evenly over the replicas, or ``None`` (pure). ``arrays``: the input is ``fit``'s
+    in-memory arrays, whose fix is a number of rows, not ``drop_remainder``.
 
     Each replica's loss is the mean over its own rows, and the replicas' gradients are averaged
     with equal weights: with unequal shares that step's gradient is not one process's (2
@@ -157,7 +158,8 @@ def last_batch_line(rows_left: int, num_replicas: int) -> str | None:
               f"{num_replicas - more} of the {num_replicas} replicas get no rows")
     empty = (", and BatchNormalization's statistics on an empty replica, then every weight, "
              "become NaN" if not each else "")
+    fix = ("Pass a number of rows that the global batch divides (x[:len(x) // batch_size * "
+           "batch_size])" if arrays else "Batch with drop_remainder=True")
     return (f"each epoch's last batch holds {rows_left} rows, which do not split evenly over "
             f"{num_replicas} replicas ({shares}): that step's gradient is not one process's"
-            f"{empty}. Batch with drop_remainder=True, or pick a global batch that divides the "
-            "rows")
+            f"{empty}. {fix}, or pick a global batch that divides the rows")

@@ -9,6 +9,7 @@ every backend: MWMS sets tf.distribute's policy here, Horovod splits in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +18,10 @@ from tfdist.errors import ConfigError
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["GENERATOR", "POLICIES", "UNSEEDED_SHUFFLE", "agree_on_arrays", "agree_on_sequences",
-           "arrays_as_dataset", "check", "is_arrays", "is_generator", "is_sequence",
-           "last_batch_rows", "shard", "shard_files", "skip_end_checks", "unseeded_shuffle",
+__all__ = ["GENERATOR", "LOADER_PROCESSES", "POLICIES", "UNSEEDED_SHUFFLE", "agree_on_arrays",
+           "agree_on_sequences", "arrays_as_dataset", "arrays_rows_left", "check", "is_arrays",
+           "is_generator", "is_sequence", "last_batch_rows", "loader_threads", "shard",
+           "shard_files", "skip_end_checks", "unseeded_shuffle", "warn_about_arrays", "warn_once",
            "with_policy"]
 
 POLICIES = ("data", "file", "off")
@@ -227,24 +229,38 @@ def is_arrays(x: Any) -> bool:
     return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
 
 
-def agree_on_arrays(is_chief: bool = False) -> None:
+def arrays_rows_left(arguments: Mapping[str, Any]) -> int:
+    """The rows of each epoch's last batch of ``fit``'s in-memory arrays when it is short, else
+    0 (pure): the rows ``fit`` trains on (before ``validation_split``'s cut) modulo the global
+    ``batch_size`` (default 32)."""
+    leaf = arguments["x"]
+    while isinstance(leaf, list | tuple | Mapping):
+        leaf = next(iter(leaf.values() if isinstance(leaf, Mapping) else leaf))
+    rows = len(leaf)
+    split = float(arguments.get("validation_split") or 0.0)
+    if split and arguments.get("validation_data") is None:
+        rows = int(rows * (1.0 - split))
+    return rows % (arguments.get("batch_size") or 32)
+
+
+def agree_on_arrays(is_chief: bool = False, num_replicas: int = 1) -> None:
     """Under MultiWorkerMirroredStrategy, ``fit(x, y, shuffle=True)`` on arrays (Keras's
     default) trains one permutation that every worker agrees on, split by DATA, instead of each
     worker's own (:func:`arrays_as_dataset`); ``fit`` on a Python generator gets one warning on
-    the chief (:data:`GENERATOR`). Once."""
-    import logging
-
+    the chief (:data:`GENERATOR`), as do arrays whose last batch does not split evenly over
+    the ``num_replicas`` replicas (:func:`tfdist.replicas.last_batch_line`). Once."""
     import tensorflow as tf
 
     from tfdist import patches
 
-    warned: list[str] = []
-
     def one_order(bound: Any) -> None:
-        if is_generator(bound.arguments.get("x")) and is_chief and not warned:
-            warned.append(GENERATOR)
-            logging.getLogger("tfdist").warning("tfdist: %s", GENERATOR)
-        if bound.arguments.get("shuffle", True) and is_arrays(bound.arguments.get("x")):
+        x = bound.arguments.get("x")
+        loader_threads(bound.arguments, is_chief)
+        if is_generator(x) and is_chief:
+            warn_once(GENERATOR)
+        if is_arrays(x) and is_chief:
+            warn_about_arrays(bound.arguments, num_replicas)
+        if bound.arguments.get("shuffle", True) and is_arrays(x):
             # world_size 1: MWMS splits any global batch, evenly or not
             bound.arguments.update(arrays_as_dataset(bound.arguments, 1))
 
@@ -252,6 +268,48 @@ def agree_on_arrays(is_chief: bool = False) -> None:
         return patches.rebinding(original, one_order)
 
     patches.apply("arrays-one-order", tf.keras.Model, "fit", wrap)
+
+
+_warned: set[str] = set()
+
+LOADER_PROCESSES = (
+    "fit(use_multiprocessing=True) would fork Keras's loader processes from a process that runs "
+    "TensorFlow's and the collectives' threads: a forked loader can deadlock on a lock one of "
+    "them held (seen: a worker stuck on a futex, the job hung), so on several workers the "
+    "loaders run as threads (workers= kept). For CPU-heavy loading use a tf.data pipeline "
+    "(dataset.map(..., num_parallel_calls=tf.data.AUTOTUNE)) through dist.shard")
+
+
+def loader_threads(arguments: dict[str, Any], is_chief: bool) -> None:
+    """``fit``'s loader processes become threads (:data:`LOADER_PROCESSES`, warned once on the
+    chief): a Keras 3 ``PyDataset(use_multiprocessing=True)``, or tf_keras's
+    ``fit(use_multiprocessing=True)``. Call it on several workers only."""
+    x: Any = arguments.get("x")
+    if getattr(x, "_use_multiprocessing", False):  # Keras 3's PyDataset
+        x._use_multiprocessing = False
+    elif arguments.get("use_multiprocessing"):  # tf_keras's fit argument
+        arguments["use_multiprocessing"] = False
+    else:
+        return
+    if is_chief:
+        warn_once(LOADER_PROCESSES)
+
+
+def warn_once(line: str) -> None:
+    """``line`` as a tfdist warning, once a process."""
+    if line not in _warned:
+        _warned.add(line)
+        logging.getLogger("tfdist").warning("tfdist: %s", line)
+
+
+def warn_about_arrays(arguments: Mapping[str, Any], num_replicas: int) -> None:
+    """One warning when ``fit``'s arrays end each epoch in a batch that does not split evenly
+    over ``num_replicas`` replicas; call it on the chief."""
+    from tfdist.replicas import last_batch_line
+
+    line = last_batch_line(arrays_rows_left(arguments), num_replicas, arrays=True)
+    if line:
+        warn_once(line)
 
 
 class _AgreedRandom:

@@ -16,17 +16,23 @@ the same global batch on both: ``dist.shard`` splits it over the workers.
   warning), and EarlyStopping on such a value stops every rank at the same epoch.
 - ``own_metric``: a metric of the user's whose state is a running maximum (it does not add
   over workers): trains, and tfdist names it in one warning on the chief.
+- ``metric_outside_scope``: a compiled metric object created before ``dist.scope()``: refused
+  before the first step on several MWMS workers (its state would stay each worker's own;
+  tf_keras refuses it itself), trains as one process's elsewhere.
 - ``py_dataset``: a ``keras.utils.PyDataset`` (tf_keras: ``Sequence``) of global batches, with
   2 loader threads on Keras 3: unshuffled, History is one process's; shuffled (Keras's default)
   with the ranks' Python ``random`` seeded apart, every row is trained once an epoch over the
   ranks and at every step the ranks split one global batch; the control, Keras's own
-  ``random`` below tfdist's patch, has the ranks split different batches at one step.
+  ``random`` below tfdist's patch, has the ranks split different batches at one step. Then
+  one epoch with ``use_multiprocessing=True`` on several workers: loaded by threads (a forked
+  loader can deadlock), one warning, its batches in order.
 - ``generator``: ``fit`` on a Python generator trains, with one warning on the chief.
 - ``saving``: ``save_weights``, ``model.save`` to ``.h5`` and ``tf.saved_model.save`` (tf_keras
   also a checkpoint prefix and a SavedModel folder) on every rank, twice: once each, from the
   chief, loadable.
 - ``short_last_batch``: 100 rows in global batches of 32 (a last batch of 4, even) and 99 rows
-  (a last batch of 3, uneven on 2 replicas): one warning on the chief for the uneven one only.
+  (a last batch of 3, uneven on 2 replicas): one warning on the chief for the uneven one only;
+  then ``fit`` on those 99 rows as arrays: one warning naming the arrays' fix.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ def cases(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
         "metrics": lambda: _metrics(dist, keras, tf),
         "custom_step": lambda: _custom_step(dist, keras, tf),
         "own_metric": lambda: _own_metric(dist, keras, tf),
+        "metric_outside_scope": lambda: _metric_outside_scope(dist, keras, tf),
         "short_last_batch": lambda: _short_last_batch(dist, keras, tf),
         "generator": lambda: _generator(dist, keras, tf),
         "saving": lambda: _saving(dist, keras, tf, out_dir),
@@ -180,6 +187,19 @@ def _own_metric(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     return {"history": _history(history)}
 
 
+def _metric_outside_scope(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    import tfdist
+
+    auc = keras.metrics.AUC(name="outside")  # before the scope: not the strategy's variables
+    dataset = _data(tf)[0].batch(GLOBAL_BATCH)
+    try:
+        model = _model(dist, keras, metrics=lambda: [auc])
+        history = model.fit(dist.shard(dataset), epochs=1, verbose=0)
+    except (tfdist.ConfigError, ValueError) as error:  # tfdist's refusal; tf_keras's own
+        return {"refused": f"{type(error).__name__}: {error}"}
+    return {"refused": None, "history": _history(history)}
+
+
 def _short_last_batch(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     from tfdist.sharding import last_batch_rows
 
@@ -188,6 +208,9 @@ def _short_last_batch(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
         dataset = _data(tf, rows)[0].batch(GLOBAL_BATCH)
         found[str(rows)] = last_batch_rows(dataset)
         dist.shard(dataset)  # looked at: the warning for an uneven last batch
+    _, x, y = _data(tf, 99)
+    history = _model(dist, keras).fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    found["arrays_epochs"] = len(history.history["loss"])
     return found
 
 
@@ -219,15 +242,15 @@ def _recording_model(dist: Any, keras: Any, tf: Any, seen: list[float]) -> Any:
     return model
 
 
-def _batches(keras: Any, x: Any, y: Any) -> Any:
-    """``x``, ``y`` as a PyDataset (Keras 3, 2 loader threads) or Sequence (tf_keras) of global
-    batches."""
+def _batches(keras: Any, x: Any, y: Any, processes: bool = False) -> Any:
+    """``x``, ``y`` as a PyDataset (Keras 3, 2 loader threads, or processes) or Sequence
+    (tf_keras) of global batches."""
     base = getattr(keras.utils, "PyDataset", None) or keras.utils.Sequence
 
     class Batches(base):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
             if base.__name__ == "PyDataset":
-                super().__init__(workers=2)
+                super().__init__(workers=2, use_multiprocessing=processes)
 
         def __len__(self) -> int:
             return len(x) // GLOBAL_BATCH
@@ -259,6 +282,13 @@ def _py_dataset(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     model.fit(_batches(keras, x, y), epochs=EPOCHS, verbose=0)
     found["seen_shuffled"] = list(seen)
     found["steps_shuffled"] = _batch_of_each_step(seen, x, dist.world_size)
+    if dist.world_size > 1:  # use_multiprocessing=True: loader threads instead, one warning
+        seen.clear()
+        options = {} if hasattr(keras.utils, "PyDataset") else {"workers": 2,
+                                                               "use_multiprocessing": True}
+        model.fit(_batches(keras, x, y, processes=True), epochs=1, verbose=0, shuffle=False,
+                  **options)
+        found["steps_processes"] = _batch_of_each_step(seen, x, dist.world_size)
     if dist.world_size > 1:  # the control: Keras's own random, below tfdist's patch
         from tfdist.sharding import _sequence_modules
 

@@ -76,6 +76,7 @@ Weights are compared across ranks by digest (``tfdist.sync.digest``).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -96,6 +97,8 @@ def main(out_dir: str, backend: str) -> None:
     keras3 = None
     if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
         import keras as keras3  # the mix: Keras 3 imported beside tf.keras = tf_keras
+    # A hang shows where, before the test's 300 s timeout ends the launch without a word.
+    faulthandler.dump_traceback_later(270, exit=True)
     dist = tfdist.init(backend=backend)
     import tensorflow as tf
 

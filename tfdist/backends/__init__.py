@@ -97,6 +97,9 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     keras_compat.repair_eager_record()
     keras_compat.keras2_random_generator()
     keras_input.track()  # where fit's input stands, so a preempted fit resumes at its batch
+    from tfdist import preemption
+
+    preemption.default_signals_in_children()  # a PyDataset's process pool ends at exit
     if handle.world_size > 1:
         from tfdist import writers
 

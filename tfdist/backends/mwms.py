@@ -196,7 +196,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         if "configured at program startup" in str(error):
             raise too_late(environment) from None
         raise
-    _install_patches(tf, environment, num_gpus, timeout)
+    _install_patches(tf, environment, num_gpus, timeout, strategy.num_replicas_in_sync)
     handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
     if handle.is_chief:
         per_worker = (f"{num_gpus} GPU(s) per worker" if num_gpus else
@@ -213,7 +213,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
 
 
 def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
-                     timeout: float | None) -> None:
+                     timeout: float | None, num_replicas: int) -> None:
     """What MWMS needs of Keras and TensorFlow once the strategy exists (tfdist.patches)."""
     from tfdist import failures, keras_compat, sharding, step_results, timeouts
 
@@ -224,7 +224,8 @@ def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
         step_results.install_mwms(tf.keras.Model, keras_compat.is_keras3(tf.keras),
                                   environment.rank == 0)
         sharding.skip_end_checks()  # one collective fewer per step where it cannot matter
-        sharding.agree_on_arrays(environment.rank == 0)  # fit's shuffled arrays: one order
+        # fit's shuffled arrays: one order; an uneven last batch named
+        sharding.agree_on_arrays(environment.rank == 0, num_replicas)
         sharding.agree_on_sequences()  # a PyDataset's shuffled batches: one order
     if not num_gpus and environment.is_distributed:
         keras_compat.compile_without_xla(tf.keras.Model, (

@@ -1,10 +1,13 @@
 """``model.fit`` under Horovod: the optimizer wrapper and callbacks, for Keras 3 and tf_keras.
 
-tf_keras (Keras 2) starts from Horovod's own ``BroadcastGlobalVariablesCallback``. Keras 3
-cannot use Horovod's Keras parts: its optimizer wrapper silently stops averaging there, and its
-callbacks fail (``.ref``, ``keras.backend.constant``). For both Kerases tfdist averages the
-gradients in the optimizer itself (:func:`DistributedOptimizer`), and for Keras 3 broadcasts
-with its own callback, all on Horovod's core collective ops (:mod:`tfdist.horovod.ops`).
+Keras 3 cannot use Horovod's Keras parts: its optimizer wrapper silently stops averaging there,
+and its callbacks fail (``.ref``, ``keras.backend.constant``). For both Kerases tfdist averages
+the gradients in the optimizer itself (:func:`DistributedOptimizer`) and broadcasts rank 0's
+state before the first step with its own callback (:class:`BroadcastInitialState`), all on
+Horovod's core collective ops (:mod:`tfdist.horovod.ops`). Horovod's own tf_keras
+``BroadcastGlobalVariablesCallback`` broadcasts after the first step, which every rank took
+from its own weights, and copies rank 0's metric states over the others' (a first epoch's
+metrics then count rank 0's first batch twice and the others' not at all).
 
 :func:`install_hooks` also makes ``Model.fit`` behave as under MultiWorkerMirroredStrategy where
 plain Horovod would not: arrays passed to ``fit`` are split by rank (:func:`shard_arrays`), a
@@ -27,7 +30,15 @@ import tensorflow as tf
 from tfdist import patches
 from tfdist.horovod import ops
 from tfdist.keras_compat import compile_owner, compile_without_xla
-from tfdist.sharding import GENERATOR, is_arrays, is_generator, is_sequence
+from tfdist.sharding import (
+    GENERATOR,
+    is_arrays,
+    is_generator,
+    is_sequence,
+    loader_threads,
+    warn_about_arrays,
+    warn_once,
+)
 
 __all__ = ["DistributedOptimizer", "callbacks", "install_hooks", "is_keras3", "shard_arrays"]
 
@@ -152,13 +163,17 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
         from tfdist.horovod.sharding import generator_slices, sequence_slices
 
         x = bound.arguments.get("x")
+        if world_size > 1:
+            loader_threads(bound.arguments, rank == 0)
         if world_size > 1 and is_arrays(x):
+            if rank == 0:
+                warn_about_arrays(bound.arguments, world_size)
             bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
         elif world_size > 1 and is_sequence(x):  # each rank its part of every global batch
             bound.arguments["x"] = sequence_slices(x, rank, world_size)
         elif world_size > 1 and is_generator(x):
             if rank == 0:
-                _warn_once(GENERATOR)
+                warn_once(GENERATOR)
             bound.arguments["x"] = generator_slices(x, rank, world_size)
         given = bound.arguments.get("callbacks")
         if world_size > 1 and (given is None or isinstance(given, list | tuple)) and not any(
@@ -171,15 +186,6 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
 
 
 _BROADCASTS = ("BroadcastInitialState", "BroadcastGlobalVariablesCallback")
-_warned: set[str] = set()
-
-
-def _warn_once(line: str) -> None:
-    if line not in _warned:
-        _warned.add(line)
-        logger.warning("tfdist: %s", line)
-
-
 def _build_hook(original: Any) -> Any:
     # Keras 3 builds a model symbolically before training only under a tf.distribute strategy;
     # without one (Horovod) it builds in the first step, after the initial broadcast has found
@@ -218,10 +224,6 @@ def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> di
 def callbacks() -> list[Any]:
     """Broadcast of the initial state from rank 0; put it first. (The epoch's and evaluate's
     results are over every rank's examples without a callback: :mod:`tfdist.step_results`.)"""
-    if not is_keras3():
-        from tfdist.horovod.install import import_horovod_keras
-
-        return [import_horovod_keras().callbacks.BroadcastGlobalVariablesCallback(0)]
     return [BroadcastInitialState()]
 
 
@@ -229,7 +231,10 @@ def broadcast_initial_state(model: Any, optimizer: Any = None, root_rank: int = 
     """Builds the optimizer's slots, then copies the model's and optimizer's variables from
     ``root_rank``, so that every rank starts the first step from the same state."""
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-    variables = list(model.variables)
+    # tf_keras counts a subclassed model's metrics among its variables: their states stay each
+    # rank's own (tfdist.step_results adds them over the ranks).
+    metrics = {id(v) for metric in getattr(model, "metrics", ()) for v in metric.variables}
+    variables = [v for v in model.variables if id(v) not in metrics]
     if optimizer is not None:
         _build_optimizer(optimizer, model.trainable_variables)
         variables += optimizer_variables(optimizer)
@@ -253,11 +258,33 @@ def _build_optimizer(optimizer: Any, trainable: list[Any]) -> None:
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
-    """Keras 3: copies rank 0's weights and optimizer state to every rank at train begin.
+    """Copies rank 0's weights and optimizer state to every rank before the first step.
 
-    Keras 3's ``fit`` builds the model and the optimizer's slots before ``on_train_begin``, so
-    the first step already starts from rank 0's state.
+    Keras 3: at the first batch's begin, after every ``on_train_begin`` (a backup or a
+    preempted state restored on any rank: rank 0's wins, so a rank that restored a stale state
+    of its own cannot train apart); ``fit`` has built the model by then (tfdist's build hook).
+    tf_keras: at train begin for a model made from ``keras.Input`` (a batch hook would have
+    tf_keras warn that it is slow), after the first step for a model built by it, as Horovod's
+    own callback does.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._done = False
+
     def on_train_begin(self, logs: Any = None) -> None:
+        self._done = False
+        if not is_keras3() and getattr(self.model, "built", False):
+            self._broadcast()
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if not self._done and is_keras3():
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if not self._done:
+            self._broadcast()
+
+    def _broadcast(self) -> None:
         broadcast_initial_state(self.model)
+        self._done = True

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as torch_dist
 
-from tfdist import quiet
+from tfdist import preemption, quiet
 from tfdist.backends import choose_torch, facts
 from tfdist.env import detect
 from tfdist.errors import ConfigError
@@ -77,6 +77,7 @@ def init(collective: str | None = None, *, backend: str | None = None,
     module = importlib.import_module(facts.backend(chosen, facts.TORCH).module)
     handle: TorchDistributed = _cache.put(module.create(environment, settings), settings)
     _register_atexit()
+    preemption.default_signals_in_children()  # a DataLoader's forked workers end when told
     handle.prepare()
     return handle
 
