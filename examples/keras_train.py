@@ -27,7 +27,8 @@ flags.DEFINE_integer("batch_size", 64, "GLOBAL batch size, split over all replic
 flags.DEFINE_float("learning_rate", 1e-3, "Learning rate for one replica.")
 flags.DEFINE_bool("scale_lr", False, "Multiply the learning rate by the number of replicas.")
 flags.DEFINE_float("warmup_epochs", 0, "Ramp the scaled learning rate up over these epochs.")
-flags.DEFINE_string("model_dir", None, "Checkpoints, backups and TensorBoard logs go here.")
+flags.DEFINE_string("model_dir", None,
+                    "Checkpoints, the resumable state and TensorBoard logs go here.")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets directory ($TFDS_DATA_DIR).")
 flags.DEFINE_enum("dataset", "digits", tfdist.datasets.available(), "Dataset to train on.")
 flags.DEFINE_enum("backend", "auto", ["auto", "mwms", "horovod", "single"],
@@ -102,7 +103,8 @@ def train() -> None:
         print(f"tfdist: {dist.world_size} worker(s), {dist.num_replicas} replica(s), backend "
               f"{dist.backend}, collective {dist.collective}, learning rate {lr:g}", flush=True)
     model.fit(train, epochs=FLAGS.epochs, verbose=2, shuffle=False,  # shuffled above
-              # tfdist: chief-only checkpoints and logs, per-worker backups, LR warmup.
+              # tfdist: chief-only checkpoints and logs, the exact state at each epoch's end,
+              # LR warmup.
               callbacks=dist.callbacks(model_dir=FLAGS.model_dir,
                                        warmup_epochs=FLAGS.warmup_epochs))
     # tfdist: each rank evaluates its shard; the metrics are over every rank's rows.

@@ -1,12 +1,10 @@
-"""tfdist's Keras callbacks on 2 real workers: one writer, per-rank backups, resumption."""
+"""tfdist's Keras callbacks on 2 real workers: one writer, the epoch's exact state, resumption."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from helpers import WORKERS, launch, load_result, load_weights, tensorboard_logs
-
-from tfdist.keras_compat import keras2_package
 
 pytestmark = pytest.mark.multiprocess
 RESUME = str(WORKERS / "resume_worker.py")
@@ -19,18 +17,21 @@ def test_preempted_job_resumes_where_it_stopped_and_matches_an_uninterrupted_one
 
     crashed = launch([RESUME, str(resumed), str(model_dir), "4", "1"])
     assert crashed.returncode == 17, crashed.stdout + crashed.stderr
-    # Each rank backed up into its own directory; only the chief wrote the checkpoint. Keras 2
-    # (TensorFlow 2.15's tf.keras, tf_keras) keeps the workers apart itself: the others' backups
-    # go to temporary folders.
-    backups = ["chief"] if keras2_package() else ["rank-0", "rank-1"]
-    assert sorted(p.name for p in (model_dir / "backup").iterdir()) == backups
-    assert [p.name for p in model_dir.glob("**/*.keras")] == ["checkpoint.keras"]
+    # The exact state of epoch 2's end, in place of Keras's BackupAndRestore: the model from
+    # the chief, each rank's random generators, where the input stands. Only the chief wrote
+    # the checkpoint.
+    assert sorted(p.name for p in (model_dir / "preempted").iterdir()) == [
+        "model.keras", "rank-0.npz", "rank-1.npz", "state.json"]
+    assert not (model_dir / "backup").exists()
+    assert sorted(p.name for p in model_dir.glob("**/*.keras")) == ["checkpoint.keras",
+                                                                     "model.keras"]
     assert [p.name for p in model_dir.glob("logs")] == tensorboard_logs()
 
     run = launch([RESUME, str(resumed), str(model_dir), "4", "-1"])
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "resuming at step 8 of epoch 2 (its end)" in run.stdout, run.stdout[-3000:]
     assert [load_result(resumed, r)["epochs_seen"] for r in (0, 1)] == [[2, 3], [2, 3]]
-    assert not (model_dir / "backup").exists(), "backups are removed after a finished run"
+    assert not (model_dir / "preempted").exists(), "the state is removed after a finished run"
     for rank in (0, 1):
         for a, b in zip(load_weights(straight, rank), load_weights(resumed, rank), strict=True):
             np.testing.assert_array_equal(a, b)

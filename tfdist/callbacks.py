@@ -277,12 +277,16 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         every: seconds between two safety saves (the same state, at an agreed step, training
             going on; each epoch's end is one too); env ``TFDIST_CHECKPOINT_EVERY``, default
             none. A fit that ends normally removes its last one.
+        epoch_saves: save the state at each epoch's end (as ``every`` does), so that a run
+            killed without warning resumes there exactly; :func:`build` sets it in place of
+            Keras's BackupAndRestore.
     """
 
     def __init__(self, dist: Distributed, model_dir: str,
                  check_seconds: float | None = None, *, logs: Sequence[Any] = (),
-                 every: float | str | None = None) -> None:
+                 every: float | str | None = None, epoch_saves: bool = False) -> None:
         super().__init__()
+        self.epoch_saves = epoch_saves
         self.dist, self.model_dir, self.logs = dist, model_dir, list(logs)
         self.watch = preemption.Watch(dist, resolve("preempt_check_seconds", check_seconds),
                                       every=resolve("checkpoint_every", every))
@@ -341,11 +345,13 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             self._safety_save(validating=False)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._discard_state()  # this epoch's backup, written before this callback, is newer
+        saves = self.epoch_saves or self.watch.every is not None  # each epoch's end saves
+        if not saves:
+            self._discard_state()  # this epoch's backup, written before this callback, is newer
         # Every epoch ends with a check, however long the interval between checks has grown.
         if self.watch.check():
             self._save_and_exit(validating=False, epoch_done=True)
-        elif self.watch.every is not None:  # safety saves on: each epoch's end is one too
+        elif saves:  # the new state replaces the one found, atomically
             self._safety_save(validating=False, epoch_done=True)
 
     def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -363,10 +369,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self.watch.saved()
         self._saved_here, self._state_found = True, False  # this state is newer than any found
         if final is not None:
-            logger.info("tfdist: safety save after step %d of epoch %d%s in %s (%.2f s; "
-                        "TFDIST_CHECKPOINT_EVERY=%gs)", self.step, self.epoch + 1,
-                        " (during validation)" if validating else "", final,
-                        time.monotonic() - started, self.watch.every)
+            every = (f"; TFDIST_CHECKPOINT_EVERY={self.watch.every:g}s"
+                     if self.watch.every is not None else "")
+            logger.info("tfdist: safety save after step %d of epoch %d%s in %s (%.2f s%s)",
+                        self.step, self.epoch + 1, " (during validation)" if validating else "",
+                        final, time.monotonic() - started, every)
 
     def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
         final = self._save(validating=validating, epoch_done=epoch_done)
@@ -409,10 +416,12 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         if found is None or saved is None or saved["recreates"] != found.recreates:
             why = ("needs a Keras whose fit tfdist can follow" if found is None
                    else "was saved by another Keras")
+            instead = ("training starts from the first epoch (no epoch backup is kept beside "
+                       "the exact state)" if self.epoch_saves else
+                       "resuming from the last epoch's backup instead")
             if self.dist.is_chief:
-                logger.warning("tfdist: %s holds the state at %s, but resuming there %s: "
-                               "resuming from the last epoch's backup instead", state["path"],
-                               where, why)
+                logger.warning("tfdist: %s holds the state at %s, but resuming there %s: %s",
+                               state["path"], where, why, instead)
             return
         optimizer: Any = getattr(self.model, "optimizer", None)
         if (callable(getattr(optimizer, "build", None)) and not hasattr(optimizer, "built")
@@ -511,9 +520,10 @@ if _KERAS3:
         """Keras 3's BackupAndRestore with one directory per rank.
 
         Keras 3's callback is not multi-worker aware: two workers writing one directory race
-        (FileExistsError) and abort the collectives. Each rank writes ``backup_dir/rank-N``; a
-        rank with no backup of its own (the job grew) restores from rank 0's, so every worker
-        resumes from the same state.
+        (FileExistsError) and abort the collectives. Each rank writes ``backup_dir/rank-N``, and
+        every rank restores from rank 0's (the state is the same on every rank at an epoch's
+        end), so every worker resumes from the same state: a rank with no backup of its own
+        (the job grew) as one whose own is stale (left by a run with more workers).
         """
 
         _weights_path: str  # set by Keras's BackupAndRestore
@@ -528,12 +538,18 @@ if _KERAS3:
 
         def on_train_begin(self, logs: Any = None) -> None:
             chief = os.path.join(self.root, "rank-0")
-            if os.path.exists(self._weights_path) or not os.path.exists(
-                    os.path.join(chief, "latest.weights.h5")):
-                return super().on_train_begin(logs)
+            if os.path.dirname(self._weights_path) == chief:
+                return super().on_train_begin(logs)  # rank 0 (it recovers a half-written one)
             own = self._weights_path, self._training_metadata_path
-            self._weights_path = os.path.join(chief, "latest.weights.h5")
-            self._training_metadata_path = os.path.join(chief, "training_metadata.json")
+            for suffix in ("", ".bkp"):  # rank 0's last complete one
+                weights = os.path.join(chief, "latest.weights.h5" + suffix)
+                if os.path.exists(weights):
+                    self._weights_path = weights
+                    self._training_metadata_path = os.path.join(
+                        chief, "training_metadata.json" + suffix)
+                    break
+            else:
+                return  # rank 0 has none: a backup of this rank alone is stale
             try:
                 self._load_model()  # read-only: never writes into rank 0's directory
             finally:
@@ -672,7 +688,10 @@ class CallbackOptions:
             progress and the callbacks given are set up.
         checkpoint: save ``model_dir/checkpoint.keras`` after each epoch (chief only, atomic).
         tensorboard: write TensorBoard logs to ``model_dir/logs`` (chief only).
-        backup: BackupAndRestore in ``model_dir/backup`` (per rank) to resume after preemption.
+        backup: save at each epoch's end so that a run killed without warning (SIGKILL, a
+            lost node) resumes there: the exact state of :class:`PreemptionCheckpoint` (with
+            ``preempt`` on, where tfdist follows ``fit``'s input: the resumed run ends
+            bit-identical), else Keras's BackupAndRestore in ``model_dir/backup``, per rank.
         warmup_epochs: ramp the learning rate up from ``lr / size`` over this many epochs.
         chief_only: more callbacks to run on the chief only. The file writers tfdist knows
             (``ModelCheckpoint``, ``CSVLogger``, ``TensorBoard``) run as :func:`route_writer`
@@ -736,7 +755,9 @@ def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
                 and batch_statistics.averages_batch_statistics(dist))
     if averaged:  # first at an epoch's end: backups, checkpoints and checks see the mean
         callbacks.append(batch_statistics.BatchStatisticsAverage(dist))
-    if model_dir and o.backup:
+    # The exact state replaces Keras's backup at each epoch's end where tfdist can resume it.
+    exact = bool(model_dir and o.preempt and keras_input.tracked())
+    if model_dir and o.backup and not exact:
         callbacks.append(WorkerBackupAndRestore(
             layout.path(model_dir, layout.BACKUP), dist.rank,
             strategy_spans_workers=_strategy_spans_workers(dist)))
@@ -750,7 +771,7 @@ def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
     if model_dir and o.preempt:  # last: a stop at an epoch's end comes after its backup
         callbacks.append(PreemptionCheckpoint(dist, model_dir, logs=[
             callback for callback in callbacks if _keeps_logs_open(callback)],
-            every=o.checkpoint_every))
+            every=o.checkpoint_every, epoch_saves=exact and o.backup))
     callbacks.append(_Progress())
     if o.throughput:
         callbacks.append(ThroughputMeter(dist, o.global_batch, throughput_file(model_dir)))

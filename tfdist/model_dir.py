@@ -6,10 +6,13 @@ examples) sit beside them::
 
     model_dir/
       checkpoint.keras      the chief's model after every epoch, replaced atomically
-      backup/               BackupAndRestore's state of the last epoch, per rank
+      backup/               BackupAndRestore's state of the last epoch, per rank, only where
+                            tfdist cannot follow fit's input (else preempted/ does it)
       logs/                 TensorBoard's event files (the chief)
-      preempted/            the state every rank saved at the agreed step of a preemption,
-                            removed once a resumed run has trained past it
+      preempted/            the exact state every rank saved at the agreed step of a
+                            preemption, a safety save or an epoch's end: the model and
+                            optimizer, each rank's random generators, the input's position;
+                            removed when a fit ends
       throughput.jsonl      the throughput meter's line per epoch (the chief)
 """
 

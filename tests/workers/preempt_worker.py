@@ -15,7 +15,12 @@ TensorFlow's legacy stateful ops again (the control: their state is not saved).
 reshuffled each time), ``repeat`` (a repeated dataset read with ``steps_per_epoch=12``, so
 epochs straddle its passes) or ``validation`` (``epochs`` with
 ``validation_data``). ``PREEMPT_TEST_STEP_SLEEP=S`` makes each training step S seconds longer
-(a slow run for the walltime guard to stop; the weights do not change). Every rank prints
+(a slow run for the walltime guard to stop; the weights do not change);
+``PREEMPT_TEST_BATCH=B`` sets the global batch (default 32; another drops the last, short one).
+``PREEMPT_TEST_SOAK=SEED:CYCLES`` (with the ``validation`` input) replaces the signal arguments:
+runs 0 to CYCLES-1 are each signalled (unless SIGNAL_RANK is -1) at a moment drawn from SEED
+and the run's number (the same on every rank, :func:`soak_moment`), and the fit has
+2 x CYCLES + 1 epochs. Every rank prints
 ``tfdist-test: rank R step S`` after each step, so a test can signal the launcher instead, and
 writes ``result-RANK-RUN.json``: where it stopped, the steps it trained, the exit code it leaves
 with, and after a finished fit a digest of its weights and optimizer state (and the weights,
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -33,6 +39,24 @@ import time
 import numpy as np
 
 import tfdist
+
+SOAK_KINDS = ("step", "both", "validation", "epoch_end", "save")
+
+
+def soak_moment(seed: int, run: int) -> dict[str, object]:
+    """Where run ``run`` of a soak is signalled: the kinds in a shuffled order for every five
+    runs (so five cycles see each once), the moment in it drawn too.
+
+    ``step``: one rank, after its K-th step of this run; ``both``: both ranks after their K-th
+    step, each its own signal (two signals at once); ``validation``: one rank at the K-th batch
+    of this run's first validation; ``epoch_end``: one rank at the end of this run's first
+    epoch, before the epoch's checks; ``save``: one rank while this run's first epoch-end save
+    is being written (it must finish; the next agreed step stops)."""
+    kinds = list(SOAK_KINDS)
+    random.Random(f"{seed}-{run // len(kinds)}").shuffle(kinds)
+    draw = random.Random(f"{seed}-{run}")
+    return {"kind": kinds[run % len(kinds)], "rank": draw.randrange(2), "k": draw.randint(1, 8),
+            "signal": draw.choice(["USR1", "TERM"])}
 
 
 def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_step: str,
@@ -51,6 +75,12 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     target = abs(int(signal_step.lstrip("vab") or "0")) if int(
         signal_rank) == dist.rank and (run == 0 or every_run) else None
     mode = os.environ.get("PREEMPT_TEST_INPUT", "epochs")
+    soak = os.environ.get("PREEMPT_TEST_SOAK")
+    seed, cycles = (int(v) for v in soak.split(":")) if soak else (0, 0)
+    signalled = run < cycles and signal_rank != "-1"  # -1: the uninterrupted run
+    moment = soak_moment(seed, run) if signalled else {"kind": None}
+    if soak:
+        target = None  # the soak's moments only
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")
@@ -62,15 +92,31 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
                                   *dropout, keras.layers.Dense(2)])
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(32)
+    batch = int(os.environ.get("PREEMPT_TEST_BATCH", "32"))  # 48 divides over 3 and 2 workers
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(
+        batch, drop_remainder=batch != 32)
     fit_args: dict[str, object] = {}
     if mode == "repeat":
         dataset, fit_args["steps_per_epoch"] = dataset.repeat(), 12
     elif mode == "validation":
         fit_args["validation_data"] = dist.shard(
             tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(32))
-    steps = {"done": 0, "tested": 0}
+    steps = {"done": 0, "tested": 0, "epochs_ended": 0}
     step_sleep = float(os.environ.get("PREEMPT_TEST_STEP_SLEEP", "0"))
+
+    def soak_signal(kind: str, count: int) -> None:
+        """Signals this rank if the soak's moment for this run is ``kind`` at ``count``."""
+        if moment["kind"] != kind or count != (1 if kind in ("epoch_end", "save")
+                                               else moment["k"]):
+            return
+        if kind == "both":  # two signals at once: each rank its own
+            name = "TERM" if dist.rank == 0 else "USR1"
+        elif moment["rank"] == dist.rank:
+            name = str(moment["signal"])
+        else:
+            return
+        print(f"tfdist-test: soak run {run}: {kind} SIG{name} on rank {dist.rank}", flush=True)
+        os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
     class Announce(keras.callbacks.Callback):
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
@@ -79,14 +125,33 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
             time.sleep(step_sleep)
             if steps["done"] == target and not validating:
                 os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
+            soak_signal("step", steps["done"])
+            soak_signal("both", steps["done"])
 
         def on_test_batch_end(self, batch: int, logs: object = None) -> None:
             steps["tested"] += 1
             if steps["tested"] == target and validating:
                 os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
+            soak_signal("validation", steps["tested"])
+
+        def on_epoch_end(self, epoch: int, logs: object = None) -> None:
+            steps["epochs_ended"] += 1
+            soak_signal("epoch_end", steps["epochs_ended"])
 
     callbacks = dist.callbacks(Announce(), model_dir=model_dir, tensorboard=False)
     watcher = next(c for c in callbacks if isinstance(c, PreemptionCheckpoint))
+    if moment["kind"] == "save":  # the signal comes while the epoch's save is being written
+        from tfdist import callbacks as tfdist_callbacks
+
+        saving_model = tfdist_callbacks.save
+
+        def save(*args: object, **kwargs: object) -> bool:
+            wrote = saving_model(*args, **kwargs)  # type: ignore[arg-type]
+            soak_signal("save", steps["epochs_ended"])  # before this rank's random states
+            return wrote
+
+        tfdist_callbacks.save = save  # type: ignore[assignment]
+    epochs = 2 * cycles + 1 if soak else 3  # room for every moment: a run uses at most 1.5
     result = {"rank": dist.rank, "run": run, "code": 0}
     try:
         if between_fits:
@@ -96,7 +161,8 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
             model.fit(dist.shard(dataset), epochs=3, initial_epoch=1, verbose=0,
                       callbacks=callbacks, **fit_args)
         else:
-            model.fit(dist.shard(dataset), epochs=3, verbose=0, callbacks=callbacks, **fit_args)
+            model.fit(dist.shard(dataset), epochs=epochs, verbose=0, callbacks=callbacks,
+                      **fit_args)
         if after_fit:
             if target is not None:
                 os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))

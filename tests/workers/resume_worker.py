@@ -1,4 +1,4 @@
-"""2-worker fit with tfdist's callbacks; optionally 'preempted' after an epoch, then resumed.
+"""2-worker fit with tfdist's callbacks; optionally crashed after an epoch, then resumed.
 
     python resume_worker.py OUT_DIR MODEL_DIR EPOCHS CRASH_AFTER_EPOCH(-1: never)
 """
@@ -32,11 +32,9 @@ def main(out_dir: str, model_dir: str, epochs: int, crash_after: int) -> None:
 
     class Record(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):  # type: ignore[no-untyped-def]
+            if crash_after >= 0 and epoch == crash_after + 1:
+                raise SystemExit(17)  # a crash once every callback has ended that epoch
             epochs_seen.append(epoch)
-
-        def on_epoch_end(self, epoch, logs=None):  # type: ignore[no-untyped-def]
-            if epoch == crash_after:
-                raise SystemExit(17)  # preemption, after BackupAndRestore saved this epoch
 
     dataset = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
     model.fit(dataset, epochs=epochs, verbose=0,
