@@ -9,14 +9,25 @@
   (``srun: error: n10: task 1: Killed``) and srun ends the others at once; a hung task is found
   by TensorFlow's heartbeats, and rank 0 prints tfdist's line naming rank 1, its node and the
   step.
+- A lost node: a rendered 3-node job with ``min_nodes: 2`` (``--no-kill``, ``tfdist survive``)
+  whose node n11 has its network cut and its tasks killed mid-epoch: training goes on on n9 and
+  n10 from the last epoch's exact state, every step trained once, the weights equal to an
+  uninterrupted run's within rounding (3 workers, then 2: the global batch is split otherwise).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from helpers import clean_env
+from slurm_jobs import cluster_config, submit_rendered
 from slurmtest import SlurmCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,3 +112,94 @@ def test_a_hung_task_is_named_by_rank_0_and_ends_the_step(slurm_cluster: SlurmCl
     assert "tfdist: rank 0 (host n9) failed" not in tasks[1], tasks[1][-3000:]
     print("task 1:", [line for line in tasks[1].splitlines() if line.startswith("tfdist:")])
     assert took < BOUND_S, f"{took:.0f} s\n{batch}\n{tasks[0][-2000:]}"
+
+
+PREEMPT_WORKER = ROOT / "tests" / "workers" / "preempt_worker.py"
+NODE_LOSS_ENV = {"TFDIST_HEARTBEAT_TIMEOUT": "10", "PREEMPT_TEST_STEP_SLEEP": "0.15",
+                 "PREEMPT_TEST_BATCH": "48", "TF_CPP_MIN_LOG_LEVEL": "2"}
+STEPS = 3 * (512 // 48)  # 3 epochs of 10 steps
+
+
+def _cut_off(cluster: SlurmCluster, node: str) -> None:
+    """What a node's death looks like to the others: its network cut, its tasks gone (its
+    slurmd stays, to come back after the test)."""
+    subprocess.run(["ip", "link", "set", f"tfd-{node}", "down"], check=True)
+    pids = subprocess.run(["ip", "netns", "pids", f"tfdist-{node}"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    for pid in pids:
+        comm = Path(f"/proc/{pid}/comm")
+        if comm.exists() and comm.read_text().strip().startswith("python"):
+            subprocess.run(["kill", "-9", pid], check=False)
+
+
+def _back(cluster: SlurmCluster, node: str) -> None:
+    """The node's network up again and the node back in service (ReturnToService=2)."""
+    subprocess.run(["ip", "link", "set", f"tfd-{node}", "up"], check=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = cluster.run("sinfo", "-h", "-N", "-n", node, "-p", cluster.partition, "-o",
+                            "%t").stdout.strip()
+        if state == "idle":
+            return
+        if state.startswith("down") and not state.endswith("*"):
+            cluster.run("scontrol", "update", f"nodename={node}", "state=resume")
+        time.sleep(1)
+    raise AssertionError(f"{node} did not come back: {state}")
+
+
+def _results(folder: Path, run: int) -> dict[int, dict]:
+    return {rank: json.loads(path.read_text()) for rank in range(3)
+            if (path := folder / f"result-{rank}-{run}.json").exists()}
+
+
+@pytest.mark.timeout(480)
+def test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once(
+        slurm_cluster: SlurmCluster) -> None:
+    workdir = slurm_cluster.new_workdir()
+    (workdir / "out").mkdir()
+    config = cluster_config(
+        slurm_cluster, job_name="survive", nodes=3, gpus_per_node=0, gpu_type=None,
+        tasks_per_node=1, sbatch_args=["--nodelist=n[9-11]"], min_nodes=2, node_restarts=1,
+        time="00:06:00",
+        script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=NODE_LOSS_ENV)
+    job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
+    assert "#SBATCH --no-kill" in script.read_text()
+    rank2 = workdir / f"survive-{job_id}-2.out"
+    deadline = time.monotonic() + 180
+    while "tfdist-test: rank 2 step 13" not in (rank2.read_text() if rank2.exists() else ""):
+        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
+        time.sleep(0.2)
+    _cut_off(slurm_cluster, "n11")  # in epoch 2, 3 steps after epoch 1's exact state
+    try:
+        result = slurm_cluster.wait(job_id, timeout=300)
+    finally:
+        _back(slurm_cluster, "n11")
+    output = result.output
+    assert result.ok, result.describe()
+    assert "tfdist survive: the training step on n9,n10,n11 failed; n11 did not answer: " \
+           "training goes on on n9, n10 (2 of 3 nodes; restart 1 of 1) from the last save" \
+           in output, result.describe()
+    tasks = "".join((workdir / f"survive-{job_id}-{rank}.out").read_text() for rank in (0, 1))
+    assert "tfdist: rank 2 (host n11) failed or stopped responding" in tasks, tasks[-3000:]
+    assert "tfdist: resuming at step 10 of epoch 1 (its end)" in tasks, tasks[-3000:]  # appended
+    stopped, resumed = _results(workdir / "out", 0), _results(workdir / "out", 1)
+    assert sorted(resumed) == [0, 1] and all(r["code"] == 0 for r in resumed.values()), resumed
+    assert all(r["steps"] >= 13 for r in stopped.values()), stopped  # n9, n10 reached epoch 2
+    for rank, after in resumed.items():  # from epoch 1's end: the 20 steps after it, once
+        assert after["steps"] == STEPS - STEPS // 3, (rank, after)
+    # Uninterrupted, on 3 local workers: the same global batch and order
+    straight = workdir / "straight"
+    straight.mkdir()
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "3",
+                          str(PREEMPT_WORKER), str(straight), str(workdir / "m1"), "mwms", "-1",
+                          "0"], env=clean_env(**{**NODE_LOSS_ENV, "PREEMPT_TEST_STEP_SLEEP": "0"}),
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with np.load(straight / "weights-0-0.npz") as alone, \
+            np.load(workdir / "out" / "weights-0-1.npz") as after:
+        worst = max(float(np.abs(alone[k] - after[k]).max()) for k in alone.files)
+        moved = max(float(np.abs(alone[k]).max()) for k in alone.files)
+        print(f"a lost node: the resumed run's weights differ from an uninterrupted run's by "
+              f"{worst:.2e} at most (weights up to {moved:.2f})")
+        for key in alone.files:  # 3 workers, then 2: summed in another order
+            np.testing.assert_allclose(after[key], alone[key], rtol=1e-4, atol=1e-5)

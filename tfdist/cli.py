@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(commands)
     _add_job(commands)
     _add_scaling(commands)
+    _add_survive(commands)
     return parser
 
 
@@ -419,6 +420,53 @@ def _run_scaling(args: argparse.Namespace) -> int:
         sizes=scaling.parse_sizes(args.num_workers), target=args.script, args=tuple(args.args),
         out_dir=Path(out), repeat=args.repeat, timeout_s=args.timeout,
         launch_args=tuple(args.launch_arg), module=args.module))
+
+
+def _add_survive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "survive", allow_abbrev=False,
+        help="in a job script: run the training's srun step, and again on the nodes left "
+        "after one dies",
+        description="Run `srun [options] PROGRAM` over the job's nodes with explicit counts "
+        "and --overlap. When a task fails, ask every node with a one-task step; a node that "
+        "does not answer is dropped and the step starts again on the others (from the last "
+        "save), while at least --min-nodes are left and at most --restarts times; else exit "
+        "75 (the job script requeues the job). A failure with every node answering ends it "
+        "with srun's code. The job needs `sbatch --no-kill` to outlive a node "
+        "(tfdist job's min_nodes renders both).",
+        usage="tfdist survive --min-nodes M --tasks-per-node T [options] -- srun [OPTIONS] "
+        "PROGRAM [ARGS ...]",
+    )
+    parser.add_argument("--min-nodes", type=_at_least(1), required=True, metavar="M",
+                        help="go on while at least M nodes answer")
+    parser.add_argument("--tasks-per-node", type=_at_least(1), required=True, metavar="T",
+                        help="srun tasks on each node (the job's --ntasks-per-node)")
+    parser.add_argument("--restarts", type=_at_least(0), default=3, metavar="R",
+                        help="restart on fewer nodes at most R times (default: 3)")
+    parser.add_argument("--probe-timeout", type=_positive_float, default=30.0,
+                        metavar="SECONDS", help="a node that has not run a one-task step "
+                        "within this is taken for lost (default: 30)")
+    parser.add_argument("srun", nargs=argparse.REMAINDER, metavar="-- srun ...",
+                        help="the training's srun command")
+    parser.set_defaults(handler=_run_survive)
+
+
+def _run_survive(args: argparse.Namespace) -> int:
+    import os
+
+    from tfdist import survive
+    from tfdist.env.slurm import job_allocation
+
+    srun = args.srun[1:] if args.srun[:1] == ["--"] else args.srun
+    job_id, nodes = job_allocation(os.environ)
+    if args.min_nodes > len(nodes):
+        raise TfdistError(f"--min-nodes {args.min_nodes} is more than the job's {len(nodes)} "
+                          "nodes")
+    survive.step_command(srun, nodes, args.tasks_per_node)  # refuses a command without srun
+    return survive.run(survive.Options(
+        job_id=job_id, nodes=tuple(nodes), min_nodes=args.min_nodes,
+        max_restarts=args.restarts, tasks_per_node=args.tasks_per_node,
+        probe_timeout_s=args.probe_timeout), srun)
 
 
 def _positive_float(text: str) -> float:

@@ -5,9 +5,11 @@
 #   horovod  (make venv-horovod, .venv-horovod) TensorFlow 2.18.1 (the newest that Horovod 0.28.1
 #            builds against unpatched), its Keras 3, tf_keras 2.18 (Keras 2) and PyTorch 2.13
 #            (CPU); Horovod compiled for both frameworks.
-#   tf215    (make venv-tf215, .venv-tf215) the TensorFlow 2.15 lane: TensorFlow 2.15.1, whose
-#            tf.keras is the keras 2.15 package (Keras 2, no Keras 3), tf_keras 2.15, numpy < 2;
-#            Horovod compiled for TensorFlow only (the torch shim is tested in the other lanes).
+#   tf215    (by hand, into .venv-tf215) the TensorFlow 2.15 lane with Horovod: TensorFlow 2.15.1,
+#            whose tf.keras is the keras 2.15 package (Keras 2, no Keras 3), tf_keras 2.15,
+#            numpy < 2; Horovod compiled for TensorFlow only. `make venv-tf215` builds that lane
+#            without Horovod (CI's time); CONTRIBUTING.md has the command that runs the Horovod
+#            tests there.
 # Horovod 0.28.1 is compiled from source with Gloo and MPI (Debian's Open MPI), and tfdist is
 # installed editable. The compiled wheel is cached under a key holding the Horovod, TensorFlow,
 # torch and Python versions and the controllers, because pip's own cache keys it by the sdist

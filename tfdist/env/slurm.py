@@ -13,7 +13,7 @@ from tfdist.errors import ConfigError, LaunchError
 from tfdist.hostlist import expand_hostlist, expand_tasks_per_node
 from tfdist.settings import resolve
 
-__all__ = ["detect", "task_nodes", "port_base", "PORT_RANGE", "PORT_BLOCK"]
+__all__ = ["detect", "job_allocation", "task_nodes", "port_base", "PORT_RANGE", "PORT_BLOCK"]
 
 # Ports are derived from the job and step ids so that two jobs sharing a node don't collide
 # (the stock resolver always uses 8888+). The range stays below Linux's ephemeral ports
@@ -34,6 +34,20 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
     if "SLURM_STEP_ID" not in environ or "SLURM_PROCID" not in environ:
         return _batch_shell(environ)
     return _step(environ)
+
+
+def job_allocation(environ: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The job's id and its nodes in Slurm's order, read in the batch shell (``tfdist
+    survive``).
+
+    Raises:
+        LaunchError: not inside a Slurm job.
+    """
+    job, nodelist = environ.get("SLURM_JOB_ID"), environ.get("SLURM_JOB_NODELIST")
+    if not job or not nodelist:
+        raise LaunchError("tfdist survive runs in a Slurm job's batch script: SLURM_JOB_ID and "
+                          "SLURM_JOB_NODELIST are not set here")
+    return job, expand_hostlist(nodelist)
 
 
 def _step(environ: Mapping[str, str]) -> ClusterEnvironment:

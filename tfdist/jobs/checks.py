@@ -42,7 +42,8 @@ _TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INF
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Keys that belong to some kinds of job only; the others apply to every kind.
 _TRAIN_KEYS = ("backend", "launcher", "launcher_args", "script", "args", "runtime", "image",
-               "binds", "gpus_per_task", "tasks_per_node", "task_output", "doctor")
+               "binds", "gpus_per_task", "tasks_per_node", "task_output", "doctor",
+               "min_nodes", "node_restarts")
 _KEY_KINDS: dict[str, tuple[str, ...]] = {
     **{key: ("train", "scaling") for key in _TRAIN_KEYS},
     "packages": ("build-venv",), "system_site_packages": ("build-venv",),
@@ -58,6 +59,7 @@ _OWN_KEYS = {
     "-A": "account", "--time": "time", "-t": "time", "--constraint": "constraint",
     "-C": "constraint", "--output": "output", "-o": "output", "--mem": "mem",
     "--array": "array", "-a": "array", "--signal": "signal", "--requeue": "requeue",
+    "--no-kill": "min_nodes", "-k": "min_nodes",
 }
 _SIGNAL = re.compile(r"(?:R:)?(?:SIG)?([A-Z0-9]+)(?:@(\d+))?")
 _MEM = re.compile(r"(\d+)([KMGT]?)", re.IGNORECASE)
@@ -139,6 +141,23 @@ def _check_train(c: JobConfig) -> None:
         _check_torchrun(c)
     else:
         _check_tasks(c)
+    _check_min_nodes(c)
+
+
+def _check_min_nodes(c: JobConfig) -> None:
+    if c.node_restarts < 0:
+        raise ConfigError(f"node_restarts must be at least 0, got {c.node_restarts}")
+    if c.min_nodes is None:
+        return
+    if not 1 <= c.min_nodes <= c.nodes:
+        raise ConfigError(f"min_nodes {c.min_nodes} must be between 1 and nodes {c.nodes}: the "
+                          "training goes on on the nodes left after one dies while at least "
+                          "min_nodes are")
+    if c.effective_launcher != "srun" or c.runtime != "venv" or c.kind != "train":
+        raise ConfigError(f"min_nodes restarts the training's srun step on the nodes left, "
+                          f"with tfdist from the job's venv: it needs kind train, launcher "
+                          f"srun and runtime venv (here kind {c.kind}, launcher "
+                          f"{c.effective_launcher}, runtime {c.runtime}); remove min_nodes")
 
 
 def _check_torchrun(c: JobConfig) -> None:

@@ -97,6 +97,13 @@ def _add_scheduling(group: _Group) -> None:
     group.add_argument("--requeue", action=argparse.BooleanOptionalAction,
                        help="let the job be requeued, and requeue it when the tasks exit 75 "
                        "(preempted) (default: no)")
+    group.add_argument("--min-nodes", type=int, metavar="M",
+                       help="survive a lost node: sbatch --no-kill, and the training's step "
+                       "starts again on the nodes that answer, from the last save, while at "
+                       "least M are left (tfdist survive; srun and a venv) (default: off)")
+    group.add_argument("--node-restarts", type=int, metavar="R",
+                       help="with --min-nodes: restart on fewer nodes at most R times, then "
+                       "requeue the job (default: 3)")
     group.add_argument("--sbatch-arg", action="append", metavar="OPTION",
                        help="one more #SBATCH option (repeat): --sbatch-arg=--qos=high, "
                        "--sbatch-arg --qos high and --sbatch-arg '--qos high' all render "

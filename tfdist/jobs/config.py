@@ -82,6 +82,10 @@ class JobConfig:
     # Preemption and walltime: a signal to the tasks before the limit, and the requeue
     signal: str | None = None
     requeue: bool = False
+    # A lost node survived: the training goes on on the nodes left (tfdist survive), while at
+    # least min_nodes are (None: off), at most node_restarts times
+    min_nodes: int | None = None
+    node_restarts: int = 3
     sbatch_args: tuple[str, ...] = ()
     output: str = "%x-%j.out"
     task_output: str | None = None
@@ -181,7 +185,8 @@ KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobConfig))
 _LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packages")
 # Given as one string, these are split into words as a shell would (`args: --epochs 3`).
 _WORDS_KEYS = ("args", "launcher_args")
-_INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "cores_per_node")
+_INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "cores_per_node",
+             "min_nodes", "node_restarts")
 _BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue", "doctor")
 _SIZES_KEYS = ("scaling_nodes",)
 _OPTIONAL_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig) if "None" in str(f.type))

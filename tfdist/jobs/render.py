@@ -143,9 +143,14 @@ def _directives(c: JobConfig) -> str:
     if c.requeue:
         lines += ["# A preempted job may go back into the queue and resume where it stopped.",
                   "#SBATCH --requeue"]
-        if not any(option_name(option) == "--open-mode" for option in c.sbatch_args):
-            lines += ["# Each run appends to the output files, so the requeued run keeps the "
-                      "first one's.", "#SBATCH --open-mode=append"]
+    if c.min_nodes is not None:
+        lines += ["# A node that dies ends the step, not the job: the training goes on on the "
+                  "others (below).", "#SBATCH --no-kill"]
+    if (c.requeue or c.min_nodes is not None) and not any(
+            option_name(option) == "--open-mode" for option in c.sbatch_args):
+        run = "requeued run" if c.requeue else "step started again"
+        lines += [f"# Each run appends to the output files, so the {run} keeps the "
+                  "first one's.", "#SBATCH --open-mode=append"]
     if c.task_output is not None:
         lines.append("# The batch shell writes to --output; each task to its own file "
                      "(srun --output below).")
@@ -408,7 +413,24 @@ def _srun(c: JobConfig) -> str:
     if _horovod_mpi(c):
         comment.append("# --mpi=pmix lets Horovod's MPI start under srun (`srun --mpi=list` "
                        "shows your site's plugins).")
-    return _lines(comment + _container_comment(c), _srun_segments(c), _apptainer(c), _program(c))
+    return _lines(comment + _container_comment(c) + _survive_comment(c), _survive(c),
+                  _srun_segments(c), _apptainer(c), _program(c))
+
+
+def _survive(c: JobConfig) -> str | None:
+    if c.min_nodes is None:
+        return None
+    python = word(c.python) if c.python else "python"
+    return (f"{python} -m tfdist survive --min-nodes {c.min_nodes} --restarts "
+            f"{c.node_restarts} --tasks-per-node {c.effective_tasks_per_node} --")
+
+
+def _survive_comment(c: JobConfig) -> list[str]:
+    if c.min_nodes is None:
+        return []
+    return ["# A node lost: tfdist survive asks every node, and the step starts again on those "
+            "that answer", f"# (from the last save) while at least {c.min_nodes} are left, "
+            f"{c.node_restarts} times at most; else it exits 75: requeued."]
 
 
 def _mpirun(c: JobConfig) -> str:

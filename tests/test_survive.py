@@ -1,0 +1,70 @@
+"""tfdist survive's pure parts: srun's failure lines, the step's command, the decision after a
+failed step (the real node loss runs on the Slurm test cluster: test_slurm_failures.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tfdist.errors import ConfigError
+from tfdist.survive import decide, failed_task, step_command
+
+SRUN_LINES = {
+    # srun's stderr line (Slurm 22.05, as printed on the test cluster): a failure?
+    "srun: error: n9: task 0: Exited with exit code 1": True,
+    "srun: error: n10: tasks 2-3: Exited with exit code 137": True,
+    "srun: error: n10: task 1: Killed": True,
+    "srun: error: n9: tasks 0,2: Terminated": True,
+    "srun: error: Node failure on n11": True,
+    "srun: error: n9: task 0: Exited with exit code 0": False,
+    "srun: launch/slurm: _step_signal: Terminating StepId=47.0": False,
+    "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.": False,
+    "tfdist: rank 2 (host n11) failed or stopped responding": False,
+}
+
+
+@pytest.mark.parametrize("line", sorted(SRUN_LINES))
+def test_srun_lines_that_end_a_step_are_recognised(line):
+    assert failed_task(line + "\n") == SRUN_LINES[line]
+
+
+def test_the_step_runs_on_exactly_the_nodes_given():
+    srun = ["srun", "--kill-on-bad-exit=1", "python", "train.py", "--epochs=3"]
+    assert step_command(srun, ["n9", "n10"], 4) == [
+        "srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--nodelist=n9,n10",
+        "--overlap", "--kill-on-bad-exit=1", "python", "train.py", "--epochs=3"]
+    assert step_command(["/usr/bin/srun", "true"], ["n1"], 1)[:2] == ["/usr/bin/srun",
+                                                                      "--nodes=1"]
+
+
+@pytest.mark.parametrize("command", [[], ["python", "train.py"], ["mpirun", "srun"]])
+def test_a_command_that_is_not_srun_is_refused(command):
+    with pytest.raises(ConfigError, match="tfdist survive runs an srun step"):
+        step_command(command, ["n9"], 1)
+
+
+NODES = ("n9", "n10", "n11")
+DECISIONS = {
+    # name: (the nodes that answered, min nodes, restarts done, the most; action, nodes, says)
+    "one lost: restart": (("n9", "n10"), 2, 0, 3, "restart", ("n9", "n10"),
+                          "n11 did not answer: training goes on on n9, n10 (2 of 3 nodes; "
+                          "restart 1 of 3) from the last save"),
+    "the first node lost: the others": (("n10", "n11"), 1, 2, 3, "restart", ("n10", "n11"),
+                                        "restart 3 of 3"),
+    "too few left: requeue": (("n9",), 2, 0, 3, "requeue", ("n9",),
+                              "n10, n11 did not answer; 1 of 3 nodes left, fewer than "
+                              "--min-nodes 2: requeueing"),
+    "restarts used up: requeue": (("n9", "n10"), 2, 3, 3, "requeue", ("n9", "n10"),
+                                  "restarted 3 times already (--restarts 3): requeueing"),
+    "no restarts allowed: requeue": (("n9", "n10"), 1, 0, 0, "requeue", ("n9", "n10"),
+                                     "--restarts 0"),
+    "every node answered: the program failed": (NODES, 2, 0, 3, "fail", NODES,
+                                                "every node answered"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECISIONS))
+def test_after_a_failed_step_a_node_is_dropped_only_when_it_does_not_answer(case):
+    alive, least, done, most, action, nodes, says = DECISIONS[case]
+    decision = decide(NODES, alive, min_nodes=least, restarts=done, max_restarts=most)
+    assert (decision.action, decision.nodes) == (action, nodes), decision
+    assert says in decision.why, decision.why

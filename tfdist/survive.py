@@ -1,0 +1,206 @@
+"""A lost node survived inside the allocation: the job script's step loop (``tfdist survive``).
+
+A node that dies (its network cut, a kernel panic, a power supply) ends a training step: the
+ranks on the other nodes name a silent peer and exit 1, and srun, with ``--kill-on-bad-exit``,
+then waits for the dead node until Slurm declares it down (``SlurmdTimeout``, 300 s by default;
+measured on the test cluster's 60 s: srun returned 72 s after the cut, with "Node failure").
+Without ``sbatch --no-kill`` Slurm ends the job there. A job script that ``tfdist job`` renders
+with ``min_nodes`` runs its training through this module instead::
+
+    python -m tfdist survive --min-nodes 2 --tasks-per-node 4 -- srun --kill-on-bad-exit=1 \\
+        --cpu-bind=cores python train.py ...
+
+It runs srun over the job's nodes, with explicit counts and ``--overlap`` (Slurm 22.05 can leave
+the dead step holding the survivors' cores and GPUs; the shell's ``SLURM_NNODES`` still counts
+the dead node). When a task fails (srun's "task N: Exited with exit code C" or "Node failure"),
+it asks every node in parallel with a one-task step (``srun --overlap -N1 -w NODE true``): a
+node is dropped only when it does not answer, never on one rank's blame (a healthy node answered
+in 0.1 s on the test cluster, a cut one failed after ``MessageTimeout``, 12 s). With at least
+``--min-nodes`` left and fewer than ``--restarts`` restarts done, the old srun is abandoned and
+the next step starts on the survivors: training resumes from the last save (tfdist's exact
+state: an epoch's end, or ``TFDIST_CHECKPOINT_EVERY``'s safety saves), the global batch split
+over fewer workers. Below that it exits 75, and the job script requeues the job for a full
+allocation. A failure with every node answering is the program's own: srun's code is returned
+as it is. Signals to this process (the job script passes SIGTERM on as SIGUSR1) go on to srun.
+
+:func:`failed_task`, :func:`step_command` and :func:`decide` are pure and table-tested.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import FrameType
+
+from tfdist.errors import ConfigError
+
+__all__ = ["Decision", "Options", "decide", "failed_task", "probe", "run", "step_command"]
+
+EXIT_REQUEUE = 75  # tfdist.preemption.EXIT_PREEMPTED: the job script requeues the job
+
+# srun's lines when a task ends badly or a node is lost (Slurm 22.05 to 24.x):
+#   srun: error: n9: task 0: Exited with exit code 1
+#   srun: error: n10: tasks 2-3: Killed
+#   srun: error: Node failure on n11
+_FAILED = re.compile(r"^srun: error: (?:\S+: tasks? [\d,-]+: (?:Exited with exit code [1-9]|"
+                     r"Killed|Terminated|Segmentation fault|Aborted)|Node failure on )")
+
+
+def failed_task(line: str) -> bool:
+    """Whether srun's stderr ``line`` says that a task failed or a node was lost (pure)."""
+    return bool(_FAILED.match(line.strip()))
+
+
+def step_command(srun: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:
+    """``srun`` (the command the job script gives, ``srun`` and its options first) over exactly
+    ``nodes``: explicit node and task counts, the node list, and ``--overlap`` (pure).
+
+    Raises:
+        ConfigError: the command does not start with srun.
+    """
+    if not srun or srun[0].rsplit("/", 1)[-1] != "srun":
+        raise ConfigError(f"tfdist survive runs an srun step: give `-- srun [options] PROGRAM`, "
+                          f"not {' '.join(srun[:1]) or 'nothing'}")
+    return [srun[0], f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}",
+            f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}",
+            "--overlap", *srun[1:]]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What follows a failed step: ``restart`` on ``nodes``, ``requeue`` the job, or ``fail``
+    with srun's code (every node answered: the program failed, not a node); ``why`` is the
+    line tfdist prints."""
+
+    action: str
+    nodes: tuple[str, ...]
+    why: str
+
+
+def decide(nodes: Sequence[str], alive: Sequence[str], *, min_nodes: int, restarts: int,
+           max_restarts: int) -> Decision:
+    """The step loop's choice after a failed step on ``nodes`` of which ``alive`` answered a
+    probe, ``restarts`` restarts done so far (pure)."""
+    lost = [node for node in nodes if node not in alive]
+    left = [node for node in nodes if node in alive]
+    if not lost:
+        return Decision("fail", tuple(nodes), "every node answered: the training failed by "
+                        "itself, not a node (its ranks' output has the cause)")
+    named = f"{', '.join(lost)} did not answer"
+    if len(left) < min_nodes:
+        return Decision("requeue", tuple(left), f"{named}; {len(left)} of {len(nodes)} nodes "
+                        f"left, fewer than --min-nodes {min_nodes}: requeueing the job for a "
+                        "full allocation")
+    if restarts >= max_restarts:
+        return Decision("requeue", tuple(left), f"{named}; the step was restarted "
+                        f"{restarts} times already (--restarts {max_restarts}): requeueing "
+                        "the job for a full allocation")
+    return Decision("restart", tuple(left), f"{named}: training goes on on {', '.join(left)} "
+                    f"({len(left)} of {len(nodes)} nodes; restart {restarts + 1} of "
+                    f"{max_restarts}) from the last save")
+
+
+def probe(job_id: str, nodes: Sequence[str], timeout_s: float) -> list[str]:
+    """The nodes of ``nodes`` that run a one-task step of job ``job_id`` within
+    ``timeout_s``, asked in parallel."""
+    def answers(node: str) -> bool:
+        command = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1",
+                   f"--nodelist={node}", "--quiet", "true"]
+        try:
+            return subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=timeout_s, check=False).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    with ThreadPoolExecutor(max_workers=len(nodes) or 1) as pool:
+        found = list(pool.map(answers, nodes))
+    return [node for node, ok in zip(nodes, found, strict=True) if ok]
+
+
+@dataclass(frozen=True)
+class Options:
+    """``tfdist survive``'s options: the job's id and nodes, at least ``min_nodes`` nodes to go
+    on with, at most ``max_restarts`` restarts, the tasks per node, how long a probe may
+    take."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    min_nodes: int
+    max_restarts: int
+    tasks_per_node: int
+    probe_timeout_s: float = 30.0
+
+
+class _Step:
+    """One srun step: its process, and whether srun said that a task failed."""
+
+    def __init__(self, command: list[str], restart: int) -> None:
+        import os
+
+        env = {**os.environ, "TFDIST_RESTART_COUNT": str(restart)}
+        self.failed = threading.Event()
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env,
+                                        bufsize=1)
+        self._copier = threading.Thread(target=self._copy, daemon=True)
+        self._copier.start()
+
+    def _copy(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if failed_task(line):
+                self.failed.set()
+
+    def wait(self) -> int | None:
+        """srun's code once it ends; None as soon as srun says a task failed (srun may then
+        wait minutes for a node that does not answer)."""
+        while self.process.poll() is None:
+            if self.failed.wait(0.5):
+                return self.process.poll()
+        self._copier.join(5)
+        return self.process.returncode
+
+    def abandon(self) -> None:
+        """Ends this srun without waiting for the lost node (the step stays Slurm's to end)."""
+        self.process.kill()
+        self.process.wait()
+
+
+def run(options: Options, srun: Sequence[str]) -> int:
+    """Runs the training step, and the next on the survivors after a lost node; returns the
+    code for the job script: the last srun's, or 75 to requeue."""
+    nodes, restarts = list(options.nodes), 0
+    current: list[_Step] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if current and current[0].process.poll() is None:
+            current[0].process.send_signal(signal.SIGUSR1 if signum == signal.SIGTERM
+                                           else signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    while True:
+        current[:] = [_Step(step_command(srun, nodes, options.tasks_per_node), restarts)]
+        code = current[0].wait()
+        if code in (0, EXIT_REQUEUE):
+            return code
+        started = time.monotonic()
+        alive = probe(options.job_id, nodes, options.probe_timeout_s)
+        decision = decide(nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
+                          max_restarts=options.max_restarts)
+        print(f"tfdist survive: the training step on {','.join(nodes)} failed; {decision.why} "
+              f"(probed in {time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+        if decision.action == "fail":
+            return code if code is not None else current[0].process.wait()
+        current[0].abandon()
+        if decision.action == "requeue":
+            return EXIT_REQUEUE
+        nodes, restarts = list(decision.nodes), restarts + 1
