@@ -480,6 +480,7 @@ def test_a_job_preempted_again_and_again_at_random_moments_ends_bit_identical(tm
     # ends bit-identical to an uninterrupted run, every step trained once over all runs.
     cycles, seed = SOAK_CYCLES, SOAK_SEED
     python, why = sys.executable, f"soak seed {seed} (TFDIST_TEST_SOAK_SEED={seed} replays it)"
+    print(f"{cycles} cycles, {why}")  # shown with -s, and by pytest when the test fails
     env = {"TF_USE_LEGACY_KERAS": "0", "PREEMPT_TEST_INPUT": "validation",
            "PREEMPT_TEST_DROPOUT": "1", "PREEMPT_TEST_SOAK": f"{seed}:{cycles}"}
     timeout = 120 + 20 * cycles
