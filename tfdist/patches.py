@@ -152,7 +152,8 @@ INVENTORY: tuple[Patch, ...] = (
           "Keras shuffles fit's arrays with each worker's own random state, so the workers split "
           "different permutations (rows trained twice an epoch, others never); with shuffle on, "
           "the arrays become one dataset shuffled the same way on every worker (one seed), "
-          "split by DATA", _mwms),
+          "split by DATA; an uneven last batch of arrays and a generator are named once, and "
+          "use_multiprocessing's forked loaders become threads", _mwms),
     Patch("arrays-shuffle-seed", "tensorflow.python.data.util.random_seed.get_seed",
           "tfdist.sharding", "while fit's shuffled arrays become one dataset (MWMS, Horovod)",
           "a shuffle's seed is paired with the process's global seed, which scripts often set "

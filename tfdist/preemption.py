@@ -122,7 +122,7 @@ def default_signals_in_children() -> None:
     if _fork_hook:
         return
     chosen = signals()
-    _fork_hook.append(chosen)
+    _fork_hook.append(True)
 
     def default_actions() -> None:
         for sig in chosen:
@@ -132,7 +132,7 @@ def default_signals_in_children() -> None:
     os.register_at_fork(after_in_child=default_actions)
 
 
-_fork_hook: list[tuple[signal.Signals, ...]] = []
+_fork_hook: list[bool] = []  # registered in this process
 
 
 def _clock_of(dist: Agreeing) -> walltime.Clock | None:

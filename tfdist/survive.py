@@ -28,6 +28,7 @@ as it is. Signals to this process (the job script passes SIGTERM on as SIGUSR1) 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -40,10 +41,9 @@ from dataclasses import dataclass
 from types import FrameType
 
 from tfdist.errors import ConfigError
+from tfdist.preemption import EXIT_PREEMPTED as EXIT_REQUEUE  # the job script requeues on it
 
 __all__ = ["Decision", "Options", "decide", "failed_task", "probe", "run", "step_command"]
-
-EXIT_REQUEUE = 75  # tfdist.preemption.EXIT_PREEMPTED: the job script requeues the job
 
 # srun's lines when a task ends badly or a node is lost (Slurm 22.05 to 24.x):
 #   srun: error: n9: task 0: Exited with exit code 1
@@ -142,8 +142,6 @@ class _Step:
     """One srun step: its process, and whether srun said that a task failed."""
 
     def __init__(self, command: list[str], restart: int) -> None:
-        import os
-
         env = {**os.environ, "TFDIST_RESTART_COUNT": str(restart)}
         self.failed = threading.Event()
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env,

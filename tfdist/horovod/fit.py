@@ -186,6 +186,8 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
 
 
 _BROADCASTS = ("BroadcastInitialState", "BroadcastGlobalVariablesCallback")
+
+
 def _build_hook(original: Any) -> Any:
     # Keras 3 builds a model symbolically before training only under a tf.distribute strategy;
     # without one (Horovod) it builds in the first step, after the initial broadcast has found
