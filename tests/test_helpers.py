@@ -306,3 +306,39 @@ def test_an_atomic_write_replaces_a_file_or_a_folder_whole(tmp_path):
         raise RuntimeError("killed mid-write")
     assert (tmp_path / "file").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+
+
+OWN_COPIES = {
+    # name: (an element a generator yields, made from the array `a`)
+    "an array": lambda a: a[2:4],
+    "a tuple of views": lambda a: (a[:2], a[2:4]),
+    "a dict in a list": lambda a: [{"x": a[1:], "name": "rows"}],
+    "a namedtuple": lambda a: __import__("collections").namedtuple("B", "x y")(a[:1], 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OWN_COPIES))
+def test_a_generators_arrays_reach_tensorflow_as_copies(case):
+    """TensorFlow may write a step's result into a split batch's memory in place: a generator's
+    arrays must not be views of the user's (patch generator-copies)."""
+    from tfdist.sharding import copying
+
+    users = np.arange(12.0).reshape(6, 2)
+    element = OWN_COPIES[case](users)
+    (copied,) = list(copying(lambda n: iter([element] * n))(1))
+    leaves, mine = _arrays(copied), _arrays(element)
+    assert leaves and len(leaves) == len(mine)
+    for leaf, view in zip(leaves, mine, strict=True):
+        np.testing.assert_array_equal(leaf, view)
+        assert not np.shares_memory(leaf, users)
+    assert type(copied) is type(element)
+    assert str(copied) == str(element)  # the same structure and values, other memory
+
+
+def _arrays(element):
+    if isinstance(element, np.ndarray):
+        return [element]
+    values = element.values() if isinstance(element, dict) else element
+    if isinstance(element, list | tuple | dict):
+        return [leaf for value in values for leaf in _arrays(value)]
+    return []

@@ -168,6 +168,14 @@ INVENTORY: tuple[Patch, ...] = (
           "trained three times an epoch, others once); the shuffle draws from one seeded "
           "stream, the same on every rank",
           lambda w: _mwms(w) or (_horovod(w) and w.several_processes)),
+    Patch("generator-copies", "tensorflow.data.Dataset.from_generator", "tfdist.sharding",
+          "MWMS on several workers",
+          "TensorFlow takes a generator's numpy arrays without copying them, and once MWMS has "
+          "split a global batch, an op of the step may write its result into a replica's part "
+          "in place: into the arrays a PyDataset, Sequence or generator returned views of "
+          "(seen: a worker's labels overwritten in epoch 1, so epoch 2 trained on other "
+          "labels, in about 4 runs of 10). Each element a generator yields is copied first",
+          _mwms),
     Patch("mwms-cpu-replicas",
           "tensorflow.python.distribute.collective_all_reduce_strategy."
           "CollectiveAllReduceExtended._initialize_local_devices",

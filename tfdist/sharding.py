@@ -9,6 +9,7 @@ every backend: MWMS sets tf.distribute's policy here, Horovod splits in
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
 __all__ = ["GENERATOR", "LOADER_PROCESSES", "POLICIES", "UNSEEDED_SHUFFLE", "agree_on_arrays",
-           "agree_on_sequences", "arrays_as_dataset", "arrays_rows_left", "check", "is_arrays",
-           "is_generator", "is_sequence", "last_batch_rows", "loader_threads", "shard",
+           "agree_on_sequences", "arrays_as_dataset", "arrays_rows_left", "check", "copying",
+           "is_arrays", "is_generator", "is_sequence", "last_batch_rows", "loader_threads",
+           "own_copies", "own_generator_batches", "shard",
            "shard_files", "skip_end_checks", "unseeded_shuffle", "warn_about_arrays", "warn_once",
            "with_policy"]
 
@@ -359,6 +361,55 @@ def agree_on_sequences() -> None:
     for module in _sequence_modules():
         patches.apply("sequence-one-order", module, "random",
                       lambda original: _AgreedRandom(original, SHUFFLE_SEED))
+
+
+def own_generator_batches() -> None:
+    """Every element a ``tf.data.Dataset.from_generator`` generator yields (Keras's own, for a
+    ``PyDataset``, a ``Sequence`` or a Python generator passed to ``fit``) reaches TensorFlow as
+    a copy: TensorFlow takes numpy arrays without copying them, and once MWMS has split a global
+    batch over the replicas an op of the step may write its result into a replica's part in
+    place, that is into the arrays the batch was a view of (the user's labels, found
+    overwritten on one worker after its first epoch). Once."""
+    import tensorflow as tf
+
+    from tfdist import patches
+
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
+        def from_generator(generator: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(copying(generator) if callable(generator) else generator,
+                            *args, **kwargs)
+
+        return from_generator
+
+    patches.apply("generator-copies", tf.data.Dataset, "from_generator", wrap)
+
+
+def copying(generator: Any) -> Any:
+    """``generator`` (a callable returning an iterator) whose every yielded element has its
+    numpy arrays copied (:func:`own_copies`)."""
+    @functools.wraps(generator)
+    def copied(*args: Any) -> Any:
+        for element in generator(*args):
+            yield own_copies(element)
+
+    return copied
+
+
+def own_copies(element: Any) -> Any:
+    """``element`` with every numpy array in it (nested in tuples, lists and dicts) replaced by
+    a copy that owns its memory (pure)."""
+    import numpy as np
+
+    if isinstance(element, np.ndarray):
+        return element.copy()
+    if isinstance(element, Mapping):
+        return {key: own_copies(value) for key, value in element.items()}
+    if isinstance(element, tuple) and hasattr(element, "_fields"):  # a namedtuple
+        return type(element)(*(own_copies(value) for value in element))
+    if isinstance(element, list | tuple):
+        return type(element)(own_copies(value) for value in element)
+    return element
 
 
 def is_sequence(x: Any) -> bool:

@@ -227,6 +227,7 @@ def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
         # fit's shuffled arrays: one order; an uneven last batch named
         sharding.agree_on_arrays(environment.rank == 0, num_replicas)
         sharding.agree_on_sequences()  # a PyDataset's shuffled batches: one order
+        sharding.own_generator_batches()  # a split batch never writes into a view
     if not num_gpus and environment.is_distributed:
         keras_compat.compile_without_xla(tf.keras.Model, (
             "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
