@@ -76,16 +76,17 @@ train: $(STAMP)
 # The TensorFlow 2.15 lane runs what differs on Keras 2 as tf.keras, one test of each kind (the
 # main run tests every case on tf_keras 2.21 and, under Horovod, 2.18: the same Keras 2): fit
 # and custom loops on several workers, the Keras features and numbers against one process
-# (MWMS), the replica sync check, resume after preemption (fit on MWMS, a custom loop, Keras 2's
-# legacy random ops) and from an epoch's end, several replicas in one process, the digits
-# example, and on the Slurm test cluster a rendered MWMS job under srun (tfdist's Slurm resolver
-# subclasses TensorFlow's). Its tf_keras cases are left out (-k): tf_keras 2.15 is the same
-# Keras 2 as its keras 2.15. No Horovod here: its own compile against TensorFlow 2.15 cost a
-# fresh machine about 4 minutes of CI's 40; Horovod on Keras 2 is tested in the main run
-# (tf_keras 2.18), on TensorFlow 2.15 it was last run on 2026-11-26 (docs/versions.md).
+# (MWMS), the replica sync check, resume after a stop (fit on MWMS stopped by the walltime
+# guard, a custom loop after a signal, Keras 2's legacy random ops) and from an epoch's end,
+# several replicas in one process, the digits example, and on the Slurm test cluster a rendered
+# MWMS job under srun (tfdist's Slurm resolver subclasses TensorFlow's). Its tf_keras cases are
+# left out (-k): tf_keras 2.15 is the same Keras 2 as its keras 2.15. No Horovod here: its own
+# compile against TensorFlow 2.15 cost a fresh machine about 4 minutes of CI's 40; Horovod on
+# Keras 2 is tested in the main run (tf_keras 2.18), on TensorFlow 2.15 it was last run on
+# 2026-11-26 (docs/versions.md).
 TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_keras_traps.py \
 	tests/test_callbacks.py tests/test_sync.py tests/test_quiet.py \
-	"tests/test_preemption.py::test_a_resumed_run_trains_every_step_once_and_ends_bit_identical[mwms-keras3]" \
+	"tests/test_preemption.py::test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes[mwms-keras3]" \
 	"tests/test_preemption.py::test_a_custom_loop_resumes_at_the_agreed_step_bit_identical[mwms-keras3]" \
 	tests/test_preemption.py::test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_masks \
 	tests/test_mirrored.py::test_auto_mirrors_one_process_over_its_devices \

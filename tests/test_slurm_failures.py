@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from helpers import clean_env
 from slurm_jobs import cluster_config, submit_rendered
-from slurmtest import SlurmCluster
+from slurmtest import TERMINAL_STATES, SlurmCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "fault_fit_worker.py"
@@ -147,6 +147,19 @@ def _back(cluster: SlurmCluster, node: str) -> None:
     raise AssertionError(f"{node} did not come back: {state}")
 
 
+def _straight(workdir: Path, workers: int, env: dict[str, str]) -> Path:
+    """The results folder of an uninterrupted run of the preemption worker on ``workers``
+    local workers with ``env``, its steps not slowed."""
+    straight = workdir / "straight"
+    straight.mkdir()
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", str(workers),
+                          str(PREEMPT_WORKER), str(straight), str(workdir / "m1"), "mwms", "-1",
+                          "0"], env=clean_env(**{**env, "PREEMPT_TEST_STEP_SLEEP": "0"}),
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return straight
+
+
 def _results(folder: Path, run: int) -> dict[int, dict]:
     return {rank: json.loads(path.read_text()) for rank in range(3)
             if (path := folder / f"result-{rank}-{run}.json").exists()}
@@ -187,14 +200,7 @@ def test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once(
     assert all(r["steps"] >= 13 for r in stopped.values()), stopped  # n9, n10 reached epoch 2
     for rank, after in resumed.items():  # from epoch 1's end: the 20 steps after it, once
         assert after["steps"] == STEPS - STEPS // 3, (rank, after)
-    # Uninterrupted, on 3 local workers: the same global batch and order
-    straight = workdir / "straight"
-    straight.mkdir()
-    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "3",
-                          str(PREEMPT_WORKER), str(straight), str(workdir / "m1"), "mwms", "-1",
-                          "0"], env=clean_env(**{**NODE_LOSS_ENV, "PREEMPT_TEST_STEP_SLEEP": "0"}),
-                         capture_output=True, text=True, timeout=240, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    straight = _straight(workdir, 3, NODE_LOSS_ENV)  # the same global batch and order
     with np.load(straight / "weights-0-0.npz") as alone, \
             np.load(workdir / "out" / "weights-0-1.npz") as after:
         worst = max(float(np.abs(alone[k] - after[k]).max()) for k in alone.files)
@@ -203,3 +209,60 @@ def test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once(
               f"{worst:.2e} at most (weights up to {moved:.2f})")
         for key in alone.files:  # 3 workers, then 2: summed in another order
             np.testing.assert_allclose(after[key], alone[key], rtol=1e-4, atol=1e-5)
+
+
+WALLTIME_ENV = {"TFDIST_WALLTIME_MARGIN": "40", "PREEMPT_TEST_STEP_SLEEP": "0.4",
+                "PREEMPT_TEST_DROPOUT": "1", "TFDIST_PREEMPT_CHECK_SECONDS": "0.05",
+                "TF_CPP_MIN_LOG_LEVEL": "2"}
+WALLTIME_STEPS = 3 * (512 // 32)  # 3 epochs of 16 steps, 0.4 s each
+
+
+@pytest.mark.timeout(420)
+def test_a_job_without_a_signal_stops_before_its_time_limit_and_resumes_bit_identical(
+        slurm_cluster: SlurmCluster) -> None:
+    # `--time=1`, requeue, and no --signal: Slurm would SIGTERM the tasks at 60 s and SIGKILL
+    # them 0.2 s later. Slurm 22.05 sets no SLURM_JOB_END_TIME, so the chief asks squeue for
+    # the end; with a margin of 40 s the guard stops both ranks at one step about 20 s into the
+    # job, mid-training, saves the exact state, and the chief requeues the job. The second run
+    # gets 5 minutes (scontrol update TimeLimit, as a user extends a job), resumes at that step
+    # and ends bit-identical to an uninterrupted run, every step trained once.
+    workdir = slurm_cluster.new_workdir()
+    (workdir / "out").mkdir()
+    config = cluster_config(
+        slurm_cluster, job_name="walltime", nodes=2, gpus_per_node=0, gpu_type=None,
+        tasks_per_node=1, sbatch_args=["--nodelist=n[9-10]", "--open-mode=append"],
+        requeue=True, time="00:01:00", doctor=False,
+        script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=WALLTIME_ENV)
+    job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
+    assert "--signal" not in script.read_text()
+    deadline = time.monotonic() + 180
+    while (info := slurm_cluster.job_info(job_id)).get("Restarts", "0") == "0":
+        assert info.get("JobState") not in TERMINAL_STATES, info
+        assert time.monotonic() < deadline, f"never requeued: {info}"
+        time.sleep(0.2)
+    requeued = time.monotonic()  # released early, once its last run has left COMPLETING
+    while time.monotonic() - requeued < 2 or "COMPLETING" in slurm_cluster.job_info(
+            job_id).get("JobState", ""):
+        assert time.monotonic() < deadline, "the requeued job never left COMPLETING"
+        time.sleep(0.2)
+    for change in ("TimeLimit=5", "StartTime=now"):
+        changed = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", change)
+        assert changed.returncode == 0, changed.stderr
+    result = slurm_cluster.wait(job_id, timeout=240)
+    assert result.ok and result.info.get("Restarts") == "1", result.describe()
+    tasks = "".join((workdir / f"walltime-{job_id}-{rank}.out").read_text() for rank in (0, 1))
+    left = [int(n) for n in re.findall(r"tfdist: walltime: (\d+) s left before this run's end "
+                                       r"\(from squeue\), the margin is 40 s", tasks)]
+    assert len(left) == 1 and left[0] <= 40, (left, tasks[-3000:])  # the second run: 5 minutes
+    assert re.search(rf"tfdist: requeue 1 of 20: `\S*scontrol requeue {job_id}`", tasks), \
+        tasks[-3000:]
+    stopped, resumed = _results(workdir / "out", 0), _results(workdir / "out", 1)
+    assert [r["code"] for r in stopped.values()] == [75, 75], (stopped, tasks[-3000:])
+    assert [r["signal"] for r in stopped.values()] == [None, None], stopped  # the guard's stop
+    assert len({(r["epoch"], r["step"]) for r in stopped.values()}) == 1, stopped
+    alone = _results(_straight(workdir, 2, WALLTIME_ENV), 0)  # the same batch and order
+    for rank in (0, 1):
+        before, after = stopped[rank], resumed[rank]
+        assert 0 < before["steps"] < WALLTIME_STEPS, before  # stopped mid-training
+        assert before["steps"] + after["steps"] == alone[rank]["steps"] == WALLTIME_STEPS
+        assert after["digest"] == alone[rank]["digest"], (rank, after, alone[rank])

@@ -68,7 +68,8 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
 
     keras = tf.keras
     keras.utils.set_random_seed(7)
-    run = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
+    # tfdist launch and tfdist survive count the runs; a requeued Slurm job, SLURM_RESTART_COUNT
+    run = int(os.environ.get("TFDIST_RESTART_COUNT", dist.environment.restart_count))
     validating = signal_step.startswith("v")
     after_fit, between_fits = signal_step == "a", signal_step == "b"
     every_run = signal_step.startswith("-")

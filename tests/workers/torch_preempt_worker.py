@@ -3,8 +3,10 @@
     python torch_preempt_worker.py OUT_DIR CHECKPOINT SIGNAL_RANK SIGNAL_STEP
 
 ``SIGNAL_RANK`` (-1: none) sends itself SIGUSR1 after its ``SIGNAL_STEP``-th step of the first
-run (``TFDIST_RESTART_COUNT`` 0). Writes ``result-RANK-RUN.json``: the steps this run trained,
-where it stopped, and after the last epoch a digest of the weights and optimizer state.
+run (``TFDIST_RESTART_COUNT`` 0); ``PREEMPT_TEST_STEP_SLEEP=S`` makes each step S seconds longer
+(for the walltime guard, which stops the run without a signal). Writes
+``result-RANK-RUN.json``: the steps this run trained, where it stopped, and after the last epoch
+a digest of the weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
@@ -41,6 +44,7 @@ def main(out_dir: str, checkpoint: str, signal_rank: str, signal_step: str) -> N
             optimizer.load_state_dict(state["optimizer"])
             first_epoch, skip = state["epoch"], state["step"]
         result = {"rank": dist.rank, "run": run, "steps": 0, "resumed": state is not None}
+        sleep = float(os.environ.get("PREEMPT_TEST_STEP_SLEEP", "0"))
         target = int(signal_step) if int(signal_rank) == dist.rank and run == 0 else None
         with dist.preemption(check_seconds=0.02) as stop:  # tfdist: agree on a step
             for epoch in range(first_epoch, EPOCHS):
@@ -53,6 +57,7 @@ def main(out_dir: str, checkpoint: str, signal_rank: str, signal_step: str) -> N
                     loss.backward()
                     optimizer.step()
                     result["steps"] += 1
+                    time.sleep(sleep)
                     if result["steps"] == target:
                         os.kill(os.getpid(), signal.SIGUSR1)
                     if stop.step():
