@@ -294,6 +294,35 @@ def test_markdown_and_csv_hold_the_same_numbers() -> None:
     assert float(rows[1]["efficiency_pct"]) == pytest.approx(83.3333, abs=1e-3)
 
 
+def _with_ranks(epoch: int, workers: int, queued: list[float], slow: int | None = None
+                ) -> dict[str, Any]:
+    ranks = [{"rank": r, "host": "h", "cpu_s": 0.01, "queued_s": q, "input_s": None}
+             for r, q in enumerate(queued)]
+    return {**record(epoch, workers, 1000.0), "ranks": ranks,
+            "slow": None if slow is None else {"rank": slow, "cause": "cpu"}}
+
+
+def test_the_report_shows_the_slowest_ranks_extra_wait_and_who_was_named() -> None:
+    one = Run(1, 1, tuple(scaling.parse_epochs(jsonl(record(0, 1, 1000.0),
+                                                     record(1, 1, 1000.0)))), "n1-r1.jsonl")
+    two = Run(2, 1, tuple(scaling.parse_epochs(jsonl(
+        _with_ranks(0, 2, [0.001, 0.040], slow=1), _with_ranks(1, 2, [0.002, 0.012]),
+        _with_ranks(2, 2, [0.030, 0.002], slow=0)))), "n2-r1.jsonl")
+    four = Run(4, 1, tuple(scaling.parse_epochs(jsonl(*(_with_ranks(
+        e, 4, [0.001, 0.002, 0.003, 0.009]) for e in range(2))))), "n4-r1.jsonl")
+    assert [e.rank_excess_s for e in two.epochs] == pytest.approx([0.039, 0.010, 0.028])
+    report = scaling.summarize([one, two, four])
+    # 2 workers: the kept epochs' 10 and 28 ms; 4: 9 - median(1, 2, 3) = 7 ms; the first epoch
+    # (and its rank named) is not counted
+    assert [(r.rank_excess_ms, r.slow_ranks) for r in report.rows] == [
+        (None, ()), (pytest.approx(19.0), (0,)), (pytest.approx(7.0), ())]
+    text = scaling.markdown(report)
+    assert "| step time ms (q1..q3) | slowest rank's extra wait ms |" in text
+    assert text.count(" - |") == 1 and "| 19.0 |" in text and "| 7.0 |" in text
+    assert "On 2 workers the chief named rank(s) 0 slow" in text
+    assert "rank_excess_ms" in scaling.csv_text(report).splitlines()[0]
+
+
 @pytest.mark.parametrize(("epochs", "says", "warns"), [
     ([[1.0, 1000.0], [1.0, 1800.0]], "(1 epoch(s) counted)", False),
     ([[1.0, 1000.0, 1000.0], [1.0, 1800.0]], "(1/2 epoch(s) counted)", False),

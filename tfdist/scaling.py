@@ -190,6 +190,10 @@ class Epoch:
     step_q1: float
     step_q3: float
     examples_per_s: float | None
+    # Per-rank health (several workers): how much longer the slowest rank waited per step, for
+    # a CPU or for its input, than the others' median, and the rank the chief found slow.
+    rank_excess_s: float | None = None
+    slow_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -257,7 +261,25 @@ def _epoch(record: Mapping[str, Any], where: str) -> Epoch:
         step_q1=_number(step, "q1", where),
         step_q3=_number(step, "q3", where),
         examples_per_s=None if total is None else _number(examples, "total", where),
+        rank_excess_s=_rank_excess(record.get("ranks")),
+        slow_rank=(record.get("slow") or {}).get("rank"),
     )
+
+
+def _rank_excess(ranks: Any) -> float | None:
+    """The most a rank waited per step, for a CPU or for its input, beyond the others' median
+    (pure); None without per-rank figures."""
+    if not isinstance(ranks, list) or len(ranks) < 2:
+        return None
+    excess = []
+    for field in ("queued_s", "input_s"):
+        values = [float(v) for r in ranks if isinstance(r, dict)
+                  and isinstance(v := r.get(field), int | float)]
+        if len(values) < len(ranks) or len(values) < 2:  # a rank without it: not measured
+            continue
+        worst = max(range(len(values)), key=lambda i: values[i])
+        excess.append(values[worst] - statistics.median(values[:worst] + values[worst + 1:]))
+    return max(excess) if excess else None
 
 
 def _field(record: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
@@ -345,6 +367,8 @@ class Row:
     step_q1_ms: float
     step_q3_ms: float
     global_batch: int | None
+    rank_excess_ms: float | None = None  # see Epoch.rank_excess_s; median over kept epochs
+    slow_ranks: tuple[int, ...] = ()  # ranks the chief found slow in a kept epoch
 
 
 @dataclass(frozen=True)
@@ -402,10 +426,18 @@ def summarize(runs: Sequence[Run]) -> Report:
             step_ms=1000 * _median_of(group, lambda epoch: epoch.step_median),
             step_q1_ms=1000 * _median_of(group, lambda epoch: epoch.step_q1),
             step_q3_ms=1000 * _median_of(group, lambda epoch: epoch.step_q3),
-            global_batch=batches.pop() if len(batches) == 1 else None))
+            global_batch=batches.pop() if len(batches) == 1 else None,
+            rank_excess_ms=_rank_excess_ms(group),
+            slow_ranks=tuple(sorted({e.slow_rank for one in group for e in one.kept
+                                     if e.slow_rank is not None}))))
     backends = sorted({epoch.backend for one in runs for epoch in one.epochs})
     epochs = sorted({len(one.epochs) for one in runs})
     return Report(tuple(rows), unit, tuple(backends), tuple(epochs))
+
+
+def _rank_excess_ms(group: Sequence[Run]) -> float | None:
+    values = [e.rank_excess_s for one in group for e in one.kept if e.rank_excess_s is not None]
+    return 1000 * statistics.median(values) if values else None
 
 
 def _median_of(group: Sequence[Run], value: Callable[[Epoch], float]) -> float:
@@ -423,13 +455,18 @@ def _throughput(row: Row) -> str:
 def table(report: Report) -> str:
     """The Markdown table of ``report``."""
     unit = report.unit
+    ranks = any(row.rank_excess_ms is not None for row in report.rows)
     head = (f"| workers | {unit} (total) | {unit} per worker | speed-up | efficiency % "
-            "| step time ms (q1..q3) |")
-    lines = [head, "|---:|---:|---:|---:|---:|---:|"]
+            "| step time ms (q1..q3) |" + (" slowest rank's extra wait ms |" if ranks else ""))
+    lines = [head, "|---:|---:|---:|---:|---:|---:|" + ("---:|" if ranks else "")]
     for row in report.rows:
+        extra = ""
+        if ranks:
+            extra = " - |" if row.rank_excess_ms is None else f" {row.rank_excess_ms:.1f} |"
         lines.append(f"| {row.workers} | {_throughput(row)} | {row.per_worker:.1f} "
                      f"| {row.speedup:.2f} | {row.efficiency_pct:.1f} "
-                     f"| {row.step_ms:.1f} ({row.step_q1_ms:.1f}..{row.step_q3_ms:.1f}) |")
+                     f"| {row.step_ms:.1f} ({row.step_q1_ms:.1f}..{row.step_q3_ms:.1f}) |"
+                     + extra)
     return "\n".join(lines)
 
 
@@ -451,6 +488,14 @@ def markdown(report: Report) -> str:
         notes.append("The global batch size was not known to the meter, so throughput is in "
                       "steps/s (1 / median step time): the speed-up holds only if every size "
                       "trains the same global batch per step.")
+    if any(row.rank_excess_ms is not None for row in rows):
+        notes.append("The slowest rank's extra wait: per step, how much longer the rank that "
+                     "waited most for a CPU or for its input waited than the other ranks' "
+                     "median (median over the counted epochs; every rank waits for it).")
+    for row in rows:
+        if row.slow_ranks:
+            notes.append(f"On {row.workers} workers the chief named rank(s) "
+                         f"{', '.join(map(str, row.slow_ranks))} slow: see the runs' logs.")
     batches = {row.global_batch for row in rows}
     if len(batches) == 1 and None not in batches:
         notes.append(f"Global batch: {batches.pop()} at every size.")
@@ -462,7 +507,7 @@ def markdown(report: Report) -> str:
 
 CSV_COLUMNS = ("workers", "runs", "unit", "total", "total_min", "total_max", "per_worker",
                "speedup", "efficiency_pct", "ideal_total", "step_ms", "step_q1_ms",
-               "step_q3_ms", "global_batch")
+               "step_q3_ms", "global_batch", "rank_excess_ms")
 
 
 def csv_text(report: Report) -> str:
