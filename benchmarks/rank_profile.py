@@ -33,7 +33,8 @@ NAMED = re.compile(r"tfdist: rank (\d+) \(host [^)]+\) is slow in \d+ epochs in 
 def run_once(noisy_from: int, epochs: int) -> tuple[list[tuple[str, str]], list[dict]]:
     """One launch: the (rank, cause) pairs named, and the chief's records."""
     with tempfile.TemporaryDirectory(prefix="tfdist-profile-") as out:
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",  # two neighbours, rank 1 not reniced
+               "STRAGGLER_NEIGHBOURS": "2", "STRAGGLER_NICE": "0"}
         cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2",
                str(ROOT / "tests" / "workers" / "straggler_worker.py"), out, "mwms",
                str(noisy_from), str(epochs)]

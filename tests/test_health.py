@@ -117,8 +117,9 @@ NOISY_FROM, EPOCHS = 3, 8
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ["mwms", "horovod"])
 def test_a_rank_sharing_its_core_is_named_slow(tmp_path, backend):
-    # Epochs 1-3 as they come, then three busy processes on rank 1's core for 5 epochs: the
-    # chief names rank 1 for a CPU, and no other rank, once it was found in two in a row.
+    # Epochs 1-3 as they come, then a busy process on rank 1's core for 5 epochs, with rank 1's
+    # threads at nice 10 (straggler_worker.py says why): the chief names rank 1 for a CPU, and
+    # no other rank, once it was found in two in a row.
     # Nothing is asserted of the first epochs here: beside CI's other tests a core is not quiet
     # (a run named rank 1 in them, rightly: another test's worker shared its core). That a
     # balanced run names nobody is benchmarks/rank_profile.py's count on a quiet machine, and
@@ -131,7 +132,7 @@ def test_a_rank_sharing_its_core_is_named_slow(tmp_path, backend):
         [python, "-m", "tfdist", "launch", *(["--backend", "horovod"] * (backend == "horovod")),
          "-n", "2", str(WORKERS / "straggler_worker.py"), str(tmp_path), backend,
          str(NOISY_FROM), str(EPOCHS)],
-        cwd=ROOT, env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", STRAGGLER_NEIGHBOURS="3",
+        cwd=ROOT, env=clean_env(TF_CPP_MIN_LOG_LEVEL="2",
                                 TF_USE_LEGACY_KERAS=str(int(backend == "horovod"))),
         capture_output=True, text=True, timeout=300, check=False)
     output = run.stdout + run.stderr
@@ -146,8 +147,8 @@ def test_a_rank_sharing_its_core_is_named_slow(tmp_path, backend):
         assert record["profile_s"] > 0, record
     noisy = records[NOISY_FROM:]
     assert all(r["ranks"][1]["queued_s"] > r["ranks"][0]["queued_s"] for r in noisy), noisy
-    # Under CI's load an epoch may stay below the threshold (a CI run had one such under
-    # Horovod): the rank found, whenever one is, is rank 1, for a CPU.
+    # Under CI's load an epoch may stay below the threshold (at nice 0 a CI run found it in
+    # none of 5): the rank found, whenever one is, is rank 1, for a CPU.
     found = [(r["slow"]["rank"], r["slow"]["cause"]) for r in noisy if r["slow"]]
     assert len(found) >= 2 and set(found) == {(1, "cpu")}, noisy
     second = output.index(f"tfdist: epoch {NOISY_FROM + 2}: ")  # the second noisy epoch's line

@@ -2,10 +2,15 @@
 
     python straggler_worker.py OUT BACKEND NOISY_FROM EPOCHS
 
-From epoch ``NOISY_FROM`` (0-based) rank 1 starts busy Python processes (two, or
+From epoch ``NOISY_FROM`` (0-based) rank 1 starts busy Python processes (one, or
 ``STRAGGLER_NEIGHBOURS``) that inherit its cores (``tfdist launch`` pins one core to each
-worker): its threads then wait for a CPU, the step slows for everyone, and the throughput
-meter's per-rank profile must say who and why.
+worker), and lowers its own threads' priority to nice 10 (or ``STRAGGLER_NICE``), as beside a
+neighbour the scheduler favours: its threads then wait for a CPU, the step slows for everyone,
+and the throughput meter's per-rank profile must say who and why. Without the lower priority
+Linux lets a thread that wakes from a collective's wait run ahead of the busy processes: on
+CI's 2 cores, with other tests' workers on both cores, rank 1 then waited too little more
+than rank 0 for a finding in any of 5 noisy epochs of one run; at nice 10 beside one busy
+process it waited 2 steps' time more, with the step about 3.5 times longer.
 ``NOISY_FROM`` equal to ``EPOCHS``: a balanced run. Each rank writes ``cores-RANK.json`` (the
 cores it runs on); the chief's records are in ``OUT/model/throughput.jsonl``.
 """
@@ -55,9 +60,15 @@ def _neighbours(keras: Any, first: int) -> Any:
 
         def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
             if epoch == first:
-                count = int(os.environ.get("STRAGGLER_NEIGHBOURS", "2"))
+                count = int(os.environ.get("STRAGGLER_NEIGHBOURS", "1"))
+                nice = int(os.environ.get("STRAGGLER_NICE", "10"))
                 self.busy = tuple(subprocess.Popen([sys.executable, "-c", "while True: pass"])
                                   for _ in range(count))
+                for task in os.listdir("/proc/self/task") * bool(nice):  # a thread's on Linux
+                    try:
+                        os.setpriority(os.PRIO_PROCESS, int(task), nice)
+                    except OSError:  # a thread that ended meanwhile
+                        continue
 
         def on_train_end(self, logs: object = None) -> None:
             for process in self.busy:
