@@ -45,6 +45,7 @@ OPTIONAL = {
     "horovod": ("horovod", "make venv-horovod"),
     "deepspeed": ("deepspeed", "requirements/deepspeed.txt"),
     "torch": ("torch", "requirements/torch.txt"),
+    "jax": ("jax", "tfdist[jax]"),
 }
 # What the examples in examples/ import of them (examples/synthetic_benchmark.py: none).
 EXAMPLE_NEEDS = {

@@ -32,7 +32,7 @@ def test_every_row_names_a_module_that_exists_and_is_unique_per_framework():
     for row in facts.BACKENDS:
         assert (PACKAGE.parent / (row.module.replace(".", "/") + ".py")).is_file(), row
         assert row.devices_per_process in ("one", "several"), row
-        assert row.framework in (facts.TF, facts.TORCH), row
+        assert row.framework in (facts.TF, facts.TORCH, facts.JAX), row
         assert facts.backend(row.name, row.framework) is row
     keys = [(row.name, row.framework) for row in facts.BACKENDS]
     assert len(keys) == len(set(keys))
@@ -40,10 +40,10 @@ def test_every_row_names_a_module_that_exists_and_is_unique_per_framework():
 
 def test_the_choices_everywhere_come_from_the_table():
     assert settings.setting("backend").choices == (
-        "auto", "mwms", "horovod", "mirrored", "single", "ddp", "deepspeed")
+        "auto", "mwms", "horovod", "mirrored", "single", "jax", "ddp", "deepspeed")
     assert MODULES == {"mwms": "tfdist.backends.mwms", "horovod": "tfdist.backends.horovod",
                        "mirrored": "tfdist.backends.mirrored",
-                       "single": "tfdist.backends.single"}
+                       "single": "tfdist.backends.single", "jax": "tfdist.backends.keras_jax"}
     assert TORCH_BACKENDS == ("ddp", "horovod", "deepspeed")
     assert choices.BACKENDS == ("mwms", "horovod", "torch", "torch-horovod", "torch-deepspeed")
     assert choices.ENGINES == {"mwms": "mwms", "horovod": "horovod", "torch": "ddp",

@@ -55,7 +55,7 @@ def test_argument_then_variable_then_default(name, argument, environ, expected):
 
 @pytest.mark.parametrize(("name", "argument", "environ", "message"), [
     ("backend", "mwm", {}, r"backend 'mwm' is not one of \('auto', 'mwms', 'horovod', "
-                           r"'mirrored', 'single', 'ddp', 'deepspeed'\) \(argument "
+                           r"'mirrored', 'single', 'jax', 'ddp', 'deepspeed'\) \(argument "
                            r"`init\(backend=\), tfdist.torch.init\(backend=\)` or "
                            r"TFDIST_BACKEND\)"),
     ("backend", None, {"TFDIST_BACKEND": "mwm"}, r"'mwm' is not one of .*TFDIST_BACKEND"),

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync, walltime
 from tfdist import model_dir as layout
-from tfdist.scratch import as_given, atomic_path, scratch_dir, throwaway
+from tfdist.scratch import as_given, atomic_path, save_once, scratch_dir
 from tfdist.settings import resolve
 from tfdist.throughput import StepMeter, throughput_file
 
@@ -234,18 +234,12 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
 
     Call it on every rank: where a save runs collectives (MultiWorkerMirroredStrategy) the
     other ranks save into a scratch directory that is removed at once, so that every rank runs
-    the same collectives; elsewhere they return at once.
+    the same collectives; elsewhere they return at once (:func:`tfdist.scratch.save_once`).
 
     Returns:
         Whether this process wrote ``path``.
     """
-    if dist.is_chief:
-        _save_atomically(model, path)
-        return True
-    if dist.save_on_every_rank:
-        with throwaway(dist.rank, path) as copy:
-            model.save(copy)
-    return False
+    return save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, model, path)
 
 
 class PreemptionCheckpoint(keras.callbacks.Callback):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tfdist.backends.facts import TF, Backend
+from tfdist.backends.facts import JAX, TF, Backend
 
 __all__ = ["INVENTORY", "Patch", "Where", "apply", "installed", "planned", "rebinding", "scoped",
            "where"]
@@ -232,6 +232,27 @@ INVENTORY: tuple[Patch, ...] = (
           "it (a file or SavedModel folder atomically), the others a scratch copy that is "
           "removed (MWMS: the save runs collectives) or nothing (Horovod)",
           lambda w: w.several_processes and w.backend.framework == TF),
+    Patch("jax-rank0-values", "keras.src.backend.jax.distribution_lib.distribute_tensor, "
+          "keras.src.backend.jax.core.should_shard_at_init", "tfdist.jax_patches",
+          "Keras 3 on JAX, several processes",
+          "JAX stops with a raw AssertionError when a variable's value differs between "
+          "processes (a model seeded per rank), and a large variable is made by a jitted "
+          "initializer with each process's own seed; an eager placement takes rank 0's value "
+          "(one broadcast), and every variable is made that way",
+          lambda w: w.several_processes and w.backend.framework == JAX),
+    Patch("jax-inputs-by-rank", "keras.Model.fit/evaluate/predict", "tfdist.jax_patches",
+          "Keras 3 on JAX, several processes",
+          "Keras refuses in-memory arrays on several processes (or, without its auto-shard, "
+          "would read every row on every rank); arrays become one dataset of global batches, "
+          "fit's shuffled the same way on every rank, of which each rank reads its part; "
+          "fit's validation arrays likewise",
+          lambda w: w.several_processes and w.backend.framework == JAX),
+    Patch("jax-predict-every-row", "keras.src.backend.jax.trainer.JAXTrainer."
+          "make_predict_function", "tfdist.jax_patches", "Keras 3 on JAX, several processes",
+          "predict cannot read a batch whose rows lie on several processes (a RuntimeError); "
+          "each batch's outputs are gathered from every process in rank order, so every rank "
+          "gets every row, as from one process",
+          lambda w: w.several_processes and w.backend.framework == JAX),
     Patch("failure-line", "sys.excepthook", "tfdist.failures",
           "several processes, every backend",
           "after an uncaught error, one line naming the failed or stopped peer's rank, host "

@@ -17,9 +17,10 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "scratch_dir", "throwaway",
-           "writes_as_given"]
+__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "save_once", "scratch_dir",
+           "throwaway", "writes_as_given"]
 
 _made: list[str] = []
 
@@ -107,3 +108,18 @@ def throwaway(rank: int, path: str) -> Iterator[str]:
             yield os.path.join(folder, os.path.basename(str(path).rstrip("/")) or "out")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def save_once(is_chief: bool, rank: int, every_rank: bool, model: Any, path: str) -> bool:
+    """``model.save(path)`` once, from the chief, atomically; where a save runs collectives
+    (``every_rank``) the other ranks save into a scratch folder removed at once, so that every
+    rank runs the same collectives; elsewhere they return at once. Whether this process wrote
+    ``path``."""
+    if is_chief:
+        with atomic_path(path) as partial, as_given():
+            model.save(partial)
+        return True
+    if every_rank:
+        with throwaway(rank, path) as copy:
+            model.save(copy)
+    return False

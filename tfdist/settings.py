@@ -191,8 +191,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`mirrored`, `single`; `auto`: Horovod under horovodrun/mpirun, else MWMS when "
             "several processes were launched, else one process: MirroredStrategy over its GPUs "
             "when it sees several (`mirrored`), else TensorFlow's default strategy (`single`). "
-            "PyTorch (`tfdist.torch.init`): `auto`, `ddp`, `horovod`, `deepspeed`; `auto`: "
-            "Horovod under horovodrun or mpirun without `MASTER_ADDR`, else DDP",
+            "Keras 3 on JAX (`KERAS_BACKEND=jax`): `auto` or `jax`, Keras's DataParallel over "
+            "every process's devices. PyTorch (`tfdist.torch.init`): `auto`, `ddp`, `horovod`, "
+            "`deepspeed`; `auto`: Horovod under horovodrun or mpirun without `MASTER_ADDR`, "
+            "else DDP",
             "init(backend=), tfdist.torch.init(backend=)"),
     _choice("collective", "TFDIST_COLLECTIVE", ("auto", "ring", "nccl"),
             "MWMS all-reduce; `auto`: NCCL with GPUs, ring on CPU", "init(collective=)"),

@@ -59,7 +59,7 @@ def init(backend: str | None = None, *, collective: str | None = None,
         return cached
     environment = detect()
     quiet.show_own_lines(environment.is_chief)
-    chosen, why = backends.choose(settings["backend"], environment)
+    chosen, why = backends.choose(settings["backend"], environment, backends.keras_backend())
     if environment.is_chief:
         logger.info("tfdist: backend %s: %s", chosen, why)
     handle = backends.create(chosen, environment, settings)

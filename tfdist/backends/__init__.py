@@ -12,19 +12,25 @@ the chosen module only.
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from tfdist.backends.facts import BACKENDS, TF, TORCH, names
+from tfdist.backends.facts import BACKENDS, JAX, TF, TORCH, names
 from tfdist.errors import ConfigError
 
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed, Settings
     from tfdist.env import ClusterEnvironment
 
-__all__ = ["MODULES", "TORCH_BACKENDS", "choose", "choose_torch", "create"]
+__all__ = ["KERAS_BACKENDS", "MODULES", "TORCH_BACKENDS", "choose", "choose_torch", "create",
+           "keras_backend"]
 
-# TensorFlow's backends and their modules.
-MODULES = {row.name: row.module for row in BACKENDS if row.framework == TF}
+# The backends tfdist.init creates (TensorFlow's, and Keras 3 on JAX) and their modules.
+MODULES = {row.name: row.module for row in BACKENDS if row.framework in (TF, JAX)}
+# Keras 3's backends (KERAS_BACKEND) and tfdist's engine for each; "" where it has none.
+KERAS_BACKENDS = {"tensorflow": TF, "jax": JAX, "torch": "", "numpy": "", "openvino": ""}
 # Launchers that start MPI/Horovod processes: auto picks Horovod there (MWMS would need an
 # address per process, which they do not give).
 HOROVOD_LAUNCHERS = ("horovodrun", "mpirun")
@@ -32,16 +38,51 @@ HOROVOD_LAUNCHERS = ("horovodrun", "mpirun")
 TORCH_BACKENDS = names(TORCH)
 
 
-def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
+def keras_backend(environ: Mapping[str, str] | None = None,
+                  read: Callable[[str], str] | None = None) -> str:
+    """Keras 3's backend as Keras will pick it, without importing Keras: ``KERAS_BACKEND``, else
+    the ``"backend"`` of ``keras.json`` in ``KERAS_HOME`` (default ``~/.keras``), else
+    ``"tensorflow"``. ``read`` reads a file (tests); an unreadable or broken file counts as
+    absent, as for Keras."""
+    environ = os.environ if environ is None else environ
+    if environ.get("KERAS_BACKEND"):
+        return environ["KERAS_BACKEND"].strip().lower()
+    home = environ.get("KERAS_HOME") or os.path.join(
+        environ.get("HOME") or os.path.expanduser("~"), ".keras")
+    try:
+        text = (read or _read)(os.path.join(home, "keras.json"))
+        return str(json.loads(text).get("backend") or "tensorflow").lower()
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def choose(requested: str, environment: ClusterEnvironment,
+           keras: str = "tensorflow") -> tuple[str, str]:
     """The backend for ``requested`` under this launch, and why (pure).
 
     Args:
         requested: ``"auto"`` or a backend name.
         environment: the detected launch.
+        keras: Keras 3's backend (:func:`keras_backend`): ``jax`` makes it tfdist's ``jax``.
 
     Returns:
         ``(backend, reason)``.
+
+    Raises:
+        ConfigError: a backend of another framework than Keras's, or a Keras backend tfdist
+            does not drive; the message names the fix.
     """
+    if keras != "tensorflow":
+        return _keras_backend_choice(requested, keras)
+    if requested == "jax":
+        raise ConfigError("backend 'jax' trains Keras 3 on JAX: set KERAS_BACKEND=jax before "
+                          "Keras is imported (it is 'tensorflow' here), or leave TFDIST_BACKEND "
+                          "unset")
     if requested in TORCH_BACKENDS and requested not in MODULES:
         raise ConfigError(f"backend {requested!r} is a PyTorch backend (tfdist.torch); "
                           f"TensorFlow's are auto, {', '.join(MODULES)}: set TFDIST_BACKEND to "
@@ -57,6 +98,26 @@ def choose(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
         return "mwms", f"auto: {environment.world_size} processes ({environment.reason})"
     return "mirrored", (f"auto: one process ({environment.reason}): MirroredStrategy over its "
                         "GPUs if it sees several, else TensorFlow's default strategy")
+
+
+def _keras_backend_choice(requested: str, keras: str) -> tuple[str, str]:
+    """tfdist's backend for a Keras backend other than TensorFlow's (see :func:`choose`)."""
+    engine = KERAS_BACKENDS.get(keras)
+    if engine == JAX:
+        if requested not in ("auto", "jax"):
+            raise ConfigError(f"KERAS_BACKEND=jax trains on JAX, and backend {requested!r} is "
+                              "TensorFlow's or PyTorch's: leave TFDIST_BACKEND unset (or jax), "
+                              "or set KERAS_BACKEND=tensorflow for it")
+        return "jax", "Keras 3 on JAX (KERAS_BACKEND=jax)"
+    if keras == "torch":
+        raise ConfigError(
+            "KERAS_BACKEND=torch: no released Keras (up to 3.15.1) has multi-process data "
+            "parallelism on its torch backend (keras.distribution is JAX's there; torch's is "
+            "merged upstream for a later release, keras-team/keras#23316). Fix: "
+            "KERAS_BACKEND=jax or tensorflow for this script, or a torch model with tfdist.torch")
+    raise ConfigError(f"KERAS_BACKEND={keras}: tfdist trains Keras 3 on the tensorflow and jax "
+                      f"backends ({keras!r} has no multi-process training). Fix: "
+                      "KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow")
 
 
 def choose_torch(requested: str, environment: ClusterEnvironment) -> tuple[str, str]:
@@ -88,6 +149,11 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     """Creates the handle of ``backend`` (a key of :data:`MODULES`) for this launch."""
     module = importlib.import_module(MODULES[backend])
     handle: Distributed = module.create(environment, settings)
+    from tfdist import preemption
+
+    if handle.facts.framework == JAX:  # its own patches (tfdist.backends.keras_jax)
+        preemption.default_signals_in_children()
+        return handle
     from tfdist import keras_compat, keras_input
 
     # Before the script builds its model: Keras 2 makes KerasTensors again where an early
@@ -97,8 +163,6 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     keras_compat.repair_eager_record()
     keras_compat.keras2_random_generator()
     keras_input.track()  # where fit's input stands, so a preempted fit resumes at its batch
-    from tfdist import preemption
-
     preemption.default_signals_in_children()  # a PyDataset's process pool ends at exit
     if handle.world_size > 1:
         from tfdist import writers

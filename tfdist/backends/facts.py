@@ -7,6 +7,9 @@ that must behave differently per backend (the settings' choices, the CLI, the do
 replica sync check, ``tfdist launch``, ``tfdist job``) reads a column of this table instead of
 comparing names, so a new backend is one row here and its own module.
 
+Keras 3 on JAX is the framework ``jax`` with one backend, ``jax`` (Keras's ``DataParallel`` over
+JAX's multi-process runtime): it is chosen when ``KERAS_BACKEND`` is ``jax``.
+
 "horovod" is a row twice: Horovod under TensorFlow and under torch are different modules with
 the same engine, and :func:`backend` takes the framework to tell them apart.
 """
@@ -19,7 +22,7 @@ from tfdist.errors import ConfigError
 
 __all__ = ["BACKENDS", "Backend", "backend", "job_backend", "names"]
 
-TF, TORCH = "tf", "torch"
+TF, TORCH, JAX = "tf", "torch", "jax"
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class Backend:
 
     Attributes:
         name: its ``TFDIST_BACKEND`` value.
-        framework: ``"tf"`` or ``"torch"``.
+        framework: ``"tf"``, ``"torch"`` or ``"jax"`` (Keras 3 on JAX).
         engine: what does the work, as its users name it (for messages).
         module: the module that implements it (its ``create``).
         devices_per_process: ``"several"`` when one process drives all its GPUs (a replica
@@ -96,6 +99,8 @@ BACKENDS: tuple[Backend, ...] = (
             "", "", "", keras2_synced_batch_norm=True),
     Backend("single", TF, "TensorFlow's default strategy", "tfdist.backends.single", "one",
             False, "", "", "", several_gpus_instead="backend auto (MirroredStrategy)"),
+    Backend("jax", JAX, "Keras DataParallel on JAX", "tfdist.backends.keras_jax", "several",
+            True, "", "", ""),
     Backend("ddp", TORCH, "DistributedDataParallel", "tfdist.torch.ddp", "one", True,
             "torch_collective", "nccl", "gloo", job_name="torch",
             job_launchers=("torchrun", "srun"), job_sets_backend=False),
@@ -109,7 +114,8 @@ BACKENDS: tuple[Backend, ...] = (
 
 
 def names(framework: str) -> tuple[str, ...]:
-    """The backend names of ``framework`` (``"tf"`` or ``"torch"``), in the table's order."""
+    """The backend names of ``framework`` (``"tf"``, ``"torch"``, ``"jax"``), in the table's
+    order."""
     return tuple(row.name for row in BACKENDS if row.framework == framework)
 
 

@@ -1,0 +1,189 @@
+"""Keras 3 on JAX (``KERAS_BACKEND=jax``): the choice, the meeting place, and real training.
+
+The tables are pure. The runs are real: 2 processes under ``tfdist launch`` meet through JAX's
+own runtime with Gloo's CPU collectives and train with Keras's ``DataParallel``; their ranks are
+seeded differently and must end bit-identical, equal to one process with the same global batch
+within rounding, while a control of the same two processes without tfdist ends apart.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import ROOT, WORKERS, clean_env, require
+
+from tfdist.backends import choose, keras_backend
+from tfdist.backends.keras_jax import coordinator
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import ConfigError, LaunchError
+
+KERAS_BACKEND = {
+    # name: (environment, keras.json's text or None when absent, Keras's backend)
+    "the variable": ({"KERAS_BACKEND": "jax"}, '{"backend": "tensorflow"}', "jax"),
+    "the variable, any case": ({"KERAS_BACKEND": " JAX"}, None, "jax"),
+    "keras.json": ({"HOME": "/home/u"}, '{"backend": "jax", "floatx": "float32"}', "jax"),
+    "keras.json in KERAS_HOME": ({"KERAS_HOME": "/k"}, '{"backend": "torch"}', "torch"),
+    "neither": ({"HOME": "/home/u"}, None, "tensorflow"),
+    "a broken keras.json": ({"HOME": "/home/u"}, "{not json", "tensorflow"),
+    "keras.json without a backend": ({"HOME": "/home/u"}, '{"floatx": "float16"}',
+                                     "tensorflow"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KERAS_BACKEND))
+def test_kerass_backend_is_read_as_keras_reads_it(case):
+    environ, text, expected = KERAS_BACKEND[case]
+    read_paths = []
+
+    def read(path):
+        read_paths.append(path)
+        if text is None:
+            raise FileNotFoundError(path)
+        return text
+
+    assert keras_backend(environ, read) == expected
+    if "KERAS_BACKEND" not in environ:
+        home = environ.get("KERAS_HOME") or f"{environ['HOME']}/.keras"
+        assert read_paths == [f"{home}/keras.json"]
+
+
+LOCAL = ClusterEnvironment("local", rank=1, world_size=2,
+                           worker_addresses=("127.0.0.1:4000", "127.0.0.1:4001"))
+CHOICE = {
+    # name: (TFDIST_BACKEND, Keras's backend, tfdist's backend or the error's words)
+    "jax, auto": ("auto", "jax", "jax"),
+    "jax, asked for": ("jax", "jax", "jax"),
+    "jax with a TensorFlow backend": ("mwms", "jax", ConfigError("leave TFDIST_BACKEND unset")),
+    "jax asked for on TensorFlow": ("jax", "tensorflow", ConfigError("set KERAS_BACKEND=jax")),
+    "tensorflow, auto": ("auto", "tensorflow", "mwms"),
+    "torch": ("auto", "torch", ConfigError("keras-team/keras#23316")),
+    "numpy": ("auto", "numpy", ConfigError("KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHOICE))
+def test_the_backend_follows_kerass_and_a_backend_tfdist_cannot_drive_is_refused(case):
+    requested, keras, expected = CHOICE[case]
+    if isinstance(expected, Exception):
+        with pytest.raises(ConfigError, match=str(expected).replace("#", r"\#")):
+            choose(requested, LOCAL, keras)
+        return
+    assert choose(requested, LOCAL, keras)[0] == expected
+
+
+COORDINATOR = {
+    # name: (environment, the address or the error's words)
+    "tfdist launch": (LOCAL, "127.0.0.1:4000"),
+    "srun step": (ClusterEnvironment("slurm", rank=2, world_size=4,
+                                     worker_addresses=("n9:20000", "n9:20001", "n10:20000",
+                                                       "n10:20001")), "n9:20000"),
+    "srun step, MASTER_ADDR": (ClusterEnvironment("slurm", rank=0, world_size=2,
+                                                  worker_addresses=("n9:20000", "n10:20000"),
+                                                  master_addr="login1"), "login1:20000"),
+    "torchrun: above its store": (ClusterEnvironment("torchrun", rank=0, world_size=2,
+                                                     master_addr="n9", master_port=29500),
+                                  "n9:29501"),
+    "mpirun without MASTER_ADDR": (ClusterEnvironment("mpirun", rank=0, world_size=2),
+                                   LaunchError("export MASTER_ADDR")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COORDINATOR))
+def test_jax_processes_meet_where_the_launch_says(case):
+    environment, expected = COORDINATOR[case]
+    if isinstance(expected, Exception):
+        with pytest.raises(LaunchError, match=str(expected)):
+            coordinator(environment)
+        return
+    assert coordinator(environment)[0] == expected
+
+
+def _run(out: Path, mode: str, workers: int) -> dict[int, dict]:
+    """The worker in ``mode`` on ``workers`` processes (1: a plain process); each rank's
+    record, with its weights (``"weights"``), the run's output and its folder."""
+    out.mkdir()
+    launch = ["-m", "tfdist", "launch", "-n", str(workers)] if workers > 1 else []
+    run = subprocess.run([sys.executable, *launch, str(WORKERS / "keras_jax_worker.py"),
+                          str(out), mode], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240, check=False,
+                         env=clean_env(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    records = {}
+    for rank in range(workers):
+        record = json.loads((out / f"rank-{rank}.json").read_text())
+        with np.load(out / f"rank-{rank}.npz") as weights:
+            record["weights"] = [weights[f"arr_{i}"] for i in range(len(weights.files))]
+        record["output"], record["out"] = run.stdout + run.stderr, out
+        records[rank] = record
+    return records
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    require("jax")
+    base = tmp_path_factory.mktemp("keras-jax")
+    return {"dist": _run(base / "dist", "dist", 2), "one": _run(base / "one", "one", 1),
+            "control": _run(base / "control", "control", 2)}
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_seeded_apart_end_bit_identical_and_as_one_process(runs):
+    dist, one = runs["dist"], runs["one"][0]
+    assert dist[0]["replicas"] == 2 and one["replicas"] == 1
+    for a, b in zip(dist[0]["weights"], dist[1]["weights"], strict=True):
+        np.testing.assert_array_equal(a, b)  # every rank the same bits
+    for a, b in zip(dist[0]["weights"], one["weights"], strict=True):  # BatchNormalization's
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)  # moving statistics among them
+    for rank in (0, 1):
+        for key, values in one["history"].items():  # fit on arrays (with validation arrays)
+            np.testing.assert_allclose(dist[rank]["history"][key], values, rtol=1e-5,
+                                       err_msg=key)  # and on a dataset through dist.shard
+        np.testing.assert_allclose(dist[rank]["evaluate"], one["evaluate"], rtol=1e-5)
+        shape, total = dist[rank]["predicted"]
+        assert shape == one["predicted"][0] == [256, 2]  # every row on every rank
+        np.testing.assert_allclose(total, one["predicted"][1], rtol=1e-5)
+    assert dist[0]["patches"] == ["jax-rank0-values", "jax-inputs-by-rank",
+                                  "jax-predict-every-row"] and one["patches"] == []
+
+
+@pytest.mark.multiprocess
+def test_control_without_tfdist_the_two_processes_end_apart(runs):
+    control = runs["control"]
+    moved = max(float(np.abs(a - b).max())
+                for a, b in zip(control[0]["weights"], control[1]["weights"], strict=True))
+    assert moved > 0.1, moved
+
+
+@pytest.mark.multiprocess
+def test_the_chief_says_how_the_processes_met_and_what_is_not_built_yet(runs):
+    output = runs["dist"][0]["output"]
+    assert "[0] tfdist: backend jax: Keras 3 on JAX (KERAS_BACKEND=jax)" in output
+    assert "[0] tfdist: JAX's processes met at 127.0.0.1:" in output
+    assert "2 process(es), 2 CPU device(s), DataParallel over all; gloo collectives" in output
+    assert "does not stop training with an exact save yet" in output
+    assert "[1] tfdist:" not in output  # the chief alone speaks
+    model_dir = runs["dist"][0]["out"] / "model"
+    assert sorted(p.name for p in model_dir.iterdir()) == ["checkpoint.keras",
+                                                           "throughput.jsonl"]
+
+
+@pytest.mark.multiprocess
+def test_jax_started_before_tfdist_is_refused_on_every_rank_with_the_fix(tmp_path):
+    require("jax")
+    script = tmp_path / "early.py"
+    script.write_text("import jax.numpy as jnp\nimport tfdist\n\n"
+                      "jnp.ones(2).block_until_ready()  # JAX's runtime starts here\n"
+                      "tfdist.init()\n")
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", str(script)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+                         env=clean_env(KERAS_BACKEND="jax"))
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    for rank in (0, 1):
+        assert f"[{rank}] tfdist.errors.InitOrderError: JAX's runtime had already started" \
+            in output and "the first JAX work in main()" in output, output[-3000:]

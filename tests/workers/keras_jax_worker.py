@@ -1,0 +1,66 @@
+"""Keras 3 on JAX (``KERAS_BACKEND=jax``): one small model trained the tfdist way.
+
+    python keras_jax_worker.py OUT MODE
+
+MODE ``dist``: ``tfdist.init()``, each rank seeded with its own rank (tfdist must start every
+rank from rank 0's weights); ``one``: the same in one plain process, seeded as rank 0; ``control``:
+no tfdist, each process seeded with its rank from ``tfdist.detect()`` and training alone on
+everything (its weights must differ from the other rank's).
+
+The model has a BatchNormalization layer. It trains one epoch on in-memory arrays with
+validation arrays, then one on a ``tf.data`` dataset through ``dist.shard``; then ``evaluate``
+and ``predict``. Each rank writes ``OUT/rank-N.json`` (history, results, predictions' shape and
+sum) and ``OUT/rank-N.npz`` (the weights, in order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import numpy as np
+
+import tfdist
+from tfdist import patches
+
+ROWS, GLOBAL_BATCH = 256, 32
+
+
+def main(out: str, mode: str) -> None:
+    dist = tfdist.init() if mode != "control" else None
+    rank = dist.rank if dist else tfdist.detect().rank
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(rank)  # the ranks' seeds differ; one process is seeded as 0
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype("float32")
+    y = (x[:, :2] * 3 + 1).astype("float32")
+    with dist.scope() if dist else contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                  keras.layers.BatchNormalization(),
+                                  keras.layers.Activation("relu"), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    callbacks = dist.callbacks(model_dir=os.path.join(out, "model")) if dist else []
+    arrays = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False,
+                       validation_data=(x[:64], y[:64]), callbacks=callbacks)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    datasets = model.fit(dist.shard(dataset) if dist else dataset, epochs=1, verbose=0,
+                         callbacks=callbacks)
+    results = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+    predicted = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    weights = model.get_weights()
+    np.savez(os.path.join(out, f"rank-{rank}.npz"), *weights)
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump({"history": {**arrays.history, **{f"ds_{k}": v for k, v in
+                                                     datasets.history.items()}},
+                   "evaluate": results, "predicted": [list(predicted.shape),
+                                                      float(predicted.sum())],
+                   "replicas": dist.num_replicas if dist else 1,
+                   "patches": [p.key for p in patches.installed()]}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,92 @@
+"""``dist.callbacks()`` for Keras 3 on JAX (:mod:`tfdist.backends.keras_jax`): Keras callbacks
+that import no TensorFlow.
+
+What is here: your own callbacks, ``model_dir/checkpoint.keras`` saved at each epoch's end once,
+from the chief (every rank runs the save: :func:`tfdist.scratch.save_once`), the throughput
+meter with every rank's profile (:class:`tfdist.throughput.StepMeter`), the chief's progress bar
+alone. What is not here yet: the exact-state saves and the preemption and walltime stop of the
+TensorFlow backends; with a ``model_dir`` the chief says so once, so that no one counts on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from tfdist import model_dir as layout
+from tfdist.scratch import save_once
+from tfdist.throughput import StepMeter, throughput_file
+
+__all__ = ["NOT_YET", "build"]
+
+logger = logging.getLogger("tfdist")
+
+NOT_YET = ("Keras 3 on JAX: the checkpoint is saved at each epoch's end, but a preemption "
+           "signal or the walltime does not stop training with an exact save yet (the "
+           "TensorFlow backends' PreemptionCheckpoint): resume from model_dir/checkpoint.keras "
+           "with load_model and fit(initial_epoch=)")
+_OPTIONS = ("model_dir", "checkpoint", "throughput", "global_batch", "preempt", "backup",
+            "tensorboard", "sync_check", "sync_check_every", "checkpoint_every",
+            "average_batch_statistics", "warmup_epochs", "chief_only")
+
+
+def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
+    """The callbacks for ``fit`` (see the module docstring); ``options`` are those of
+    :class:`tfdist.callbacks.CallbackOptions`.
+
+    Raises:
+        TypeError: an option :class:`~tfdist.callbacks.CallbackOptions` does not have.
+    """
+    import keras
+
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"dist.callbacks() got unknown options {unknown}")
+    model_dir = options.get("model_dir")
+    callbacks: list[Any] = list(extra)
+    if model_dir and options.get("checkpoint", True):
+        callbacks.append(_checkpoint(keras, dist, layout.path(model_dir, layout.CHECKPOINT)))
+    if model_dir and dist.is_chief and options.get("preempt", True):
+        logger.warning("tfdist: %s", NOT_YET)
+    if options.get("throughput", True):
+        callbacks.append(_meter(keras, StepMeter(dist, options.get("global_batch"),
+                                                 throughput_file(model_dir))))
+    if not dist.is_chief:
+        callbacks.append(_Silent(keras))
+    return callbacks
+
+
+def _checkpoint(keras: Any, dist: Any, path: str) -> Any:
+    class Checkpoint(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, self.model, path)
+
+    return Checkpoint()
+
+
+def _meter(keras: Any, meter: StepMeter) -> Any:
+    class ThroughputMeter(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            meter.begin_epoch()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            meter.steps_done(batch)
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            meter.epoch_end(epoch)
+
+    return ThroughputMeter()
+
+
+def _Silent(keras: Any) -> Any:  # noqa: N802 (a class, made where Keras is imported)
+    class SilentProgbar(keras.callbacks.ProgbarLogger):
+        """Keras's progress bar that prints nothing: the chief's alone is shown."""
+
+        def __getattribute__(self, name: str) -> Any:
+            if name.startswith("on_"):
+                return lambda *args, **kwargs: None
+            return object.__getattribute__(self, name)
+
+    return SilentProgbar()

@@ -1,0 +1,125 @@
+"""tfdist's patches of Keras 3 on JAX with several processes (rows ``jax-*`` of
+:data:`tfdist.patches.INVENTORY`), installed by :mod:`tfdist.backends.keras_jax`.
+
+- :func:`rank0_values`: a variable placed eagerly on the devices of several processes takes
+  rank 0's value (JAX wants the same value on every process and stops otherwise);
+- :func:`inputs_by_rank`: ``fit``, ``evaluate`` and ``predict`` on in-memory arrays read this
+  rank's part of every global batch (Keras refuses arrays on several processes, and would
+  otherwise read every row on every rank);
+- :func:`predict_every_row`: ``predict``'s batches are gathered from all processes, so it
+  returns every row on every rank, as one process does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfdist import patches, sharding
+
+__all__ = ["inputs_by_rank", "predict_every_row", "rank0_values"]
+
+
+def rank0_values() -> None:
+    """Every eager placement of a variable's value over several processes takes rank 0's."""
+    from jax.experimental import multihost_utils
+    from keras.src.backend.jax import core, distribution_lib
+
+    def wrap(original: Any) -> Any:
+        def distribute_tensor(tensor: Any, layout: Any) -> Any:
+            import jax
+            from keras.src.utils import jax_utils
+
+            if jax_utils.is_in_jax_tracing_scope(tensor) or (
+                    isinstance(tensor, jax.Array) and not tensor.is_fully_addressable):
+                return original(tensor, layout)  # inside a step, or placed already
+            return original(multihost_utils.broadcast_one_to_all(tensor), layout)
+
+        return distribute_tensor
+
+    patches.apply("jax-rank0-values", distribution_lib, "distribute_tensor", wrap)
+    # A large variable is otherwise made by a jitted initializer on every process, with each
+    # process's own seed: its value is made once and placed as above instead.
+    patches.apply("jax-rank0-values", core, "should_shard_at_init",
+                  lambda original: lambda init_layout, shape: False)
+
+
+def inputs_by_rank(rank: int, size: int, is_chief: bool, num_replicas: int) -> None:
+    """``fit``/``evaluate``/``predict`` on arrays: one dataset of global batches (``fit``'s
+    shuffled the same way on every rank: :func:`tfdist.sharding.arrays_as_dataset`), of which
+    each rank reads its part; ``fit``'s ``validation_data`` arrays likewise."""
+    import keras
+
+    from tfdist.horovod import sharding as by_rank
+
+    def split(arguments: dict[str, Any], *, shuffle: bool) -> None:
+        x = arguments.get("x")
+        if not sharding.is_arrays(x):
+            return
+        if is_chief:
+            sharding.warn_about_arrays(arguments, num_replicas)
+        given = {**arguments, "shuffle": shuffle and arguments.get("shuffle", True)}
+        changed = sharding.arrays_as_dataset(given, size)  # validation_split: arrays again
+        changed["x"] = by_rank.shard(changed["x"], rank, size)
+        arguments.update(changed)
+
+    def wrap_fit(original: Any) -> Any:
+        def change(bound: Any) -> None:
+            split(bound.arguments, shuffle=True)
+            validation = bound.arguments.get("validation_data")
+            if isinstance(validation, tuple) and sharding.is_arrays(validation[0]):
+                bound.arguments["validation_data"] = _validation(
+                    validation, bound.arguments, rank, size)
+        return patches.rebinding(original, change)
+
+    def wrap_other(original: Any) -> Any:
+        return patches.rebinding(original, lambda bound: split(bound.arguments, shuffle=False))
+
+    patches.apply("jax-inputs-by-rank", keras.Model, "fit", wrap_fit)
+    patches.apply("jax-inputs-by-rank", keras.Model, "evaluate", wrap_other)
+    patches.apply("jax-inputs-by-rank", keras.Model, "predict", wrap_other)
+
+
+def _validation(validation: Any, arguments: dict[str, Any], rank: int, size: int) -> Any:
+    """``validation_data`` arrays as this rank's part of batches of ``validation_batch_size``
+    (else ``batch_size``, else 32)."""
+    import tensorflow as tf
+
+    from tfdist.horovod import sharding as by_rank
+
+    batch = arguments.get("validation_batch_size") or arguments.get("batch_size") or 32
+    data = tuple(v for v in validation if v is not None)
+    dataset = tf.data.Dataset.from_tensor_slices(data if len(data) > 1 else data[0])
+    return by_rank.shard(dataset.batch(batch), rank, size)
+
+
+def predict_every_row() -> None:
+    """``predict``'s outputs of each batch, gathered from every process in rank order."""
+    from jax.experimental import multihost_utils
+    from keras.src.backend.jax import trainer
+
+    def gathered(outputs: Any) -> Any:
+        import jax
+
+        def one(array: Any) -> Any:
+            if isinstance(array, jax.Array) and not array.is_fully_addressable:
+                return multihost_utils.process_allgather(array, tiled=True)
+            return array
+
+        return jax.tree_util.tree_map(one, outputs)
+
+    def wrap(original: Any) -> Any:
+        def make_predict_function(self: Any, force: bool = False) -> Any:
+            made = original(self, force)
+            step = self.predict_function
+            if step is not None and not getattr(step, "_tfdist_gathers", False):
+                def every_row(state: Any, iterator: Any) -> Any:
+                    outputs, state = step(state, iterator)
+                    return gathered(outputs), state
+
+                every_row._tfdist_gathers = True  # type: ignore[attr-defined]
+                self.predict_function = every_row
+            return made
+
+        return make_predict_function
+
+    patches.apply("jax-predict-every-row", trainer.JAXTrainer, "make_predict_function", wrap)
