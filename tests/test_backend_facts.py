@@ -45,8 +45,9 @@ def test_the_choices_everywhere_come_from_the_table():
                        "mirrored": "tfdist.backends.mirrored",
                        "single": "tfdist.backends.single", "jax": "tfdist.backends.keras_jax"}
     assert TORCH_BACKENDS == ("ddp", "horovod", "deepspeed")
-    assert choices.BACKENDS == ("mwms", "horovod", "torch", "torch-horovod", "torch-deepspeed")
-    assert choices.ENGINES == {"mwms": "mwms", "horovod": "horovod", "torch": "ddp",
+    assert choices.BACKENDS == ("mwms", "horovod", "jax", "torch", "torch-horovod",
+                                "torch-deepspeed")
+    assert choices.ENGINES == {"mwms": "mwms", "horovod": "horovod", "jax": "jax", "torch": "ddp",
                                "torch-horovod": "horovod", "torch-deepspeed": "deepspeed"}
     assert choices.BACKEND_LAUNCHERS["mwms"] == ("srun",)
     assert choices.BACKEND_LAUNCHERS["torch"][0] == "torchrun"
@@ -71,7 +72,7 @@ def test_a_row_holds_what_its_engine_does(name, framework, several, crosses, hor
     (lambda: facts.backend("ddp", "tf"), "backend 'ddp' is not one of tf's: mwms, horovod, "
                                          "mirrored, single"),
     (lambda: facts.backend("mwms", "torch"), "not one of torch's: ddp, horovod, deepspeed"),
-    (lambda: facts.job_backend("ddp"), "not one of tfdist job's: mwms, horovod, torch, "
+    (lambda: facts.job_backend("ddp"), "not one of tfdist job's: mwms, horovod, jax, torch, "
                                        "torch-horovod, torch-deepspeed"),
 ])
 def test_an_unknown_backend_names_the_choices(call, message):

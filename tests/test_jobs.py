@@ -341,7 +341,7 @@ def test_to_mapping_round_trips() -> None:
 # Errors name what is allowed
 
 ERRORS: list[tuple[dict[str, Any], list[str]]] = [
-    ({"backend": "tensorflow"}, ["backend 'tensorflow' is not one of: mwms, horovod, torch"]),
+    ({"backend": "tensorflow"}, ["backend 'tensorflow' is not one of: mwms, horovod, jax, torch"]),
     ({"launcher": "slurm"}, ["one of: srun, mpirun, horovodrun, torchrun"]),
     ({"runtime": "docker"}, ["one of: venv, apptainer, enroot"]),
     ({"kind": "venv"}, ["one of: train, build-venv"]),

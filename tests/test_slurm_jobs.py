@@ -161,6 +161,21 @@ def test_mwms_job_on_n9_n10_trains_in_sync_and_chief_saves_once(mwms_job: Render
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT + 60)
+def test_jax_job_on_n9_n10_trains_the_unmodified_example_in_sync(slurm_cluster: SlurmCluster,
+                                                                 data_dir: Path) -> None:
+    # Keras 3 on JAX: the rendered job exports KERAS_BACKEND=jax; its doctor step sums through
+    # JAX, and the same example trains over JAX's runtime, met at rank 0's derived address.
+    config = cluster_config(slurm_cluster, job_name="jax", backend="jax", script=str(EXAMPLE),
+                            args=train_args(data_dir))
+    assert "export KERAS_BACKEND=jax\n" in render(config), render(config)
+    job = run_rendered(slurm_cluster, config, timeout=TRAIN_TIMEOUT)
+    check_training(job)
+    output = job.all_output()
+    assert "all-reduce across 4 rank(s) over jax gloo: correct" in output, job.describe()
+    assert "tfdist: Keras 3.15.1 on JAX" in job.task_outputs()[0], job.describe()
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
 def test_mwms_job_ranks_follow_slurm_node_order(mwms_job: RenderedJob) -> None:
     job = mwms_job
     assert job.ok, job.describe()

@@ -100,7 +100,7 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("single", TF, "TensorFlow's default strategy", "tfdist.backends.single", "one",
             False, "", "", "", several_gpus_instead="backend auto (MirroredStrategy)"),
     Backend("jax", JAX, "Keras DataParallel on JAX", "tfdist.backends.keras_jax", "several",
-            True, "", "", ""),
+            True, "", "", "", job_name="jax", job_launchers=("srun",)),
     Backend("ddp", TORCH, "DistributedDataParallel", "tfdist.torch.ddp", "one", True,
             "torch_collective", "nccl", "gloo", job_name="torch",
             job_launchers=("torchrun", "srun"), job_sets_backend=False),

@@ -150,19 +150,28 @@ def coordinator(environment: ClusterEnvironment) -> tuple[str, str]:
 
 
 def create(environment: ClusterEnvironment, settings: Settings) -> JaxDistributed:
-    """Starts JAX's multi-process runtime (several processes) and sets Keras's distribution."""
+    """Starts JAX's multi-process runtime (several processes) and sets Keras's distribution.
+    Each process drives its own GPUs, as under the TensorFlow backends
+    (:func:`tfdist.devices.narrow_visible_gpus`, before JAX reads ``CUDA_VISIBLE_DEVICES``)."""
+    from tfdist import devices
+
+    chosen = devices.narrow_visible_gpus(environment)
     import jax
 
     collective = "none"
     if environment.is_distributed:
-        collective = _start_runtime(jax, environment, settings)
+        own = None  # nothing narrowed: this process's share of the node's GPUs
+        if chosen is None and environment.local_world_size > 1 and devices.node_gpus():
+            own = list(devices.share(devices.node_gpus(), environment.local_rank,
+                                     environment.local_world_size))
+        collective = _start_runtime(jax, environment, settings, own)
     import keras
 
-    devices = jax.devices()
+    every = jax.devices()
     gpus = sum(1 for d in jax.local_devices() if d.platform == "gpu")
     distribution = None
-    if len(devices) > 1:  # one device: plain Keras, nothing to distribute
-        distribution = keras.distribution.DataParallel(devices=devices,
+    if len(every) > 1:  # one device: plain Keras, nothing to distribute
+        distribution = keras.distribution.DataParallel(devices=every,
                                                        auto_shard_dataset=False)
         keras.distribution.set_distribution(distribution)
     handle = JaxDistributed(environment, distribution, collective, gpus, jax)
@@ -170,15 +179,17 @@ def create(environment: ClusterEnvironment, settings: Settings) -> JaxDistribute
         _install_patches(handle)
     if environment.is_chief:
         logger.info("tfdist: Keras %s on JAX %s, %d process(es), %d %s device(s)%s; %s",
-                    keras.__version__, jax.__version__, environment.world_size, len(devices),
-                    devices[0].platform.upper(),
+                    keras.__version__, jax.__version__, environment.world_size, len(every),
+                    every[0].platform.upper(),
                     ", DataParallel over all" if distribution else "",
                     f"{collective} collectives" if environment.is_distributed else "one process")
     return handle
 
 
-def _start_runtime(jax: Any, environment: ClusterEnvironment, settings: Settings) -> str:
-    """``jax.distributed.initialize`` for this launch; the collective's name."""
+def _start_runtime(jax: Any, environment: ClusterEnvironment, settings: Settings,
+                   own: list[int] | None) -> str:
+    """``jax.distributed.initialize`` for this launch (``own``: the local GPU ids this process
+    drives, None for JAX's default); the collective's name."""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
@@ -192,7 +203,8 @@ def _start_runtime(jax: Any, environment: ClusterEnvironment, settings: Settings
     heartbeat = int(max(settings.get("heartbeat_timeout") or 30, 10))
     jax.distributed.initialize(coordinator_address=address,
                                num_processes=environment.world_size,
-                               process_id=environment.rank, heartbeat_timeout_seconds=heartbeat)
+                               process_id=environment.rank, local_device_ids=own,
+                               heartbeat_timeout_seconds=heartbeat)
     if environment.is_chief:
         logger.info("tfdist: JAX's processes met at %s (%s)", address, why)
     return "nccl" if any(d.platform == "gpu" for d in jax.local_devices()) else "gloo"

@@ -7,6 +7,7 @@ milliseconds, so that a broken rank is reported before anything slow starts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -14,7 +15,7 @@ import socket
 from collections.abc import Mapping
 
 from tfdist import devices, settings
-from tfdist.backends import choose, choose_torch, facts
+from tfdist.backends import choose, choose_torch, facts, keras_backend
 from tfdist.backends.facts import Backend
 from tfdist.doctor.report import INTERFACE_VARIABLES, RankReport, ranges
 from tfdist.env import ClusterEnvironment
@@ -60,7 +61,8 @@ def report(environment: ClusterEnvironment, *, framework: str = "tf",
         gpus = ""
     node_gpus = devices.node_gpus()
     try:
-        chosen, why = (choose_torch if framework == "torch" else choose)(requested, environment)
+        chosen, why = (choose_torch(requested, environment) if framework == "torch" else
+                       choose(requested, environment, keras_backend(environ)))
     except TfdistError as error:
         errors.append(str(error))
         chosen, why = requested, str(error)
@@ -118,13 +120,14 @@ def replicas(backend: Backend, gpus: int, cpu_replicas: int) -> int:
 
 
 def _row(name: str, framework: str) -> Backend:
-    """The facts of backend ``name``; for a name that is none of ``framework``'s (an error the
-    report names), those of its first backend that crosses processes."""
-    try:
-        return facts.backend(name, framework)
-    except TfdistError:
-        return next(row for row in facts.BACKENDS
-                    if row.framework == framework and row.crosses_processes)
+    """The facts of backend ``name`` (``"tf"`` includes Keras 3 on JAX, which ``tfdist.init``
+    also creates); for a name that is none of ``framework``'s (an error the report names),
+    those of its first backend that crosses processes."""
+    for each in (framework, facts.JAX) if framework == facts.TF else (framework,):
+        with contextlib.suppress(TfdistError):
+            return facts.backend(name, each)
+    return next(row for row in facts.BACKENDS
+                if row.framework == framework and row.crosses_processes)
 
 
 def versions() -> dict[str, str]:

@@ -27,7 +27,8 @@ __all__ = ["INTERFACE_VARIABLES", "TESTED_TENSORFLOW", "Problem", "RankReport", 
 INTERFACE_VARIABLES = {"NCCL_SOCKET_IFNAME": "nccl", "GLOO_SOCKET_IFNAME": "list",
                        "HOROVOD_GLOO_IFACE": "exact"}
 # Packages whose versions must agree on every rank (absent ones are left out of the table).
-PACKAGES = ("python", "tensorflow", "keras", "tf_keras", "tfdist", "horovod", "torch", "deepspeed")
+PACKAGES = ("python", "tensorflow", "keras", "tf_keras", "jax", "jaxlib", "tfdist", "horovod",
+            "torch", "deepspeed")
 # The TensorFlow releases `make test` runs tfdist's tests on, oldest and newest (major, minor):
 # the TensorFlow 2.15 lane's and .venv's pins (tests/test_doctor.py holds them to the files).
 TESTED_TENSORFLOW = ((2, 15), (2, 21))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import posixpath
 
-from tfdist.backends.facts import Backend, job_backend
+from tfdist.backends.facts import JAX, Backend, job_backend
 from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
 from tfdist.jobs.config import JobConfig
 from tfdist.jobs.options import option_name
@@ -21,6 +21,7 @@ __all__ = ["render", "rendezvous_port_expression"]
 
 _TITLES = {
     ("mwms", "srun"): "MultiWorkerMirroredStrategy: one srun task per {unit}",
+    ("jax", "srun"): "Keras 3 on JAX (DataParallel): one srun task per {unit}",
     ("horovod", "srun"): "Horovod: one srun task per {unit}, MPI started through PMIx",
     ("horovod", "mpirun"): "Horovod: one rank per {unit}, started by Open MPI's mpirun",
     ("horovod", "horovodrun"): "Horovod: one rank per {unit}, started by horovodrun",
@@ -228,6 +229,9 @@ def _environment(c: JobConfig) -> str:
     if c.kind != "build-venv" and _facts(c).job_sets_backend:
         lines += ["# tfdist reads TFDIST_* variables (README: Settings and their precedence).",
                   f"export TFDIST_BACKEND={_facts(c).name}"]
+        if _facts(c).framework == JAX:
+            lines += ["# Keras 3 trains on JAX (set before Keras is imported).",
+                      "export KERAS_BACKEND=jax"]
     if c.kind != "build-venv":
         lines += ["# Python prints each line when it is written, not in blocks.",
                   "export PYTHONUNBUFFERED=1"]
