@@ -330,12 +330,15 @@ def test_a_hung_peer_is_named_by_the_others_within_a_bound():
 @pytest.mark.multiprocess
 def test_a_killed_horovod_peer_is_named_by_the_others_at_once():
     # Rank 1 of a Horovod fit (Gloo, tfdist's rendezvous as under srun) is killed: rank 0 gets
-    # "Horovod has been shut down", which names no rank, and tfdist's line after it.
+    # "Horovod has been shut down" or, when the kill lands inside an all-reduce, Gloo's
+    # "Connection closed by peer [127.0.0.1]:PORT" (a clean-clone run), neither naming a rank,
+    # and tfdist's line after it.
     output, took, code = _step_and_signal(
         str(HVD_PY), str(WORKERS / "long_fit_worker.py"), signal.SIGKILL,
         _env(TFDIST_BACKEND="horovod", TF_USE_LEGACY_KERAS="0"))
     print(f"rank 0 exited {took:.1f} s after rank 1 was killed")
-    assert "Horovod has been shut down" in output, output[-3000:]
+    assert "Horovod has been shut down" in output or "Connection closed by peer" in output, \
+        output[-3000:]
     assert re.search(r"^tfdist: rank 1 \(host localhost\) failed or stopped responding .*rank 0 "
                      r"stops here after step \d+ of epoch 1\.", output, re.M), output[-3000:]
     assert code != 0
