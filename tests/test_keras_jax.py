@@ -168,8 +168,8 @@ def test_the_chief_says_how_the_processes_met_and_what_is_not_built_yet(runs):
     assert "does not stop training with an exact save yet" in output
     assert "[1] tfdist:" not in output  # the chief alone speaks
     model_dir = runs["dist"][0]["out"] / "model"
-    assert sorted(p.name for p in model_dir.iterdir()) == ["checkpoint.keras",
-                                                           "throughput.jsonl"]
+    written = {p.name for p in model_dir.iterdir()}  # logs/: TensorBoard's, where installed
+    assert written - {"logs"} == {"checkpoint.keras", "throughput.jsonl"}, written
 
 
 @pytest.mark.multiprocess

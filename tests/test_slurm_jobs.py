@@ -101,8 +101,9 @@ def task_views(job: RenderedJob) -> dict[int, dict[str, Any]]:
     return views
 
 
-def check_training(job: RenderedJob, runs: int = 1) -> str:
-    """Checks a finished MWMS training job of examples/keras_train.py on WORLD tasks.
+def check_training(job: RenderedJob, runs: int = 1, backend: str = "mwms") -> str:
+    """Checks a finished training job of examples/keras_train.py on WORLD tasks (MWMS, or
+    ``backend``).
 
     One output file per task; every rank reports the same final-weights digest, in its own
     file; only the chief reports the test accuracy; the model directory holds exactly one
@@ -124,7 +125,8 @@ def check_training(job: RenderedJob, runs: int = 1) -> str:
         f"ranks ended with different weights: {weights}\n{job.describe()}"
 
     chief = outputs[0]
-    assert f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend mwms" in chief, job.describe()
+    assert f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend {backend}" in chief, \
+        job.describe()
     accuracy = _ACCURACY.findall(chief)
     assert len(accuracy) == 1 and float(accuracy[0][1]) > MIN_ACCURACY, \
         f"chief's test accuracy: {accuracy}\n{job.describe()}"
@@ -169,7 +171,7 @@ def test_jax_job_on_n9_n10_trains_the_unmodified_example_in_sync(slurm_cluster: 
                             args=train_args(data_dir))
     assert "export KERAS_BACKEND=jax\n" in render(config), render(config)
     job = run_rendered(slurm_cluster, config, timeout=TRAIN_TIMEOUT)
-    check_training(job)
+    check_training(job, backend="jax")  # the saved models load in TensorFlow's Keras too
     output = job.all_output()
     assert "all-reduce across 4 rank(s) over jax gloo: correct" in output, job.describe()
     assert "tfdist: Keras 3.15.1 on JAX" in job.task_outputs()[0], job.describe()

@@ -2,14 +2,17 @@
 that import no TensorFlow.
 
 What is here: your own callbacks, ``model_dir/checkpoint.keras`` saved at each epoch's end once,
-from the chief (every rank runs the save: :func:`tfdist.scratch.save_once`), the throughput
-meter with every rank's profile (:class:`tfdist.throughput.StepMeter`), the chief's progress bar
-alone. What is not here yet: the exact-state saves and the preemption and walltime stop of the
-TensorFlow backends; with a ``model_dir`` the chief says so once, so that no one counts on them.
+from the chief (every rank runs the save: :func:`tfdist.scratch.save_once`), TensorBoard's logs
+in ``model_dir/logs`` from the chief (where tensorboard and TensorFlow are installed: Keras
+writes them through ``tf.summary``), the throughput meter with every rank's profile
+(:class:`tfdist.throughput.StepMeter`), the chief's progress bar alone. What is not here yet:
+the exact-state saves and the preemption and walltime stop of the TensorFlow backends; with a
+``model_dir`` the chief says so once, so that no one counts on them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from typing import Any
@@ -47,6 +50,9 @@ def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
     callbacks: list[Any] = list(extra)
     if model_dir and options.get("checkpoint", True):
         callbacks.append(_checkpoint(keras, dist, layout.path(model_dir, layout.CHECKPOINT)))
+    if model_dir and options.get("tensorboard", True) and dist.is_chief and all(
+            importlib.util.find_spec(m) for m in ("tensorboard", "tensorflow")):
+        callbacks.append(keras.callbacks.TensorBoard(layout.path(model_dir, layout.LOGS)))
     if model_dir and dist.is_chief and options.get("preempt", True):
         logger.warning("tfdist: %s", NOT_YET)
     if options.get("throughput", True):
