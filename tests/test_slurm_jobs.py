@@ -234,7 +234,7 @@ def test_mwms_job_with_one_task_per_node_trains_two_replicas_in_each(
     config = cluster_config(slurm_cluster, **recording(
         slurm_cluster, job_name="mwms-per-node", gpus_per_node=0, gpu_type=None,
         tasks_per_node=1, env={"TFDIST_CPU_REPLICAS": "2"}, script=str(EXAMPLE),
-        args=train_args(data_dir)))
+        args=train_args(data_dir), doctor=False))
     text = render(config)
     assert "#SBATCH --ntasks-per-node=1" in text and "--gpus" not in text, text
     job = run_rendered(slurm_cluster, config, timeout=TRAIN_TIMEOUT)
@@ -259,6 +259,7 @@ def test_stock_resolver_gets_n9_n10_wrong_where_tfdist_gets_it_right(
         slurm_cluster: SlurmCluster, gpus_per_task: bool) -> None:
     # One probe per task, 2 nodes x 2 tasks as the training jobs: no server is started.
     config = cluster_config(slurm_cluster, job_name="resolver-probe", gpus_per_task=gpus_per_task,
+                            doctor=False,
                             script=str(ROOT / "tests" / "slurm_jobs" / "stock_resolver_probe.py"))
     job = run_rendered(slurm_cluster, config, timeout=120)
     assert job.ok, job.describe()
@@ -306,7 +307,7 @@ def test_stock_resolver_gets_n9_n10_wrong_where_tfdist_gets_it_right(
 def test_typed_gpus_per_task_binds_one_gpu_to_each_task(slurm_cluster: SlurmCluster) -> None:
     # What tfdist detects in each task of the rendered job: `python -m tfdist env --json`.
     config = cluster_config(slurm_cluster, job_name="typed-per-task", gpus_per_task=True,
-                            script="-m", args=["tfdist", "env", "--json"])
+                            script="-m", args=["tfdist", "env", "--json"], doctor=False)
     assert f"#SBATCH --gpus-per-task={slurm_cluster.gres_type}:1" in render(config), \
         render(config)
     job = run_rendered(slurm_cluster, config, timeout=60)
@@ -414,7 +415,7 @@ def test_pyxis_standin_runs_the_rendered_enroot_mwms_job(slurm_cluster: SlurmClu
                     "print(f'in the container: rank {env.rank} of {env.world_size}')\n")
     config = cluster_config(slurm_cluster, **recording(
         slurm_cluster, job_name="mwms-enroot", runtime="enroot", image=str(image), binds=binds,
-        launcher_args=[f"--container-workdir={workdir}"], script=str(task)))
+        launcher_args=[f"--container-workdir={workdir}"], script=str(task), doctor=False))
     assert f"--container-image={image}" in render(config), render(config)
     job = run_rendered(slurm_cluster, config, workdir=workdir, timeout=TRAIN_TIMEOUT)
     assert job.ok, job.describe()
@@ -508,7 +509,7 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
     reference = check_training(mwms_job)
     config = cluster_config(slurm_cluster, job_name="preempted", script=str(EXAMPLE),
                             args=train_args(data_dir, epochs=PREEMPTED_EPOCHS), requeue=True,
-                            signal="USR1@60",
+                            signal="USR1@60", doctor=False,
                             env={"TFDIST_PREEMPT_CHECK_SECONDS": "0.05"},
                             sbatch_args=[NODELIST, "--open-mode=append"])
     assert "#SBATCH --requeue" in render(config), render(config)
