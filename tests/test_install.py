@@ -49,6 +49,7 @@ EXTRAS = {
     "examples": {"absl-py", "tensorflow-datasets", "scikit-learn", "importlib-resources"},
     "torch": {"torch"},
     "horovod": {"horovod"},
+    "jax": {"jax", "keras"},
     "plot": {"matplotlib"},
 }
 # Left out of the copy the wheel is built from: what `git ls-files` leaves out at the top level.

@@ -72,6 +72,6 @@ def test_init_twice_returns_the_same_handle_and_refuses_a_switch():
 def test_unknown_backend_lists_the_choices():
     run = _python("import tfdist\ntry:\n    tfdist.init(backend='horovd')\n"
                   "except tfdist.ConfigError as e:\n    print(e)")
-    assert ("'horovd' is not one of ('auto', 'mwms', 'horovod', 'mirrored', 'single', 'ddp', "
-            "'deepspeed')") in run.stdout
+    assert ("'horovd' is not one of ('auto', 'mwms', 'horovod', 'mirrored', 'single', 'jax', "
+            "'ddp', 'deepspeed')") in run.stdout
     assert "TFDIST_BACKEND" in run.stdout
