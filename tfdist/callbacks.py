@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync, walltime
 from tfdist import model_dir as layout
-from tfdist.scratch import as_given, atomic_path, save_once, scratch_dir
+from tfdist.scratch import as_given, save_atomically, save_once, scratch_dir
 from tfdist.settings import resolve
 from tfdist.throughput import StepMeter, throughput_file
 
@@ -220,12 +220,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.path = path
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        _save_atomically(self.model, self.path)
-
-
-def _save_atomically(model: Any, path: str) -> None:
-    with atomic_path(path) as partial, as_given():
-        model.save(partial)
+        save_atomically(self.model, self.path)
 
 
 def save(dist: Distributed, model: Any, path: str) -> bool:

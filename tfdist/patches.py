@@ -70,6 +70,11 @@ def _mwms(w: Where) -> bool:
             and w.several_processes)
 
 
+def _jax_processes(w: Where) -> bool:
+    """Keras 3 on JAX over several processes."""
+    return w.several_processes and w.backend.framework == JAX
+
+
 # When tfdist.keras_compat's fixes of Keras 3's multi-worker fit are installed.
 _KERAS3_FIX = "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)"
 
@@ -239,20 +244,20 @@ INVENTORY: tuple[Patch, ...] = (
           "processes (a model seeded per rank), and a large variable is made by a jitted "
           "initializer with each process's own seed; an eager placement takes rank 0's value "
           "(one broadcast), and every variable is made that way",
-          lambda w: w.several_processes and w.backend.framework == JAX),
+          _jax_processes),
     Patch("jax-inputs-by-rank", "keras.Model.fit/evaluate/predict", "tfdist.jax_patches",
           "Keras 3 on JAX, several processes",
           "Keras refuses in-memory arrays on several processes (or, without its auto-shard, "
           "would read every row on every rank); arrays become one dataset of global batches, "
           "fit's shuffled the same way on every rank, of which each rank reads its part; "
           "fit's validation arrays likewise",
-          lambda w: w.several_processes and w.backend.framework == JAX),
+          _jax_processes),
     Patch("jax-predict-every-row", "keras.src.backend.jax.trainer.JAXTrainer."
           "make_predict_function", "tfdist.jax_patches", "Keras 3 on JAX, several processes",
           "predict cannot read a batch whose rows lie on several processes (a RuntimeError); "
           "each batch's outputs are gathered from every process in rank order, so every rank "
           "gets every row, as from one process",
-          lambda w: w.several_processes and w.backend.framework == JAX),
+          _jax_processes),
     Patch("failure-line", "sys.excepthook", "tfdist.failures",
           "several processes, every backend",
           "after an uncaught error, one line naming the failed or stopped peer's rank, host "

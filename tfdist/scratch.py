@@ -19,8 +19,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "save_once", "scratch_dir",
-           "throwaway", "writes_as_given"]
+__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "save_atomically", "save_once",
+           "scratch_dir", "throwaway", "writes_as_given"]
 
 _made: list[str] = []
 
@@ -110,14 +110,19 @@ def throwaway(rank: int, path: str) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def save_atomically(model: Any, path: str) -> None:
+    """``model.save(path)`` under a temporary name, renamed when complete, written as given."""
+    with atomic_path(path) as partial, as_given():
+        model.save(partial)
+
+
 def save_once(is_chief: bool, rank: int, every_rank: bool, model: Any, path: str) -> bool:
     """``model.save(path)`` once, from the chief, atomically; where a save runs collectives
     (``every_rank``) the other ranks save into a scratch folder removed at once, so that every
     rank runs the same collectives; elsewhere they return at once. Whether this process wrote
     ``path``."""
     if is_chief:
-        with atomic_path(path) as partial, as_given():
-            model.save(partial)
+        save_atomically(model, path)
         return True
     if every_rank:
         with throwaway(rank, path) as copy:
