@@ -173,7 +173,7 @@ def test_the_chief_says_how_the_processes_met_and_what_is_not_built_yet(runs):
 
 
 @pytest.mark.multiprocess
-def test_jax_started_before_tfdist_is_refused_on_every_rank_with_the_fix(tmp_path):
+def test_jax_started_before_tfdist_is_refused_with_the_fix(tmp_path):
     require("jax")
     script = tmp_path / "early.py"
     script.write_text("import jax.numpy as jnp\nimport tfdist\n\n"
@@ -184,6 +184,7 @@ def test_jax_started_before_tfdist_is_refused_on_every_rank_with_the_fix(tmp_pat
                          env=clean_env(KERAS_BACKEND="jax"))
     output = run.stdout + run.stderr
     assert run.returncode != 0, output
-    for rank in (0, 1):
-        assert f"[{rank}] tfdist.errors.InitOrderError: JAX's runtime had already started" \
-            in output and "the first JAX work in main()" in output, output[-3000:]
+    # The first rank to fail ends the launch: the other may be stopped before its own line.
+    assert any(f"[{rank}] tfdist.errors.InitOrderError: JAX's runtime had already started"
+               in output for rank in (0, 1)), output[-3000:]
+    assert "the first JAX work in main()" in output, output[-3000:]
