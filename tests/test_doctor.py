@@ -368,6 +368,9 @@ def test_an_interface_no_node_has_fails_at_once_on_every_rank():
         assert (f"error: rank {rank} (host {host}): NCCL_SOCKET_IFNAME=ib9 selects no network "
                 "interface here") in out
     assert "rank 1 stops: rank 0's output lists 2 problem(s)" in out
+    # Rank 1's own output repeats its own problem (srun --output=task-%t.out), and only its own.
+    assert f"[1] tfdist doctor: error: rank 1 (host {host}): NCCL_SOCKET_IFNAME=ib9" in out, out
+    assert "[1] tfdist doctor: error: rank 0" not in out, out
     assert "all-reduce" not in out  # stopped before the engine started
     assert took < 30, took
 

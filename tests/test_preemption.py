@@ -386,6 +386,7 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
                "--max-restarts", "2", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "restarting all workers (1 of --max-restarts 2) after a preemption" in run.stderr
+    assert "(2 of --max-restarts 2)" not in run.stderr, run.stdout[-3000:] + run.stderr[-3000:]
     stopped, resumed = _results(tmp_path / "out", 0), _results(tmp_path / "out", 1)
     assert [r["code"] for r in stopped + resumed] == [75, 75, 0, 0]
     assert "resuming at step" in run.stdout and "backup instead" not in run.stdout

@@ -176,6 +176,9 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     except SystemExit as exit_:
         result["code"] = exit_.code
         raise
+    except Exception as error:  # recorded, so a run that failed and was restarted shows why
+        result["code"] = f"{type(error).__name__}: {error}"[:2000]
+        raise
     finally:
         result.update(epoch=watcher.epoch, step=watcher.step, steps=steps["done"],
                       tested=steps["tested"],

@@ -60,11 +60,11 @@ def run(options: Options) -> int:
     if options.dry_run:
         return _dry_run(environment, mine, options)
     met = bool(environment.worker_addresses) and environment.is_distributed
-    if met:
-        reports, problems = _meet(environment, mine, options.timeout_s)
+    if met:  # rank 0 printed the table and the problems as soon as it had them
+        problems = _meet(environment, mine, options.timeout_s)
         if problems is None:  # another rank: it could not connect, or rank 0 said no
             return 1
-        if _report(environment, reports, problems):
+        if any(p.severity == "error" for p in problems):
             return 1
     line, reports, problems = _all_reduce(environment, mine, framework, options, met)
     if environment.is_chief:
@@ -93,9 +93,9 @@ def _framework(requested: str) -> str:
 
 
 def _meet(environment: ClusterEnvironment, mine: RankReport,
-          timeout_s: float) -> tuple[list[RankReport], list[Problem] | None]:
-    """Phase 1. Rank 0 gets every report and the problems; the others get ``([], None)`` when
-    they must stop (after saying why), else ``([], [])``."""
+          timeout_s: float) -> list[Problem] | None:
+    """Phase 1. Rank 0 gets every report, prints the table and returns the problems; the others
+    get None when they must stop (after saying why), else ``[]``."""
     coordinator = environment.worker_addresses[0]
     if environment.rank != 0:
         try:
@@ -106,25 +106,39 @@ def _meet(environment: ClusterEnvironment, mine: RankReport,
                   "the port range between the nodes, or set TFDIST_HOST_TEMPLATE to an "
                   "interface that routes; `nc -zv HOST PORT` from this node tests it",
                   file=sys.stderr, flush=True)
-            return [], None
+            return None
         if not verdict.get("ok"):
+            # This rank's own problems again, for a launch that writes each task's output to
+            # its own file (srun --output=task-%t.out), and in case rank 0's output is cut.
+            own = "".join(f"\ntfdist doctor: {line}"
+                          for line in verdict.get("lines", {}).get(str(environment.rank), []))
             print(f"tfdist doctor: rank {environment.rank} stops: rank 0's output lists "
-                  f"{verdict.get('errors', 'the')} problem(s)", file=sys.stderr, flush=True)
-            return [], None
-        return [], []
+                  f"{verdict.get('errors', 'the')} problem(s){own}", file=sys.stderr,
+                  flush=True)
+            return None
+        return []
     port = int(coordinator.rsplit(":", 1)[1])
     hosts = [address.rsplit(":", 1)[0] for address in environment.worker_addresses]
 
     def judge(meeting: meet.Meeting) -> dict[str, Any]:
-        found = [RankReport.from_dict(r) for r in meeting.reports.values()]
+        found = sorted((RankReport.from_dict(r) for r in meeting.reports.values()),
+                       key=lambda report: report.rank)
         meeting.problems += check(found)
+        # Printed before any rank hears the verdict: a rank that exits 1 can make the launcher
+        # end the others (srun --kill-on-bad-exit) and drop what they had not yet written.
+        _report(environment, found, meeting.problems)
         errors = sum(p.severity == "error" for p in meeting.problems)
-        return {"ok": errors == 0, "errors": errors}
+        lines: dict[str, list[str]] = {}
+        for problem in meeting.problems:
+            if problem.rank is not None:
+                lines.setdefault(str(problem.rank), []).append(problem.line())
+        return {"ok": errors == 0, "errors": errors, "lines": lines}
 
     meeting = meet.gather(port, environment.world_size, mine.to_dict(), timeout_s, judge,
                           hosts=hosts, host=mine.host)
-    reports = [RankReport.from_dict(r) for _, r in sorted(meeting.reports.items())]
-    return reports, meeting.problems
+    if not meeting.judged:  # it could not listen: nobody to answer, only this rank to show
+        _report(environment, [mine], meeting.problems)
+    return meeting.problems
 
 
 def _report(environment: ClusterEnvironment, reports: list[RankReport],

@@ -32,6 +32,7 @@ class Meeting:
     reports: dict[int, dict[str, Any]]
     missing: list[int]
     problems: list[Problem]
+    judged: bool = False  # whether the verdict was computed (not when the port was taken)
 
 
 def gather(port: int, world_size: int, mine: dict[str, Any], timeout_s: float,
@@ -80,6 +81,7 @@ def gather(port: int, world_size: int, mine: dict[str, Any], timeout_s: float,
             "between the nodes or set TFDIST_HOST_TEMPLATE to an interface that routes")
             for rank in meeting.missing]
         answer = (json.dumps(verdict(meeting)) + "\n").encode()
+        meeting.judged = True
         for client in clients:
             with contextlib.suppress(OSError):
                 client.sendall(answer)
