@@ -147,8 +147,17 @@ def test_two_ranks_seeded_apart_end_bit_identical_and_as_one_process(runs):
         shape, total = dist[rank]["predicted"]
         assert shape == one["predicted"][0] == [256, 2]  # every row on every rank
         np.testing.assert_allclose(total, one["predicted"][1], rtol=1e-5)
-    assert dist[0]["patches"] == ["jax-rank0-values", "jax-inputs-by-rank",
-                                  "jax-predict-every-row"] and one["patches"] == []
+        # The custom train_step's values are the global batch's, as on one process.
+        assert dist[rank]["custom"]["spread"] == one["custom"]["spread"], dist[rank]["custom"]
+        np.testing.assert_allclose(dist[rank]["custom"]["loss"], one["custom"]["loss"],
+                                   rtol=1e-5)
+    last = one["custom"]["spread"][-1]  # the last step's batch: rows 224-255 of the worker's
+    y = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")[224:, :2] * 3 + 1
+    assert last == pytest.approx(float(y.max() - y.min()), rel=1e-6)
+    assert last > float(y[:16].max() - y[:16].min())  # a rank's half alone would differ
+    assert dist[0]["patches"] == ["jax-input-position", "jax-rank0-values", "jax-inputs-by-rank",
+                                  "jax-predict-every-row"]
+    assert one["patches"] == ["jax-input-position"]
 
 
 @pytest.mark.multiprocess
@@ -160,15 +169,15 @@ def test_control_without_tfdist_the_two_processes_end_apart(runs):
 
 
 @pytest.mark.multiprocess
-def test_the_chief_says_how_the_processes_met_and_what_is_not_built_yet(runs):
+def test_the_chief_says_how_the_processes_met_and_writes_each_file_once(runs):
     output = runs["dist"][0]["output"]
     assert "[0] tfdist: backend jax: Keras 3 on JAX (KERAS_BACKEND=jax)" in output
     assert "[0] tfdist: JAX's processes met at 127.0.0.1:" in output
     assert "2 process(es), 2 CPU device(s), DataParallel over all; gloo collectives" in output
-    assert "does not stop training with an exact save yet" in output
     assert "[1] tfdist:" not in output  # the chief alone speaks
     model_dir = runs["dist"][0]["out"] / "model"
     written = {p.name for p in model_dir.iterdir()}  # logs/: TensorBoard's, where installed
+    # Each epoch's exact state (preempted/) is removed once the fit ends well.
     assert written - {"logs"} == {"checkpoint.keras", "throughput.jsonl"}, written
 
 

@@ -340,6 +340,10 @@ RESUME = {
     # Signalled at the last step of the last epoch: the resumed fit has nothing left to train,
     # and must still remove the state (left behind, the next fit would resume from it).
     "mwms-keras3-at-the-last-epochs-end": ("mwms", "0", "repeat", "0", "36", 36),
+    # Keras 3 on JAX (KERAS_BACKEND=jax): a dataset reshuffled every epoch, and one iterator
+    # over several epochs. JAX's iterators are generators: tfdist counts those drawn from.
+    "jax-keras3": ("jax", "0", "epochs", "1", "20", 3 * STEPS_PER_EPOCH),
+    "jax-keras3-steps_per_epoch": ("jax", "0", "repeat", "0", "22", 36),
 }
 
 
@@ -365,15 +369,17 @@ def _resume_case(tmp_path_factory: pytest.TempPathFactory, case: str
     backend, legacy, data = RESUME[case][:3]
     python = _python(backend)
     tmp_path = tmp_path_factory.mktemp(case)
-    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1"}
+    env = {"TF_USE_LEGACY_KERAS": legacy, "PREEMPT_TEST_INPUT": data, "PREEMPT_TEST_DROPOUT": "1",
+           **({"KERAS_BACKEND": "jax"} if backend == "jax" else {})}
     return python, backend, tmp_path, env, _straight(python, backend, tmp_path, env)
 
 
-# Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3 and
-# on Horovod with tf_keras by the walltime guard (the same agreement as a signal's) and in the
-# soak, and a stop at an epoch's last step by the soak's epoch-end moments. Their uninterrupted
-# runs are the references of those tests.
-RESUMED_ELSEWHERE = {"mwms-keras3", "horovod-tf_keras", "mwms-keras3-at-an-epochs-last-step"}
+# Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3, on
+# Horovod with tf_keras and on JAX by the walltime guard (the same agreement as a signal's) and
+# in the soak, and a stop at an epoch's last step by the soak's epoch-end moments. Their
+# uninterrupted runs are the references of those tests.
+RESUMED_ELSEWHERE = {"mwms-keras3", "horovod-tf_keras", "mwms-keras3-at-an-epochs-last-step",
+                     "jax-keras3"}
 
 
 @pytest.mark.multiprocess
@@ -403,7 +409,7 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["mwms-keras3", "horovod-tf_keras"])
+@pytest.mark.parametrize("case", ["mwms-keras3", "horovod-tf_keras", "jax-keras3"])
 def test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes(
         tmp_path_factory, case):
     # No signal at all: `tfdist launch --time-limit 40s` gives the workers their end, and the
@@ -443,6 +449,9 @@ HARD_KILLS = {
     # BackupAndRestore) is where the next run starts, the end of epoch 1.
     "epoch-end-mwms-keras3": ("mwms-keras3", {}, 20, STEPS_PER_EPOCH),
     "epoch-end-horovod-keras3": ("horovod-keras3", {}, 20, STEPS_PER_EPOCH),
+    # Keras 3 on JAX: a safety save mid-epoch reads the values fit keeps aside.
+    "safety-saves-jax-keras3": ("jax-keras3", {
+        "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25"}, 30, 29),
 }
 
 

@@ -21,14 +21,20 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import tensorflow as tf
 
-from tfdist import batch_statistics, failures, keras_compat, keras_input, preemption, sync, walltime
+from tfdist import (
+    batch_statistics,
+    failures,
+    fit_preemption,
+    keras_compat,
+    keras_input,
+    sync,
+    walltime,
+)
 from tfdist import model_dir as layout
 from tfdist.scratch import as_given, save_atomically, save_once, scratch_dir
 from tfdist.settings import resolve
@@ -237,216 +243,11 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
     return save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, model, path)
 
 
-class PreemptionCheckpoint(keras.callbacks.Callback):
-    """After a preemption signal on any rank, stops every rank at one agreed step, saves the
-    state there and ends the process with :data:`tfdist.preemption.EXIT_PREEMPTED` (75); the
-    next ``fit`` with the same ``model_dir`` resumes at that step.
-
-    The state goes to ``model_dir/preempted/`` (:func:`tfdist.preemption.commit`): the whole
-    model with its optimizer (``model.keras``, saved by every rank as :func:`save` does, written
-    by the chief), per rank the random generators' states the model file leaves out
-    (``rank-N.npz``), and ``state.json``: the epoch, the steps done in it, where the input was
-    (:mod:`tfdist.keras_input`), world size and signal. A signal during validation inside
-    ``fit`` stops there too; the resumed run then starts with the next epoch.
-
-    Resuming (Keras 3 and tf_keras): the model and optimizer are loaded, training starts at the
-    saved epoch and step, and the input continues at the saved batch with the order the stopped
-    run would have seen, also for a dataset that reshuffles every epoch and for
-    ``steps_per_epoch`` over a repeated dataset. The folder is removed at the end of the first
-    epoch the resumed run completes, when the epoch's backup is newer, or at the end of a fit
-    that resumed at the end of its last epoch and so had no epoch left to train.
-
-    Args:
-        dist: the handle.
-        model_dir: where the state goes.
-        check_seconds: about how often the ranks agree; env ``TFDIST_PREEMPT_CHECK_SECONDS``,
-            default 1.
-        logs: callbacks that keep log files open (TensorBoard, CSVLogger): their
-            ``on_train_end`` closes them before the process ends.
-        every: seconds between two safety saves (the same state, at an agreed step, training
-            going on; each epoch's end is one too); env ``TFDIST_CHECKPOINT_EVERY``, default
-            none. A fit that ends normally removes its last one.
-        epoch_saves: save the state at each epoch's end (as ``every`` does), so that a run
-            killed without warning resumes there exactly; :func:`build` sets it in place of
-            Keras's BackupAndRestore.
-    """
-
-    def __init__(self, dist: Distributed, model_dir: str,
-                 check_seconds: float | None = None, *, logs: Sequence[Any] = (),
-                 every: float | str | None = None, epoch_saves: bool = False) -> None:
-        super().__init__()
-        self.epoch_saves = epoch_saves
-        self.dist, self.model_dir, self.logs = dist, model_dir, list(logs)
-        self.watch = preemption.Watch(dist, resolve("preempt_check_seconds", check_seconds),
-                                      every=resolve("checkpoint_every", every))
-        self._saved_here = False  # this fit wrote a safety save (removed when it ends well)
-        self.epoch, self.step, self._in_fit = 0, 0, False
-        self.resumed_from: dict[str, Any] | None = None  # the state this fit resumed from
-        self._state_found = False
-        self._input: keras_input.Keras3Input | keras_input.TfKerasInput | None = None
-        self._resumed_epoch: int | None = None
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        self._in_fit = True
-        self.watch.install()
-        late = preemption.take_late_signal()  # came between two fits: this one stops at once
-        if late is not None and self.watch.signal is None:
-            self.watch.signal, self.watch.received_at = late, time.monotonic()
-        self._input = keras_input.current(self.model) if keras_input.tracked() else None
-        state = preemption.read_state(self.model_dir)
-        if state is not None:
-            self._state_found = True
-            self._resume(state)
-
-    def on_train_end(self, logs: Any = None) -> None:
-        self._in_fit = False
-        # A signal from now on (or one too late for this fit to act on) must not kill the
-        # script's last work: it is recorded, and the script ends normally.
-        pending = None if self.watch.stop_requested else self.watch.signal
-        self.watch.uninstall(redeliver=False)
-        preemption.after_training(self.watch.catch, pending, self.dist.rank)
-        # Resumed at the end of the last epoch: fit ran no epoch, and the state is used up. Left
-        # behind, the next fit with this model_dir would resume from it and train nothing. So
-        # would it from this fit's last safety save.
-        self._state_found = self._state_found or self._saved_here
-        self._discard_state()
-
-    def _discard_state(self) -> None:
-        """Removes the state this fit resumed from (on the chief), once it is used up."""
-        if self._state_found and self.dist.is_chief:
-            for folder in (preemption.CHECKPOINT_DIR, f"{preemption.CHECKPOINT_DIR}.old"):
-                shutil.rmtree(os.path.join(self.model_dir, folder), ignore_errors=True)
-        self._state_found = False
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        if self._input is not None and epoch != self._resumed_epoch:
-            self._input.epoch_begin()
-        self.epoch = epoch
-        self.step = self._input.batch_offset if self._input is not None else 0
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.step = (self._input.batch_offset if self._input is not None else 0) + batch + 1
-        if self._input is not None and self.step == self._input.epoch_steps():
-            return  # the epoch's last step: its end checks, after the epoch's backup and logs
-        if self.watch.step():
-            self._save_and_exit(validating=False)
-        elif self.watch.save_now:
-            self._safety_save(validating=False)
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        saves = self.epoch_saves or self.watch.every is not None  # each epoch's end saves
-        if not saves:
-            self._discard_state()  # this epoch's backup, written before this callback, is newer
-        # Every epoch ends with a check, however long the interval between checks has grown.
-        if self.watch.check():
-            self._save_and_exit(validating=False, epoch_done=True)
-        elif saves:  # the new state replaces the one found, atomically
-            self._safety_save(validating=False, epoch_done=True)
-
-    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
-        if not self._in_fit:
-            return
-        if self.watch.step():
-            self._save_and_exit(validating=True, epoch_done=True)
-        elif self.watch.save_now:
-            self._safety_save(validating=True, epoch_done=True)
-
-    def _safety_save(self, *, validating: bool, epoch_done: bool = False) -> None:
-        """The exact state at this agreed step, every ``every`` seconds; training goes on."""
-        started = time.monotonic()
-        final = self._save(validating=validating, epoch_done=epoch_done)
-        self.watch.saved()
-        self._saved_here, self._state_found = True, False  # this state is newer than any found
-        if final is not None:
-            every = (f"; TFDIST_CHECKPOINT_EVERY={self.watch.every:g}s"
-                     if self.watch.every is not None else "")
-            logger.info("tfdist: safety save after step %d of epoch %d%s in %s (%.2f s%s)",
-                        self.step, self.epoch + 1, " (during validation)" if validating else "",
-                        final, time.monotonic() - started, every)
-
-    def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
-        final = self._save(validating=validating, epoch_done=epoch_done)
-        if final is not None:
-            logger.warning("tfdist: saved the state after step %d of epoch %d%s in %s; exiting "
-                           "with code %d", self.step, self.epoch + 1,
-                           " (during validation)" if validating else "", final,
-                           preemption.EXIT_PREEMPTED)
-        for callback in self.logs:  # the process ends without teardown: close the logs now
-            try:
-                callback.on_train_end()
-            except Exception as error:  # the state is saved: a log is not worth failing for
-                logger.warning("tfdist: closing %s failed: %s", type(callback).__name__, error)
-        preemption.exit_preempted(self.dist)
-
-    def _save(self, *, validating: bool, epoch_done: bool) -> str | None:
-        """Writes the exact state at this step (every rank); the folder on the chief."""
-        def write(folder: str) -> None:
-            save(self.dist, self.model, os.path.join(folder, "model.keras"))
-            # What the model file leaves out, per rank: the random generators' states
-            # (Dropout's seed generator), without which the resumed run would draw other masks.
-            extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
-            np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
-
-        state: dict[str, Any] = {
-            "epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
-            "validating": validating, "num_replicas": self.dist.num_replicas,
-            "signal": self.watch.signal.name if self.watch.signal else None,
-            "walltime": self.watch.walltime}
-        if self._input is not None:
-            where = self._input.position(self.step)
-            state["input"] = {"iterator": where.iterator, "drawn": where.drawn,
-                              "recreates": self._input.recreates}
-        return preemption.save_state(self.dist, self.model_dir, write, state)
-
-    def _resume(self, state: dict[str, Any]) -> None:
-        epoch, step = int(state["epoch"]), int(state["step"])
-        where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
-        saved, found = state.get("input"), self._input
-        if found is None or saved is None or saved["recreates"] != found.recreates:
-            why = ("needs a Keras whose fit tfdist can follow" if found is None
-                   else "was saved by another Keras")
-            instead = ("training starts from the first epoch (no epoch backup is kept beside "
-                       "the exact state)" if self.epoch_saves else
-                       "resuming from the last epoch's backup instead")
-            if self.dist.is_chief:
-                logger.warning("tfdist: %s holds the state at %s, but resuming there %s: %s",
-                               state["path"], where, why, instead)
-            return
-        optimizer: Any = getattr(self.model, "optimizer", None)
-        if (callable(getattr(optimizer, "build", None)) and not hasattr(optimizer, "built")
-                and not getattr(optimizer, "_built", False)):
-            # A Keras 2 optimizer not built yet: Keras 2.15's BackupAndRestore leaves it so
-            # (2.16's builds it), and load_weights would skip its state ("Skipping variable
-            # loading for optimizer"). Keras 3's have `built`, and fit built them already.
-            optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(os.path.join(state["path"], "model.keras"))
-        self._restore_unsaved(state["path"])
-        at = keras_input.plan(keras_input.Position(saved["iterator"], saved["drawn"]), epoch,
-                              step, epoch_done=bool(state["epoch_done"]),
-                              recreates=found.recreates)
-        found.resume(at)
-        self.model._initial_epoch = at.epoch  # Keras 3's fit starts there; tf_keras: resume()
-        self._resumed_epoch, self.epoch, self.resumed_from = at.epoch, at.epoch, state
-        if self.dist.is_chief:
-            changed = ("" if state["world_size"] == self.dist.world_size else
-                       f"; it ran on {state['world_size']} workers, now {self.dist.world_size}: "
-                       "the global batch is what the script sets")
-            logger.warning("tfdist: resuming at %s from %s%s", where, state["path"], changed)
-
-    def _restore_unsaved(self, folder: str) -> None:
-        mine = os.path.join(folder, f"rank-{self.dist.rank}.npz")
-        path = mine if os.path.exists(mine) else os.path.join(folder, "rank-0.npz")
-        if not os.path.exists(path):
-            return
-        with np.load(path) as saved:
-            for i, variable in enumerate(_unsaved(self.model)):
-                if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
-                    variable.assign(saved[f"v{i}"])
-
-
-def _unsaved(model: Any) -> list[Any]:
-    """The model's variables that ``model.save`` leaves out: its random generators' states."""
-    return keras_compat.random_states(model)
+class PreemptionCheckpoint(fit_preemption.PreemptionCallback, keras.callbacks.Callback):
+    """:class:`tfdist.fit_preemption.PreemptionCallback` as a ``tf.keras`` callback: after a
+    preemption signal or at the walltime, every rank stops at one agreed step, the exact state
+    is saved in ``model_dir/preempted``, the process exits with 75, and the next ``fit`` with
+    the same ``model_dir`` resumes there."""
 
 
 class LearningRateWarmup(keras.callbacks.Callback):

@@ -4,10 +4,11 @@ that import no TensorFlow.
 What is here: your own callbacks, ``model_dir/checkpoint.keras`` saved at each epoch's end once,
 from the chief (every rank runs the save: :func:`tfdist.scratch.save_once`), TensorBoard's logs
 in ``model_dir/logs`` from the chief (where tensorboard and TensorFlow are installed: Keras
-writes them through ``tf.summary``), the throughput meter with every rank's profile
-(:class:`tfdist.throughput.StepMeter`), the chief's progress bar alone. What is not here yet:
-the exact-state saves and the preemption and walltime stop of the TensorFlow backends; with a
-``model_dir`` the chief says so once, so that no one counts on them.
+writes them through ``tf.summary``), the preemption and walltime stop with the exact state saved
+at one agreed step and resumed there, the same state saved at each epoch's end and every
+``checkpoint_every`` (:class:`tfdist.fit_preemption.PreemptionCallback`, as on the TensorFlow
+backends), the throughput meter with every rank's profile
+(:class:`tfdist.throughput.StepMeter`), the chief's progress bar alone.
 """
 
 from __future__ import annotations
@@ -17,18 +18,15 @@ import logging
 import os
 from typing import Any
 
+from tfdist import fit_preemption, keras_input
 from tfdist import model_dir as layout
 from tfdist.scratch import save_once
 from tfdist.throughput import StepMeter, throughput_file
 
-__all__ = ["NOT_YET", "build"]
+__all__ = ["build"]
 
 logger = logging.getLogger("tfdist")
 
-NOT_YET = ("Keras 3 on JAX: the checkpoint is saved at each epoch's end, but a preemption "
-           "signal or the walltime does not stop training with an exact save yet (the "
-           "TensorFlow backends' PreemptionCheckpoint): resume from model_dir/checkpoint.keras "
-           "with load_model and fit(initial_epoch=)")
 _OPTIONS = ("model_dir", "checkpoint", "throughput", "global_batch", "preempt", "backup",
             "tensorboard", "sync_check", "sync_check_every", "checkpoint_every",
             "average_batch_statistics", "warmup_epochs", "chief_only")
@@ -50,11 +48,17 @@ def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
     callbacks: list[Any] = list(extra)
     if model_dir and options.get("checkpoint", True):
         callbacks.append(_checkpoint(keras, dist, layout.path(model_dir, layout.CHECKPOINT)))
+    logs = []
     if model_dir and options.get("tensorboard", True) and dist.is_chief and all(
             importlib.util.find_spec(m) for m in ("tensorboard", "tensorflow")):
-        callbacks.append(keras.callbacks.TensorBoard(layout.path(model_dir, layout.LOGS)))
-    if model_dir and dist.is_chief and options.get("preempt", True):
-        logger.warning("tfdist: %s", NOT_YET)
+        logs.append(keras.callbacks.TensorBoard(layout.path(model_dir, layout.LOGS)))
+    callbacks += logs
+    if model_dir and options.get("preempt", True):  # last: a stop at an epoch's end comes
+        # after its checkpoint; each epoch's end saves the exact state (a kill resumes there)
+        epoch_saves = bool(options.get("backup", True)) and keras_input.tracked()
+        callbacks.append(_preemption(keras)(dist, model_dir, logs=logs,
+                                            every=options.get("checkpoint_every"),
+                                            epoch_saves=epoch_saves))
     if options.get("throughput", True):
         callbacks.append(_meter(keras, StepMeter(dist, options.get("global_batch"),
                                                  throughput_file(model_dir))))
@@ -70,6 +74,13 @@ def _checkpoint(keras: Any, dist: Any, path: str) -> Any:
             save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, self.model, path)
 
     return Checkpoint()
+
+
+def _preemption(keras: Any) -> Any:
+    class PreemptionCheckpoint(fit_preemption.PreemptionCallback, keras.callbacks.Callback):
+        """:class:`tfdist.fit_preemption.PreemptionCallback` as a Keras 3 callback on JAX."""
+
+    return PreemptionCheckpoint
 
 
 def _meter(keras: Any, meter: StepMeter) -> Any:

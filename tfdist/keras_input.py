@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 from tfdist import patches
 from tfdist.keras_compat import keras2_module, keras2_package
 
-__all__ = ["Keras3Input", "Position", "Resume", "TfKerasInput", "current", "plan", "track"]
+__all__ = ["JaxInput", "Keras3Input", "Position", "Resume", "TfKerasInput", "current", "plan",
+           "track"]
 
 logger = logging.getLogger("tfdist")
 
@@ -129,6 +130,28 @@ class Keras3Input:
                 self.data._num_batches = self.data.data_adapter.num_batches
 
 
+class JaxInput(Keras3Input):
+    """The input of a Keras 3 ``fit`` on JAX: its ``JAXEpochIterator``, whose iterators are
+    generators. A generator makes the dataset's iterator when its first batch is drawn, so
+    only the iterators drawn from are counted (:func:`_track_keras3_jax`), and one made to
+    advance the dataset's seed generator has a batch drawn."""
+
+    def resume(self, at: Resume) -> None:
+        data = self.data
+        while data._tfdist_created < at.iterator - 1:
+            next(iter(data._get_iterator()), None)  # made, one batch drawn, dropped
+        prepared = _skip(iter(data._get_iterator()), at.skip)  # counted at its first batch
+        self.batch_offset = at.step
+        if self.recreates:
+            data._tfdist_next = prepared
+            if at.step and data.data_adapter.num_batches:
+                data._num_batches = data.data_adapter.num_batches - at.step
+        else:
+            data._current_iterator, data._steps_seen = prepared, at.skip
+            if at.step:
+                data.steps_per_epoch = self._steps_per_epoch - at.step
+
+
 class TfKerasInput:
     """The input of a tf_keras ``fit``: its ``DataHandler``.
 
@@ -193,6 +216,39 @@ def _track_keras3() -> None:
     patches.apply("keras3-input-position", cls, "_get_iterator", wrap_get_iterator)
 
 
+def _track_keras3_jax() -> None:
+    from keras.src.backend.jax import trainer
+
+    def wrap_init(init: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            init(self, *args, **kwargs)
+            self._tfdist_created, self._tfdist_next = 0, None
+            _last["keras3"] = self
+
+        return __init__
+
+    def wrap_get_iterator(get_iterator: Any) -> Any:
+        def _get_iterator(self: Any) -> Any:
+            prepared, self._tfdist_next = self._tfdist_next, None
+            return prepared if prepared is not None else _counted(self, get_iterator(self))
+
+        return _get_iterator
+
+    cls = trainer.JAXEpochIterator
+    patches.apply("jax-input-position", cls, "__init__", wrap_init)
+    patches.apply("jax-input-position", cls, "_get_iterator", wrap_get_iterator)
+
+
+def _counted(epoch_iterator: Any, batches: Any) -> Any:
+    """``batches``, counted as an iterator made when its first batch is drawn."""
+    first = True
+    for batch in batches:
+        if first:
+            epoch_iterator._tfdist_created += 1
+            first = False
+        yield batch
+
+
 def _track_keras2() -> None:
     # tf_keras, or TensorFlow 2.15's keras 2.15 and older: the same engine under another name
     data_adapter = keras2_module("engine.data_adapter")
@@ -252,12 +308,15 @@ def _tracked_epochs(enumerate_epochs: Any) -> Any:
     return tracked_epochs
 
 
-def track() -> bool:
+def track(jax: bool = False) -> bool:
     """Installs the counting hooks for the Keras in use (:mod:`tfdist.patches`), once; called
-    when a TensorFlow backend is created. False where they cannot be (a Keras without the
-    classes hooked): a resumed ``fit`` then starts with the epoch."""
+    when a backend is created (``jax``: Keras 3 on JAX). False where they cannot be (a Keras
+    without the classes hooked): a resumed ``fit`` then starts with the epoch."""
     try:
-        _track_keras2() if keras2_package() else _track_keras3()
+        if jax:
+            _track_keras3_jax()
+        else:
+            _track_keras2() if keras2_package() else _track_keras3()
     except (ImportError, AttributeError) as error:
         logger.info("tfdist: cannot follow fit's input on this Keras (%s): a preempted fit "
                     "resumes at its epoch", error)
@@ -281,4 +340,7 @@ def current(model: Any) -> Keras3Input | TfKerasInput | None:
         handler = _last.get("tf_keras")
         return TfKerasInput(handler, model) if handler is not None else None
     epoch_iterator = _last.get("keras3")
-    return Keras3Input(epoch_iterator) if epoch_iterator is not None else None
+    if epoch_iterator is None:
+        return None
+    return (JaxInput if type(epoch_iterator).__name__ == "JAXEpochIterator"
+            else Keras3Input)(epoch_iterator)

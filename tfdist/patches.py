@@ -252,6 +252,11 @@ INVENTORY: tuple[Patch, ...] = (
           "fit's shuffled the same way on every rank, of which each rank reads its part; "
           "fit's validation arrays likewise",
           _jax_processes),
+    Patch("jax-input-position", "keras.src.backend.jax.trainer.JAXEpochIterator.__init__/"
+          "_get_iterator", "tfdist.keras_input", "Keras 3 on JAX",
+          "counts the iterators fit draws from, so a preempted fit resumes at the batch it "
+          "stopped at, with the order the stopped run saw, instead of the epoch's start",
+          lambda w: w.backend.framework == JAX),
     Patch("jax-predict-every-row", "keras.src.backend.jax.trainer.JAXTrainer."
           "make_predict_function", "tfdist.jax_patches", "Keras 3 on JAX, several processes",
           "predict cannot read a batch whose rows lie on several processes (a RuntimeError); "

@@ -9,7 +9,7 @@ everything (its weights must differ from the other rank's).
 
 The model has a BatchNormalization layer. It trains one epoch on in-memory arrays with
 validation arrays, then one on a ``tf.data`` dataset through ``dist.shard``; then ``evaluate``
-and ``predict``. Each rank writes ``OUT/rank-N.json`` (history, results, predictions' shape and
+and ``predict``; then a second model with its own ``train_step`` trains one epoch. Each rank writes ``OUT/rank-N.json`` (history, results, predictions' shape and
 sum) and ``OUT/rank-N.npz`` (the weights, in order).
 """
 
@@ -51,15 +51,47 @@ def main(out: str, mode: str) -> None:
                          callbacks=callbacks)
     results = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
     predicted = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
-    weights = model.get_weights()
+    custom = _custom_step(keras, dist, x, y)
+    weights = model.get_weights() + custom.get_weights()
     np.savez(os.path.join(out, f"rank-{rank}.npz"), *weights)
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"history": {**arrays.history, **{f"ds_{k}": v for k, v in
                                                      datasets.history.items()}},
-                   "evaluate": results, "predicted": [list(predicted.shape),
+                   "evaluate": results, "custom": custom.history.history, "predicted": [list(predicted.shape),
                                                       float(predicted.sum())],
                    "replicas": dist.num_replicas if dist else 1,
                    "patches": [p.key for p in patches.installed()]}, f)
+
+
+def _custom_step(keras, dist, x, y):
+    """A model whose own ``train_step`` (JAX's stateless form) returns a value that is no
+    compiled metric: the spread of the labels in the step's batch, which equals one process's
+    only when each step sees the GLOBAL batch. Trained one epoch on arrays."""
+    import jax
+
+    class Custom(keras.Model):
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            inputs, labels = data
+
+            def loss_of(values):
+                outputs, kept = self.stateless_call(values, non_trainable, inputs,
+                                                    training=True)
+                return keras.ops.mean((outputs - labels) ** 2), kept
+
+            (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+            trainable, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainable)
+            spread = keras.ops.max(labels) - keras.ops.min(labels)
+            return ({"loss": loss, "spread": spread},
+                    (trainable, non_trainable, optimizer_variables, metrics_variables))
+
+    with dist.scope() if dist else contextlib.nullcontext():
+        inputs = keras.Input((8,))
+        model = Custom(inputs, keras.layers.Dense(2)(keras.layers.Dense(8)(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    return model
 
 
 if __name__ == "__main__":

@@ -64,9 +64,12 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     dist = tfdist.init(backend=backend)
     import tensorflow as tf
 
-    from tfdist.callbacks import PreemptionCheckpoint
+    from tfdist.fit_preemption import PreemptionCallback
 
-    keras = tf.keras
+    if backend == "jax":  # Keras 3 on JAX (KERAS_BACKEND=jax); the input is tf.data's all the same
+        import keras
+    else:
+        keras = tf.keras
     keras.utils.set_random_seed(7)
     # tfdist launch and tfdist survive count the runs; a requeued Slurm job, SLURM_RESTART_COUNT
     run = int(os.environ.get("TFDIST_RESTART_COUNT", dist.environment.restart_count))
@@ -140,18 +143,18 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
             soak_signal("epoch_end", steps["epochs_ended"])
 
     callbacks = dist.callbacks(Announce(), model_dir=model_dir, tensorboard=False)
-    watcher = next(c for c in callbacks if isinstance(c, PreemptionCheckpoint))
+    watcher = next(c for c in callbacks if isinstance(c, PreemptionCallback))
     if moment["kind"] == "save":  # the signal comes while the epoch's save is being written
-        from tfdist import callbacks as tfdist_callbacks
+        from tfdist import fit_preemption
 
-        saving_model = tfdist_callbacks.save
+        saving_model = fit_preemption.save_model
 
         def save(*args: object, **kwargs: object) -> bool:
             wrote = saving_model(*args, **kwargs)  # type: ignore[arg-type]
             soak_signal("save", steps["epochs_ended"])  # before this rank's random states
             return wrote
 
-        tfdist_callbacks.save = save  # type: ignore[assignment]
+        fit_preemption.save_model = save  # type: ignore[assignment]
     epochs = 2 * cycles + 1 if soak else 3  # room for every moment: a run uses at most 1.5
     result = {"rank": dist.rank, "run": run, "code": 0}
     try:

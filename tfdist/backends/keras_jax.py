@@ -117,10 +117,11 @@ class JaxDistributed(Distributed):
         return lambda value=1.0: self.sum_over_ranks([float(value)] * max(n, 1))[0]
 
     def callbacks(self, *extra: Any, **options: Any) -> list[Any]:
-        """Keras callbacks for Keras 3 on JAX: your ``extra`` callbacks, the throughput meter
-        (``throughput=False`` turns it off) and, on ranks other than the chief, a silent
-        progress bar. The checkpoint, backup and preemption options of the TensorFlow backends
-        are not here yet: they are refused rather than ignored."""
+        """Keras callbacks for Keras 3 on JAX (:mod:`tfdist.jax_callbacks`): your ``extra``
+        callbacks; with ``model_dir`` the chief's checkpoint and TensorBoard logs, the
+        preemption and walltime stop with an exact resume and the exact state at each epoch's
+        end; the throughput meter (``throughput=False`` turns it off) and, on ranks other than
+        the chief, a silent progress bar."""
         from tfdist import jax_callbacks
 
         return jax_callbacks.build(self, *extra, **options)
@@ -175,6 +176,9 @@ def create(environment: ClusterEnvironment, settings: Settings) -> JaxDistribute
                                                        auto_shard_dataset=False)
         keras.distribution.set_distribution(distribution)
     handle = JaxDistributed(environment, distribution, collective, gpus, jax)
+    from tfdist import keras_input
+
+    keras_input.track(jax=True)  # where fit's input stands, for an exact resume
     if environment.is_distributed:
         _install_patches(handle)
     if environment.is_chief:
