@@ -9,8 +9,9 @@ everything (its weights must differ from the other rank's).
 
 The model has a BatchNormalization layer. It trains one epoch on in-memory arrays with
 validation arrays, then one on a ``tf.data`` dataset through ``dist.shard``; then ``evaluate``
-and ``predict``; then a second model with its own ``train_step`` trains one epoch. Each rank writes ``OUT/rank-N.json`` (history, results, predictions' shape and
-sum) and ``OUT/rank-N.npz`` (the weights, in order).
+and ``predict``; then a second model with its own ``train_step`` trains one epoch. Each rank
+writes ``OUT/rank-N.json`` (history, results, predictions' shape and sum, the second model's
+history) and ``OUT/rank-N.npz`` (the weights of both, in order).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def main(out: str, mode: str) -> None:
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"history": {**arrays.history, **{f"ds_{k}": v for k, v in
                                                      datasets.history.items()}},
-                   "evaluate": results, "custom": custom.history.history, "predicted": [list(predicted.shape),
-                                                      float(predicted.sum())],
+                   "evaluate": results, "custom": custom.history.history,
+                   "predicted": [list(predicted.shape), float(predicted.sum())],
                    "replicas": dist.num_replicas if dist else 1,
                    "patches": [p.key for p in patches.installed()]}, f)
 
