@@ -147,16 +147,18 @@ def test_two_ranks_seeded_apart_end_bit_identical_and_as_one_process(runs):
         shape, total = dist[rank]["predicted"]
         assert shape == one["predicted"][0] == [256, 2]  # every row on every rank
         np.testing.assert_allclose(total, one["predicted"][1], rtol=1e-5)
-        # The custom train_step's values are the global batch's, as on one process.
+        # The custom train_step's values are the global batch's, as on one process, on arrays
+        # and on a PyDataset, whose batches each rank splits (the step sees 32 rows, not 64).
+        assert dist[rank]["custom"]["rows"] == one["custom"]["rows"] == [32.0, 32.0]
         assert dist[rank]["custom"]["spread"] == one["custom"]["spread"], dist[rank]["custom"]
         np.testing.assert_allclose(dist[rank]["custom"]["loss"], one["custom"]["loss"],
                                    rtol=1e-5)
-    last = one["custom"]["spread"][-1]  # the last step's batch: rows 224-255 of the worker's
+    last = one["custom"]["spread"][0]  # the last step's batch: rows 224-255 of the worker's
     y = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")[224:, :2] * 3 + 1
     assert last == pytest.approx(float(y.max() - y.min()), rel=1e-6)
     assert last > float(y[:16].max() - y[:16].min())  # a rank's half alone would differ
-    assert dist[0]["patches"] == ["jax-input-position", "jax-rank0-values", "jax-inputs-by-rank",
-                                  "jax-predict-every-row"]
+    assert dist[0]["patches"] == ["jax-input-position", "jax-rank0-values", "sequence-one-order",
+                                  "jax-inputs-by-rank", "jax-predict-every-row"]
     assert one["patches"] == ["jax-input-position"]
 
 

@@ -3,9 +3,10 @@
 
 - :func:`rank0_values`: a variable placed eagerly on the devices of several processes takes
   rank 0's value (JAX wants the same value on every process and stops otherwise);
-- :func:`inputs_by_rank`: ``fit``, ``evaluate`` and ``predict`` on in-memory arrays read this
-  rank's part of every global batch (Keras refuses arrays on several processes, and would
-  otherwise read every row on every rank);
+- :func:`inputs_by_rank`: ``fit``, ``evaluate`` and ``predict`` on in-memory arrays, a
+  ``keras.utils.PyDataset`` or a Python generator read this rank's part of every global batch
+  (Keras refuses arrays on several processes, and would read every batch whole on every rank
+  from the others: one process's numbers for twice the work);
 - :func:`predict_every_row`: ``predict``'s batches are gathered from all processes, so it
   returns every row on every rank, as one process does.
 """
@@ -46,13 +47,22 @@ def rank0_values() -> None:
 def inputs_by_rank(rank: int, size: int, is_chief: bool, num_replicas: int) -> None:
     """``fit``/``evaluate``/``predict`` on arrays: one dataset of global batches (``fit``'s
     shuffled the same way on every rank: :func:`tfdist.sharding.arrays_as_dataset`), of which
-    each rank reads its part; ``fit``'s ``validation_data`` arrays likewise."""
+    each rank reads its part; ``fit``'s ``validation_data`` arrays likewise. A ``PyDataset``
+    (its batches shuffled in one order on every rank: :func:`tfdist.sharding.agree_on_sequences`)
+    or a generator: each rank its part of every batch; loader processes become threads."""
     import keras
 
     from tfdist.horovod import sharding as by_rank
 
     def split(arguments: dict[str, Any], *, shuffle: bool) -> None:
         x = arguments.get("x")
+        sharding.loader_threads(arguments, is_chief)  # a fork beside JAX's threads can hang
+        if sharding.is_sequence(x):  # each rank its part of every batch, in one agreed order
+            arguments["x"] = by_rank.sequence_slices(x, rank, size)
+        elif sharding.is_generator(x):
+            if is_chief:
+                sharding.warn_once(GENERATOR)
+            arguments["x"] = by_rank.generator_slices(x, rank, size)
         if not sharding.is_arrays(x):
             return
         if is_chief:
@@ -69,6 +79,9 @@ def inputs_by_rank(rank: int, size: int, is_chief: bool, num_replicas: int) -> N
             if isinstance(validation, tuple) and sharding.is_arrays(validation[0]):
                 bound.arguments["validation_data"] = _validation(
                     validation, bound.arguments, rank, size)
+            elif sharding.is_sequence(validation):
+                bound.arguments["validation_data"] = by_rank.sequence_slices(validation, rank,
+                                                                             size)
         return patches.rebinding(original, change)
 
     def wrap_other(original: Any) -> Any:
@@ -77,6 +90,13 @@ def inputs_by_rank(rank: int, size: int, is_chief: bool, num_replicas: int) -> N
     patches.apply("jax-inputs-by-rank", keras.Model, "fit", wrap_fit)
     patches.apply("jax-inputs-by-rank", keras.Model, "evaluate", wrap_other)
     patches.apply("jax-inputs-by-rank", keras.Model, "predict", wrap_other)
+
+
+GENERATOR = (
+    "fit reads a Python generator on several processes: each runs its own copy, which must "
+    "yield the same batches in the same order on every rank (each rank takes its part of every "
+    "batch). For one process's numbers without that care, pass a keras.utils.PyDataset (its "
+    "order is agreed over the ranks) or a tf.data.Dataset through dist.shard")
 
 
 def _validation(validation: Any, arguments: dict[str, Any], rank: int, size: int) -> Any:

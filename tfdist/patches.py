@@ -167,12 +167,12 @@ INVENTORY: tuple[Patch, ...] = (
     Patch("sequence-one-order",
           "keras.src.trainers.data_adapters.py_dataset_adapter.random, "
           "tf_keras.src.engine.data_adapter.random, tf_keras.src.utils.data_utils.random",
-          "tfdist.sharding", "several processes: MWMS, Horovod",
+          "tfdist.sharding", "several processes: MWMS, Horovod, Keras 3 on JAX",
           "Keras shuffles a PyDataset's (Sequence's) batches with Python's random, which each "
           "rank seeds its own way, so the ranks split different batches at one step (rows "
           "trained three times an epoch, others once); the shuffle draws from one seeded "
           "stream, the same on every rank",
-          lambda w: _mwms(w) or (_horovod(w) and w.several_processes)),
+          lambda w: _mwms(w) or (_horovod(w) and w.several_processes) or _jax_processes(w)),
     Patch("generator-copies", "tensorflow.data.Dataset.from_generator", "tfdist.sharding",
           "MWMS on several workers",
           "TensorFlow takes a generator's numpy arrays without copying them, and once MWMS has "
@@ -250,7 +250,9 @@ INVENTORY: tuple[Patch, ...] = (
           "Keras refuses in-memory arrays on several processes (or, without its auto-shard, "
           "would read every row on every rank); arrays become one dataset of global batches, "
           "fit's shuffled the same way on every rank, of which each rank reads its part; "
-          "fit's validation arrays likewise",
+          "fit's validation arrays likewise; a PyDataset or a generator (read whole on every "
+          "rank: one process's numbers for twice the work) gives each rank its part of every "
+          "batch, and its loader processes become threads",
           _jax_processes),
     Patch("jax-input-position", "keras.src.backend.jax.trainer.JAXEpochIterator.__init__/"
           "_get_iterator", "tfdist.keras_input", "Keras 3 on JAX",

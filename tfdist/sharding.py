@@ -276,7 +276,7 @@ _warned: set[str] = set()
 
 LOADER_PROCESSES = (
     "fit(use_multiprocessing=True) would fork Keras's loader processes from a process that runs "
-    "TensorFlow's and the collectives' threads: a forked loader can deadlock on a lock one of "
+    "the framework's and the collectives' threads: a forked loader can deadlock on a lock one of "
     "them held (seen: a worker stuck on a futex, the job hung), so on several workers the "
     "loaders run as threads (workers= kept). For CPU-heavy loading use a tf.data pipeline "
     "(dataset.map(..., num_parallel_calls=tf.data.AUTOTUNE)) through dist.shard")

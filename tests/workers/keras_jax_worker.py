@@ -65,9 +65,11 @@ def main(out: str, mode: str) -> None:
 
 
 def _custom_step(keras, dist, x, y):
-    """A model whose own ``train_step`` (JAX's stateless form) returns a value that is no
+    """A model whose own ``train_step`` (JAX's stateless form) returns values that are no
     compiled metric: the spread of the labels in the step's batch, which equals one process's
-    only when each step sees the GLOBAL batch. Trained one epoch on arrays."""
+    only when each step sees the GLOBAL batch, and the rows the compiled step sees. Trained one
+    epoch on arrays, then one on a ``PyDataset`` with loader processes (each rank must read its
+    part of every batch: read whole on every rank, the step would see twice the rows)."""
     import jax
 
     class Custom(keras.Model):
@@ -84,7 +86,8 @@ def _custom_step(keras, dist, x, y):
             trainable, optimizer_variables = self.optimizer.stateless_apply(
                 optimizer_variables, grads, trainable)
             spread = keras.ops.max(labels) - keras.ops.min(labels)
-            return ({"loss": loss, "spread": spread},
+            rows = keras.ops.cast(keras.ops.shape(labels)[0], "float32")  # the global batch's
+            return ({"loss": loss, "spread": spread, "rows": rows},
                     (trainable, non_trainable, optimizer_variables, metrics_variables))
 
     with dist.scope() if dist else contextlib.nullcontext():
@@ -92,6 +95,19 @@ def _custom_step(keras, dist, x, y):
         model = Custom(inputs, keras.layers.Dense(2)(keras.layers.Dense(8)(inputs)))
         model.compile(optimizer=keras.optimizers.SGD(0.05))
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    first = model.history.history
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return ROWS // GLOBAL_BATCH
+
+        def __getitem__(self, index):
+            rows = slice(index * GLOBAL_BATCH, (index + 1) * GLOBAL_BATCH)
+            return x[rows], y[rows]
+
+    model.fit(Batches(workers=2, use_multiprocessing=True), epochs=1, verbose=0, shuffle=False)
+    model.history.history = {key: first[key] + values
+                             for key, values in model.history.history.items()}
     return model
 
 

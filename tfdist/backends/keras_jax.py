@@ -216,9 +216,10 @@ def _start_runtime(jax: Any, environment: ClusterEnvironment, settings: Settings
 
 def _install_patches(handle: JaxDistributed) -> None:
     """The patches of several processes (rows ``jax-*`` of :data:`tfdist.patches.INVENTORY`)."""
-    from tfdist import jax_patches
+    from tfdist import jax_patches, sharding
 
     jax_patches.rank0_values()
+    sharding.agree_on_sequences()  # a PyDataset's shuffled batches: one order on every rank
     jax_patches.inputs_by_rank(handle.rank, handle.world_size, handle.is_chief,
                                handle.num_replicas)
     jax_patches.predict_every_row()
