@@ -9,6 +9,7 @@ within rounding, while a control of the same two processes without tfdist ends a
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +182,20 @@ def test_the_chief_says_how_the_processes_met_and_writes_each_file_once(runs):
     written = {p.name for p in model_dir.iterdir()}  # logs/: TensorBoard's, where installed
     # Each epoch's exact state (preempted/) is removed once the fit ends well.
     assert written - {"logs"} == {"checkpoint.keras", "throughput.jsonl"}, written
+
+
+@pytest.mark.multiprocess
+def test_the_sync_check_names_a_rank_whose_copy_differs(runs, tmp_path):
+    output = runs["dist"][0]["output"]  # the check ran in the good run, and passed
+    assert "[0] tfdist: replica sync check passed at step 1:" in output, output[-3000:]
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2",
+                          str(WORKERS / "keras_jax_worker.py"), str(tmp_path), "desync"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+                         env=clean_env(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"))
+    output = run.stdout + run.stderr
+    assert run.returncode != 0 and "trained on" not in output, output[-3000:]
+    assert "ReplicaMismatchError" in output and "after step 1" in output, output[-3000:]
+    assert re.search(r"rank 1\b.*differ|differ.*rank 1\b", output), output[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -7,8 +7,8 @@ in ``model_dir/logs`` from the chief (where tensorboard and TensorFlow are insta
 writes them through ``tf.summary``), the preemption and walltime stop with the exact state saved
 at one agreed step and resumed there, the same state saved at each epoch's end and every
 ``checkpoint_every`` (:class:`tfdist.fit_preemption.PreemptionCallback`, as on the TensorFlow
-backends), the throughput meter with every rank's profile
-(:class:`tfdist.throughput.StepMeter`), the chief's progress bar alone.
+backends), the replica sync check (where TensorFlow is installed), the throughput meter with
+every rank's profile (:class:`tfdist.throughput.StepMeter`), the chief's progress bar alone.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
             importlib.util.find_spec(m) for m in ("tensorboard", "tensorflow")):
         logs.append(keras.callbacks.TensorBoard(layout.path(model_dir, layout.LOGS)))
     callbacks += logs
+    callbacks += _sync_check(dist, options)  # after `extra`: it sees their changes
     if model_dir and options.get("preempt", True):  # last: a stop at an epoch's end comes
         # after its checkpoint; each epoch's end saves the exact state (a kill resumes there)
         epoch_saves = bool(options.get("backup", True)) and keras_input.tracked()
@@ -74,6 +75,21 @@ def _checkpoint(keras: Any, dist: Any, path: str) -> Any:
             save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, self.model, path)
 
     return Checkpoint()
+
+
+def _sync_check(dist: Any, options: dict[str, Any]) -> list[Any]:
+    """The replica sync check (:class:`tfdist.sync.ReplicaSyncCheck`): every process's copies
+    of the variables compared after the first step and at the end. Its module reads variables
+    through TensorFlow's types: without TensorFlow installed the check is left out, said once."""
+    if importlib.util.find_spec("tensorflow") is None:
+        if dist.is_chief and dist.num_replicas > 1 and options.get("sync_check") is not False:
+            logger.info("tfdist: the replica sync check is off: it needs TensorFlow installed")
+        return []
+    from tfdist import sync
+
+    check = sync.sync_check_callback(dist, options.get("sync_check"),
+                                     options.get("sync_check_every"))
+    return [check] if check is not None else []
 
 
 def _preemption(keras: Any) -> Any:

@@ -259,6 +259,9 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
 
     def _check(self, *, at_end: bool = False) -> None:
         start = time.perf_counter()
+        sync = getattr(self.model, "jax_state_sync", None)
+        if callable(sync):  # Keras 3 on JAX keeps the variables' values aside inside fit
+            sync()
         variables = model_variables(self.model, include_optimizer=self.include_optimizer,
                                     include_batch_statistics=at_end
                                     and self.batch_statistics_at_end)
@@ -315,14 +318,9 @@ def _name(variable: Any) -> str:
 def _local_digests(dist: Distributed, variables: Sequence[Any]) -> np.ndarray:
     """Rows of per-variable digests, one row per replica on this rank (its own copies)."""
     count = dist.local_replicas
-    copies = [_local_copies(dist, v, count) for v in variables]
+    copies = [dist.local_copies(v) for v in variables]
     return np.array([fingerprint(c[i] for c in copies) for i in range(count)],
                     dtype=np.uint64).reshape(count, len(variables))
-
-
-def _local_copies(dist: Distributed, variable: Any, count: int) -> list[Any]:
-    results = dist.strategy.experimental_local_results(as_tf_variable(variable))
-    return list(results) if len(results) == count else [results[0]] * count
 
 
 def _gather(dist: Distributed, rows: np.ndarray, timeout_s: float) -> np.ndarray:

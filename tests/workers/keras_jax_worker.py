@@ -5,7 +5,8 @@
 MODE ``dist``: ``tfdist.init()``, each rank seeded with its own rank (tfdist must start every
 rank from rank 0's weights); ``one``: the same in one plain process, seeded as rank 0; ``control``:
 no tfdist, each process seeded with its rank from ``tfdist.detect()`` and training alone on
-everything (its weights must differ from the other rank's).
+everything (its weights must differ from the other rank's); ``desync``: rank 1's copy of a
+variable changed by hand before ``fit`` (:func:`_desync`).
 
 The model has a BatchNormalization layer. It trains one epoch on in-memory arrays with
 validation arrays, then one on a ``tf.data`` dataset through ``dist.shard``; then ``evaluate``
@@ -30,6 +31,8 @@ ROWS, GLOBAL_BATCH = 256, 32
 
 
 def main(out: str, mode: str) -> None:
+    if mode == "desync":
+        return _desync()
     dist = tfdist.init() if mode != "control" else None
     rank = dist.rank if dist else tfdist.detect().rank
     import keras
@@ -109,6 +112,28 @@ def _custom_step(keras, dist, x, y):
     model.history.history = {key: first[key] + values
                              for key, values in model.history.history.items()}
     return model
+
+
+def _desync() -> None:
+    """Rank 1's own copy of the first kernel moved by 1e-3 (by hand: JAX assumes the copies of a
+    replicated array equal and never compares them), then ``fit`` with ``dist.callbacks()``:
+    the replica sync check after the first step must stop both ranks, naming rank 1."""
+    dist = tfdist.init()
+    import jax
+    import keras
+
+    with dist.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    kernel = model.layers[0].kernel
+    shard = kernel.value.addressable_shards[0]
+    mine = np.asarray(shard.data) + np.float32(1e-3 * dist.rank)
+    kernel._value = jax.make_array_from_single_device_arrays(
+        kernel.value.shape, kernel.value.sharding, [jax.device_put(mine, shard.device)])
+    x = np.random.default_rng(0).normal(size=(ROWS, 8)).astype("float32")
+    model.fit(x, x[:, :2], batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+              callbacks=dist.callbacks())
+    print(f"tfdist-test: rank {dist.rank} trained on", flush=True)
 
 
 if __name__ == "__main__":

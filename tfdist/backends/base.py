@@ -257,6 +257,18 @@ class Distributed(ReplicaMath):
         """Callbacks the backend needs first in ``fit`` (Horovod: the broadcast from rank 0)."""
         return []
 
+    def local_copies(self, variable: Any) -> list[Any]:
+        """This process's copy of ``variable`` on each of its ``local_replicas`` replicas, for
+        the replica sync check (:mod:`tfdist.sync`): the strategy's local results, or the one
+        variable repeated where the process holds one copy for all."""
+        from tfdist.batch_statistics import as_tf_variable
+
+        count = self.local_replicas
+        if self.strategy is None:
+            return [variable] * count
+        results = self.strategy.experimental_local_results(as_tf_variable(variable))
+        return list(results) if len(results) == count else [results[0]] * count
+
     def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
         """All replicas' rows, in rank order, the same table on every rank (a collective).
 

@@ -103,6 +103,13 @@ class JaxDistributed(Distributed):
             total += row
         return [float(v) for v in total]
 
+    def local_copies(self, variable: Any) -> list[Any]:
+        """The copy of ``variable`` on each of this process's devices (its shards' data: one
+        replicated array holds a copy per device)."""
+        value = getattr(variable, "value", variable)
+        shards = sorted(value.addressable_shards, key=lambda shard: shard.device.id)
+        return [np.asarray(shard.data) for shard in shards]
+
     def gather_rows(self, rows: np.ndarray, timeout_s: float) -> np.ndarray:
         del timeout_s  # JAX's runtime ends a job whose rank stops answering (heartbeat)
         if self.world_size == 1:
