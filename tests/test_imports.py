@@ -91,11 +91,13 @@ def import_graph(root: Path, package: str) -> list[Edge]:
         is_package = path.name == "__init__.py"
         for node, top in _imports(ast.parse(path.read_text(), str(path))):
             found = [t for t in _targets(node, module, is_package) if t in names]
-            # `from pkg import sub` names the submodule; `from pkg import name` the package.
-            target = found[-1] if found else None
-            if target and target != module:
-                edges.append(Edge(module, target, str(path.relative_to(root)),
-                                  getattr(node, "lineno", 0), top))
+            # `from pkg import sub, other` names each submodule (the package is imported first
+            # all the same, as its parent); `from pkg import name` the package.
+            targets = found[1:] if isinstance(node, ast.ImportFrom) and found[1:] else found[-1:]
+            for target in targets:
+                if target != module:
+                    edges.append(Edge(module, target, str(path.relative_to(root)),
+                                      getattr(node, "lineno", 0), top))
     return edges
 
 

@@ -375,11 +375,13 @@ def _resume_case(tmp_path_factory: pytest.TempPathFactory, case: str
 
 
 # Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3, on
-# Horovod with tf_keras and on JAX by the walltime guard (the same agreement as a signal's) and
-# in the soak, and a stop at an epoch's last step by the soak's epoch-end moments. Their
+# Horovod with tf_keras and on JAX (steps_per_epoch) by the walltime guard (the same agreement as
+# a signal's) and in the soak; on MWMS with tf_keras and on JAX (an epoch's dataset) from a
+# safety save after a hard kill (the same state, the same resume; tf_keras's signal stop is in
+# the test above); a stop at an epoch's last step by the soak's epoch-end moments. Their
 # uninterrupted runs are the references of those tests.
 RESUMED_ELSEWHERE = {"mwms-keras3", "horovod-tf_keras", "mwms-keras3-at-an-epochs-last-step",
-                     "jax-keras3"}
+                     "mwms-tf_keras", "jax-keras3", "jax-keras3-steps_per_epoch"}
 
 
 @pytest.mark.multiprocess
@@ -409,13 +411,15 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["mwms-keras3", "horovod-tf_keras", "jax-keras3"])
+@pytest.mark.parametrize("case", ["mwms-keras3", "horovod-tf_keras",
+                                  "jax-keras3-steps_per_epoch"])
 def test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes(
         tmp_path_factory, case):
     # No signal at all: `tfdist launch --time-limit 40s` gives the workers their end, and the
     # margin (28 s) is reached 12 s after the launch, while the slowed steps (0.5 s each, 24 s
-    # of training) run. The guard stops both ranks at one step, saves and exits 75 before the
-    # launch's own stop at 40 s; the next launch (the requeued job) resumes there.
+    # of training; 18 s with steps_per_epoch) run. The guard stops both ranks at one step,
+    # saves and exits 75 before the launch's own stop at 40 s; the next launch (the requeued
+    # job) resumes there.
     total = RESUME[case][-1]
     python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
     first = _run(python, backend, tmp_path / "out", tmp_path / "m2", "-1", "0",

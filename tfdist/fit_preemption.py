@@ -18,8 +18,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from tfdist import keras_compat, keras_input, preemption
 from tfdist.scratch import save_once
 from tfdist.settings import resolve
@@ -191,6 +189,8 @@ class PreemptionCallback:
             save_model(self.dist, self.model, os.path.join(folder, "model.keras"))
             # What the model file leaves out, per rank: the random generators' states
             # (Dropout's seed generator), without which the resumed run would draw other masks.
+            import numpy as np
+
             extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
             np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
 
@@ -245,6 +245,8 @@ class PreemptionCallback:
         path = mine if os.path.exists(mine) else os.path.join(folder, "rank-0.npz")
         if not os.path.exists(path):
             return
+        import numpy as np
+
         with np.load(path) as saved:
             for i, variable in enumerate(_unsaved(self.model)):
                 if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):

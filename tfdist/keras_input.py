@@ -107,12 +107,9 @@ class Keras3Input:
 
     def resume(self, at: Resume) -> None:
         data = self.data
-        while data._tfdist_created < at.iterator - 1:
-            iter(data._get_iterator())  # made and dropped: advances the seed generator
-        prepared = _skip(iter(data._get_iterator()), at.skip)
+        prepared = self._prepare(at)
         self.batch_offset = at.step
         if self.recreates:
-            data._tfdist_created -= 1  # counted again when the epoch asks for it
             data._tfdist_next = prepared
             if at.step and data.data_adapter.num_batches:
                 data._num_batches = data.data_adapter.num_batches - at.step
@@ -120,6 +117,17 @@ class Keras3Input:
             data._current_iterator, data._steps_seen = prepared, at.skip
             if at.step:
                 data.steps_per_epoch = self._steps_per_epoch - at.step
+
+    def _prepare(self, at: Resume) -> Any:
+        """Iterator number ``at.iterator``, its first ``at.skip`` batches drawn, the ones before
+        it made and dropped (each advances the dataset's seed generator)."""
+        data = self.data
+        while data._tfdist_created < at.iterator - 1:
+            iter(data._get_iterator())
+        prepared = _skip(iter(data._get_iterator()), at.skip)
+        if self.recreates:
+            data._tfdist_created -= 1  # counted again when the epoch asks for it
+        return prepared
 
     def epoch_begin(self) -> None:
         """A new epoch after the resumed one: whole epochs again."""
@@ -136,20 +144,11 @@ class JaxInput(Keras3Input):
     only the iterators drawn from are counted (:func:`_track_keras3_jax`), and one made to
     advance the dataset's seed generator has a batch drawn."""
 
-    def resume(self, at: Resume) -> None:
+    def _prepare(self, at: Resume) -> Any:
         data = self.data
         while data._tfdist_created < at.iterator - 1:
             next(iter(data._get_iterator()), None)  # made, one batch drawn, dropped
-        prepared = _skip(iter(data._get_iterator()), at.skip)  # counted at its first batch
-        self.batch_offset = at.step
-        if self.recreates:
-            data._tfdist_next = prepared
-            if at.step and data.data_adapter.num_batches:
-                data._num_batches = data.data_adapter.num_batches - at.step
-        else:
-            data._current_iterator, data._steps_seen = prepared, at.skip
-            if at.step:
-                data.steps_per_epoch = self._steps_per_epoch - at.step
+        return _skip(iter(data._get_iterator()), at.skip)  # counted at its first batch
 
 
 class TfKerasInput:
@@ -192,16 +191,19 @@ _last: dict[str, Any] = {}  # the trainer's input made last, by Keras
 _counters: dict[int, tuple[int, int]] = {}  # id(model): where its next tf_keras fit starts
 
 
+def _counting_init(init: Any) -> Any:
+    """A Keras 3 epoch iterator's ``__init__``, which starts the count and is remembered as the
+    input of the ``fit`` that is starting."""
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        init(self, *args, **kwargs)
+        self._tfdist_created, self._tfdist_next = 0, None
+        _last["keras3"] = self
+
+    return __init__
+
+
 def _track_keras3() -> None:
     from keras.src.backend.tensorflow import trainer
-
-    def wrap_init(init: Any) -> Any:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-            init(self, *args, **kwargs)
-            self._tfdist_created, self._tfdist_next = 0, None
-            _last["keras3"] = self
-
-        return __init__
 
     def wrap_get_iterator(get_iterator: Any) -> Any:
         def _get_iterator(self: Any) -> Any:
@@ -212,20 +214,12 @@ def _track_keras3() -> None:
         return _get_iterator
 
     cls = trainer.TFEpochIterator
-    patches.apply("keras3-input-position", cls, "__init__", wrap_init)
+    patches.apply("keras3-input-position", cls, "__init__", _counting_init)
     patches.apply("keras3-input-position", cls, "_get_iterator", wrap_get_iterator)
 
 
 def _track_keras3_jax() -> None:
     from keras.src.backend.jax import trainer
-
-    def wrap_init(init: Any) -> Any:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-            init(self, *args, **kwargs)
-            self._tfdist_created, self._tfdist_next = 0, None
-            _last["keras3"] = self
-
-        return __init__
 
     def wrap_get_iterator(get_iterator: Any) -> Any:
         def _get_iterator(self: Any) -> Any:
@@ -235,7 +229,7 @@ def _track_keras3_jax() -> None:
         return _get_iterator
 
     cls = trainer.JAXEpochIterator
-    patches.apply("jax-input-position", cls, "__init__", wrap_init)
+    patches.apply("jax-input-position", cls, "__init__", _counting_init)
     patches.apply("jax-input-position", cls, "_get_iterator", wrap_get_iterator)
 
 
