@@ -810,13 +810,16 @@ def test_scaling_job_runs_one_step_per_size_then_the_report(tmp_path: Path) -> N
     config = JobConfig(kind="scaling", nodes=3, gpus_per_node=0, tasks_per_node=2,
                        python="/opt/py/bin/python3", doctor=False, script="train.py",
                        args=("--model_dir=runs/${SLURM_JOB_ID}-n${workers}",))
-    calls = _run_script(render(config), tmp_path)
+    calls = _run_script(render(config), tmp_path, {
+        "STUB_HOSTS": "n9,n10,n11", "SLURM_JOB_NODELIST": "n[9-11]", "SLURM_NNODES": "3"})
     steps = [call for call in calls if call["prog"] == "srun"]
     folder = (tmp_path / "work").resolve() / "scaling-4242"
+    # Each size on the allocation's first nodes, in Slurm's order.
     assert [(call["argv"], call["env"]["TFDIST_THROUGHPUT_FILE"]) for call in steps[:-1]] == [
         (["--kill-on-bad-exit=1", "--cpu-bind=cores", f"--nodes={n}", f"--ntasks={2 * n}",
-          "--ntasks-per-node=2", "/opt/py/bin/python3", "train.py",
-          f"--model_dir=runs/4242-n{2 * n}"], str(folder / "runs" / f"n{2 * n}-r1.jsonl"))
+          "--ntasks-per-node=2", f"--nodelist={','.join(['n9', 'n10', 'n11'][:n])}",
+          "/opt/py/bin/python3", "train.py", f"--model_dir=runs/4242-n{2 * n}"],
+         str(folder / "runs" / f"n{2 * n}-r1.jsonl"))
         for n in (1, 2, 3)]
     assert steps[-1]["argv"] == ["--kill-on-bad-exit=1", "--cpu-bind=cores", "--nodes=1",
                                  "--ntasks=1", "--ntasks-per-node=1", "/opt/py/bin/python3",

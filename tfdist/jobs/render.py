@@ -501,7 +501,8 @@ def _scaling(c: JobConfig) -> str:
     sizes = " ".join(map(str, c.effective_scaling_nodes))
     python = word(c.python) if c.python else "python"
     train = _lines([], _srun_segments(c, step=('--nodes="$nodes"', '--ntasks="$workers"',
-                                               f"--ntasks-per-node={tasks}")),
+                                               f"--ntasks-per-node={tasks}",
+                                               '--nodelist="$nodelist"')),
                    _apptainer(c), _program(c))
     report = _lines([], _srun_segments(c, doctor=True, step=("--nodes=1", "--ntasks=1",
                                                              "--ntasks-per-node=1")),
@@ -512,12 +513,18 @@ def _scaling(c: JobConfig) -> str:
         f"# {tasks} task(s) per node. The chief of each step writes its throughput per epoch to",
         "# TFDIST_THROUGHPUT_FILE (the meter of dist.callbacks()), in a folder next to the job's "
         "output",
-        "# that every node must see. A failed step ends the job here (set -e).",
+        "# that every node must see. A failed step ends the job here (set -e). Each step runs on "
+        "the",
+        "# allocation's first nodes, so that the sizes compare the same machines (Slurm would "
+        "otherwise",
+        "# take any free nodes, and one that the last step still holds is not free yet).",
         *_container_comment(c),
         f"scaling_dir={_scaling_dir(c)}",
         'mkdir -p "$scaling_dir/runs"',
+        'hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         f"for nodes in {sizes}; do",
         f"    workers=$((nodes * {tasks}))",
+        '    nodelist=$(head -n "$nodes" <<<"$hosts" | paste -sd, -)',
         '    echo "tfdist scaling: $nodes node(s), $workers worker(s)"',
         '    export TFDIST_THROUGHPUT_FILE="$scaling_dir/runs/n${workers}-r1.jsonl"',
         "\n".join(f"    {line}" for line in train.split("\n")),
