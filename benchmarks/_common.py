@@ -42,3 +42,11 @@ def run_workers(cmd: list[str], env: dict[str, str], out: str, workers: int,
     if done.returncode:
         raise SystemExit(f"{label} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return [json.loads(Path(out, f"result-{rank}.json").read_text()) for rank in range(workers)]
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """``median (min..max)`` of ``values``, each formatted with ``fmt``."""
+    import statistics
+
+    return (f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}.."
+            f"{format(max(values), fmt)})")

@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import ROOT, WIDTHS, conv_net
+from _common import ROOT, WIDTHS, conv_net, spread
 
 VARIANTS = ("plain", "tfdist")
 
@@ -140,11 +140,6 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    return (f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}.."
-            f"{format(max(values), fmt)})")
-
-
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -192,8 +187,8 @@ def main() -> None:
         speeds = [found[name]["steady"] for found in rounds]
         ratios = [found[name]["steady"] / found["plain"]["steady"] for found in rounds]
         slowest = [found[name]["slowest"] for found in rounds]
-        print(f"  {name:>6}: {_spread(speeds, '.0f')} img/s, ratio {_spread(ratios, '.3f')}, "
-              f"slowest steady epoch {_spread(slowest, '.2f')} of the first")
+        print(f"  {name:>6}: {spread(speeds, '.0f')} img/s, ratio {spread(ratios, '.3f')}, "
+              f"slowest steady epoch {spread(slowest, '.2f')} of the first")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rounds, f, indent=1)
