@@ -6,6 +6,8 @@ tests/test_resolver.py. No GPU is needed: the policy is arithmetic on ids and co
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tfdist import devices
@@ -91,15 +93,35 @@ def test_count(chosen, expected):
     assert devices.count(chosen) == expected
 
 
-@pytest.mark.parametrize(("threads", "pinned", "cores", "expected"), [
-    (None, 1, 2, 1),      # tfdist launch: one core per worker
-    (None, 4, 64, 4),     # srun --cpus-per-task=4 --cpu-bind=cores
-    (None, 64, 64, None),  # not pinned: the framework's default
-    (None, 0, 64, None),  # unknown affinity
-    (8, 1, 2, 8),         # the user's choice wins
+@pytest.mark.parametrize(("threads", "pinned", "cores", "local", "expected"), [
+    (None, 1, 2, 2, 1),        # tfdist launch: one core per worker
+    (None, 4, 64, 16, 4),      # srun --cpus-per-task=4 --cpu-bind=cores
+    (None, 64, 64, 1, None),   # one process, not pinned: the framework's default
+    (None, 0, 64, 1, None),    # unknown affinity
+    (None, 64, 64, 4, 16),     # 4 unpinned ranks share the machine: a quarter each
+    (None, 0, 64, 4, 16),      # the same, affinity unknown
+    (None, 2, 2, 4, 1),        # more ranks than cores: one thread each, never none
+    (8, 1, 2, 2, 8),           # the user's choice wins
+    (8, 64, 64, 4, 8),
 ])
-def test_thread_count(threads, pinned, cores, expected):
-    assert devices.thread_count(threads, pinned, cores) == expected
+def test_thread_count(threads, pinned, cores, local, expected):
+    assert devices.thread_count(threads, pinned, cores, local) == expected
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("OMP_NUM_THREADS", "3", None),  # the framework reads the user's own setting
+    ("OMP_NUM_THREADS", "", "share"),  # set empty: as if unset
+    (None, None, "share"),
+])
+def test_a_framework_variable_the_user_set_wins_over_the_derived_count(monkeypatch, variable,
+                                                                        value, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    if variable:
+        monkeypatch.setenv(variable, value)
+    got = devices.affinity_thread_count(None, 4, variable)
+    assert got == (2 if expected == "share" else expected)
+    assert devices.affinity_thread_count(5, 4, variable) == 5  # asked of tfdist: that
 
 
 @pytest.mark.parametrize(("environment", "before", "after", "returned"), [

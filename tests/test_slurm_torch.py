@@ -90,8 +90,10 @@ def torch_job(cluster: SlurmCluster, **keys: Any) -> tuple[RenderedJob, str]:
     if Path(keys.get("script", "")) == TORCH_EXAMPLE:
         require(*EXAMPLE_NEEDS["torch_train.py"], python=cluster.python)
     workdir = cluster.new_workdir()
-    # 4 ranks share 2 cores; a rank killed by a signal prints every thread's Python stack.
-    env = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    # A rank killed by a signal prints every thread's Python stack. No OMP_NUM_THREADS: the
+    # 4 ranks share 2 unbound cores, and tfdist gives each its share (torch's default, a
+    # thread per core in each rank, spins them against each other).
+    env = {"PYTHONFAULTHANDLER": "1"}
     if keys.get("launcher") == "torchrun":
         env["LOGLEVEL"] = "INFO"  # torchrun's agents log their rendezvous
     config = cluster_config(cluster, backend=keys.pop("backend", "torch"),

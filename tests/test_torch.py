@@ -455,13 +455,12 @@ def _free_job_id() -> int:
 def _start_step(args: list[str], job: int, **extra: str) -> list[subprocess.Popen[str]]:
     """Starts 2 processes with the variables of a 2-task srun step on one node.
 
-    One thread each, as `srun --cpu-bind` would give: unpinned, torch's default threads spin
-    against each other on the test machines' 2 shared cores.
+    Unpinned, as srun without CPU binding leaves them: tfdist gives each its share of the
+    cores (torch's default, a thread per core in each, spins them against each other).
     """
     return [subprocess.Popen([sys.executable, *args], cwd=ROOT, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env=_clean_env(**_srun_step(rank, job), OMP_NUM_THREADS="1",
-                                            **extra))
+                             env=_clean_env(**_srun_step(rank, job), **extra))
             for rank in (0, 1)]
 
 
@@ -524,6 +523,10 @@ def test_simulated_srun_step_meets_at_the_first_node_and_derived_port(tmp_path):
     port = slurm.port_base({"SLURM_JOB_ID": str(job)}, 2)
     assert {r["init_method"] for r in results} == {f"tcp://localhost:{port}"}
     assert [r["local_rank"] for r in results] == [0, 1]
+    # Unpinned, 2 ranks on the machine: each takes half its cores (torch would take them all).
+    for result in results:
+        if result["affinity"] == result["cores"]:
+            assert result["threads"] == max(1, result["cores"] // 2), result
 
 
 @pytest.mark.multiprocess

@@ -54,7 +54,9 @@ def main(out_dir: str, mode: str) -> None:
                   "launcher": dist.environment.launcher, "backend": dist.backend,
                   "collective": dist.collective, "wrapped": type(model).__name__,
                   "device": str(dist.device), "init_method": dist.rendezvous.init_method,
-                  "losses": losses, "first_batches": first_batches}
+                  "losses": losses, "first_batches": first_batches,
+                  "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+                  "affinity": len(os.sched_getaffinity(0))}
         with open(os.path.join(out_dir, f"result-{dist.rank}.json"), "w") as f:
             json.dump(result, f)
 

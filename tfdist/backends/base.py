@@ -328,15 +328,25 @@ class Distributed(ReplicaMath):
                 f"launcher={self.environment.launcher!r})")
 
 
-def configure_threads(threads: int | None) -> None:
-    """Applies :func:`tfdist.devices.affinity_thread_count` to TensorFlow's thread pools."""
-    count = affinity_thread_count(threads)
+def configure_threads(threads: int | None, local_processes: int = 1) -> None:
+    """Applies :func:`tfdist.devices.affinity_thread_count` to TensorFlow's thread pools.
+
+    A count tfdist derived (the user asked for none) is skipped where TensorFlow's runtime has
+    already started (a script under Horovod that touched TensorFlow first): it keeps its
+    defaults, as before."""
+    count = affinity_thread_count(threads, local_processes, "TF_NUM_INTRAOP_THREADS")
     if count is None:
         return
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(count)
-    tf.config.threading.set_inter_op_parallelism_threads(count)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(count)
+        tf.config.threading.set_inter_op_parallelism_threads(count)
+    except RuntimeError:
+        if threads is not None:
+            raise
+        logger.debug("tfdist: TensorFlow's runtime has started: its thread pools stay as they "
+                     "are")
 
 
 def split_cpu(tf: Any, replicas: int) -> list[str]:

@@ -146,7 +146,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     join(environment, hvd)
     import tensorflow as tf
 
-    configure_threads(settings["threads"])
+    configure_threads(settings["threads"], environment.local_world_size)
     num_gpus, given = _pin_gpu(tf, 0 if narrowed else int(hvd.local_rank()),
                                1 if narrowed else environment.local_world_size)
     idle = devices.one_gpu_per_process("Horovod", given, "backend mwms")

@@ -171,7 +171,7 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
     tf = quiet.import_tensorflow()
 
     check_not_initialised(environment)
-    configure_threads(settings["threads"])
+    configure_threads(settings["threads"], environment.local_world_size)
     num_gpus = devices.count(chosen)
     if num_gpus is None:
         num_gpus = _take_share_of_counted_gpus(tf, environment)

@@ -412,7 +412,7 @@ def pick_device(environment: ClusterEnvironment) -> torch.device:
     # (physical ids kept) before CUDA starts; with nothing set, take the local rank's share.
     started = torch.cuda.is_initialized()  # then CUDA keeps the devices it saw at start
     chosen = devices.narrow_visible_gpus(environment)
-    threads = devices.affinity_thread_count(None)
+    threads = devices.affinity_thread_count(None, environment.local_world_size, "OMP_NUM_THREADS")
     if threads is not None:
         torch.set_num_threads(threads)
     if chosen == "" or not torch.cuda.is_available():
