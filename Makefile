@@ -76,7 +76,7 @@ train: $(STAMP)
 # The TensorFlow 2.15 lane runs what differs on Keras 2 as tf.keras, one test of each kind (the
 # main run tests every case on tf_keras 2.21 and, under Horovod, 2.18: the same Keras 2): fit
 # and custom loops on several workers, the Keras features and numbers against one process
-# (MWMS), the replica sync check, resume after a stop (fit on MWMS stopped by the walltime
+# (MWMS: only here on Keras 2, tests/test_keras_traps.py says why), the replica sync check, resume after a stop (fit on MWMS stopped by the walltime
 # guard, a custom loop after a signal, Keras 2's legacy random ops) and from an epoch's end,
 # several replicas in one process, the digits example, and on the Slurm test cluster a rendered
 # MWMS job under srun (tfdist's Slurm resolver subclasses TensorFlow's). Its tf_keras cases are

@@ -205,28 +205,6 @@ def test_mwms_job_tensorboard_logs_come_from_the_chief_only(mwms_job: RenderedJo
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT + 60)
-def test_mwms_job_with_gpus_per_task_trains_in_sync(slurm_cluster: SlurmCluster,
-                                                    data_dir: Path) -> None:
-    config = cluster_config(slurm_cluster, **recording(
-        slurm_cluster, job_name="mwms-per-task", gpus_per_task=True,
-        script=str(EXAMPLE), args=train_args(data_dir)))
-    assert f"#SBATCH --gpus-per-task={slurm_cluster.gres_type}:1" in render(config), \
-        render(config)
-    job = run_rendered(slurm_cluster, config, timeout=TRAIN_TIMEOUT)
-    check_training(job)
-    views = task_views(job)
-    # Slurm bound one fake GPU to each task, and tfdist took it as it is.
-    for rank, view in views.items():
-        assert view["tfdist"]["visible_devices"] == view["env"]["CUDA_VISIBLE_DEVICES"], \
-            f"rank {rank}: {view}\n{job.describe()}"
-    hosts = hosts_by_rank(views)
-    assert hosts == ["n9", "n9", "n10", "n10"], job.describe()
-    for node in TWO_NODES:
-        gpus = sorted(v["tfdist"]["visible_devices"] for r, v in views.items() if hosts[r] == node)
-        assert gpus == ["0", "1"], f"{node}: {views}\n{job.describe()}"
-
-
-@pytest.mark.timeout(TRAIN_TIMEOUT + 60)
 def test_mwms_job_with_one_task_per_node_trains_two_replicas_in_each(
         slurm_cluster: SlurmCluster, data_dir: Path) -> None:
     # One task per node driving several devices: the GPU-free stand-in, 2 logical CPUs per
@@ -293,9 +271,14 @@ def test_stock_resolver_gets_n9_n10_wrong_where_tfdist_gets_it_right(
             assert stock["address"].split(":")[0] != probe["host"], \
                 f"the stock resolver got rank {rank}'s node right: {probe}\n{job.describe()}"
     else:
-        # One GPU bound per task: the stock resolver cannot divide 1 GPU among 2 tasks.
-        devices = sorted(p["cuda_visible_devices"] for p in probes.values())
-        assert devices == ["0", "0", "1", "1"], f"{probes}\n{job.describe()}"
+        # One GPU bound per task, GPUs 0 and 1 on each node, which tfdist takes as they are
+        # (asserted above). A training job with --gpus-per-task was dropped for CI's time: past
+        # this detection it started and trained as mwms_job does. The stock resolver cannot
+        # divide 1 GPU among 2 tasks.
+        for node in TWO_NODES:
+            devices = sorted(p["cuda_visible_devices"] for p in probes.values()
+                             if p["host"] == node)
+            assert devices == ["0", "1"], f"{node}: {probes}\n{job.describe()}"
         errors = {rank: probe["stock"].get("error") for rank, probe in probes.items()}
         assert all(errors.values()), f"the stock resolver did not fail: {probes}\n" \
                                      f"{job.describe()}"
