@@ -480,6 +480,10 @@ def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
     assert 0 < saved <= saved_by, state  # saved before the kill, no earlier than it must be
     if "TFDIST_CHECKPOINT_EVERY" not in extra:
         assert saved == saved_by and state["epoch_done"], state
+        # The exact state of epoch 1's end: the model from the chief, each rank's random
+        # generators and input position, the step.
+        assert sorted(p.name for p in (tmp_path / "m2" / "preempted").iterdir()) == [
+            "model.keras", "rank-0.npz", "rank-1.npz", "state.json"]
     assert not (tmp_path / "m2" / "backup").exists()  # the exact state is the epoch's save
     resumed = _run(python, backend, tmp_path / "again", tmp_path / "m2", "-1", "0", **env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
