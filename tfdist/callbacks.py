@@ -30,6 +30,7 @@ from tfdist import (
     batch_statistics,
     failures,
     fit_preemption,
+    input_wait,
     keras_compat,
     keras_input,
     sync,
@@ -598,11 +599,15 @@ class ThroughputMeter(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.meter.begin_epoch()
+        self._waited = input_wait.seconds()  # the steps' reads, timed in their graph
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.meter.steps_done(batch)  # Keras gives an execution's last step: one stamp each
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        waited = input_wait.seconds()
+        if waited is not None:
+            self.meter.waited(waited - (self._waited or 0.0))
         self.meter.epoch_end(epoch)
 
 

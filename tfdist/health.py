@@ -10,8 +10,8 @@ step clock the throughput meter already keeps, two of its own counters:
 - ``queued_s``: seconds per step its threads were ready to run but waited for a CPU, that is
   another process on its cores (Linux's ``/proc/self/task/*/schedstat``; None elsewhere);
 - ``input_s``: seconds per step spent waiting for the next batch, where tfdist sees the input
-  being read (``StepMeter.batches``; None where it does not: ``fit`` reads its input inside the
-  step function).
+  being read (``StepMeter.batches``; TensorFlow ``fit``'s steps time their own reads,
+  :mod:`tfdist.input_wait`; None where it does not: Keras 3 on JAX).
 
 The figures travel in one small sum at the epoch's end (:func:`pack`, :func:`unpack`); the chief
 judges them (:func:`slowest`). A rank is named when what it alone spends exceeds the median of
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["FIELDS", "THRESHOLD", "Finding", "RankProfile", "Watch", "cpu_counters",
-           "input_advice", "pack", "slowest", "unpack"]
+           "input_advice", "pack", "slowest", "unpack", "verdict"]
 
 FIELDS = ("node", "cpu_s", "queued_s", "input_s")
 # A rank is out when it spends this share of the step more than the others' median: in a
@@ -152,6 +152,20 @@ def input_advice(profiles: Sequence[RankProfile], step_s: float,
             f"tf.data.AUTOTUNE), .cache() after the costly part that does not change between "
             f"epochs, .prefetch(tf.data.AUTOTUNE) last; a torch DataLoader: num_workers and "
             f"pin_memory; and more CPUs per task (--cpus-per-task)")
+
+
+def verdict(profiles: Sequence[RankProfile], step_s: float) -> tuple[Finding | None,
+                                                                   str | None]:
+    """This epoch's finding and input advice (:func:`slowest`, :func:`input_advice`), with one
+    rule between them: a rank found for its input while the median rank waits for its input
+    too is not named. When every rank's pipeline is too slow, the rank whose batch comes last
+    waits for it and the others wait for that rank in the collective, their own next batch
+    ready by then: one rank shows the wait, and which one is chance. The advice, for every
+    rank, is the finding then."""
+    finding, advice = slowest(profiles, step_s), input_advice(profiles, step_s)
+    if finding is not None and finding.cause == "input" and advice is not None:
+        finding = None
+    return finding, advice
 
 
 class Watch:

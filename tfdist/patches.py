@@ -146,6 +146,19 @@ INVENTORY: tuple[Patch, ...] = (
           "tfdist.keras_input", "tf_keras (Keras 2), every TensorFlow backend",
           "the same for tf_keras: where the stopped fit's input stood, and the step counters "
           "it resumes with", lambda w: w.backend.framework == TF and not w.keras3),
+    Patch("fit-input-wait",
+          f"{_TRAINER}.TensorFlowTrainer.make_train_function (tf_keras: "
+          "tf_keras.src.engine.training.Model.make_train_function), "
+          "tensorflow.python.distribute.input_lib._SingleWorkerDatasetIteratorBase."
+          "get_next_as_list/get_next_as_optional_list, "
+          "tensorflow.python.data.ops.iterator_ops.OwnedIterator._next_internal/"
+          "get_next_as_optional",
+          "tfdist.input_wait", "every TensorFlow backend",
+          "fit reads each step's batch inside the step's graph, where no callback can time it; "
+          "while Keras traces its train function, this worker's read of the batch gets a clock "
+          "read before and after, added to one variable the throughput meter reads at each "
+          "epoch's end (the per-rank profile's input wait, the input advice)",
+          lambda w: w.backend.framework == TF),
     Patch("input-end-check",
           "tensorflow.python.distribute.input_lib.DistributedDataset.build",
           "tfdist.sharding", "MWMS on several workers (TFDIST_INPUT_END_CHECK=auto)",

@@ -169,6 +169,11 @@ class StepMeter:
             self._input_s = (self._input_s or 0.0) + time.perf_counter() - started
             yield batch
 
+    def waited(self, seconds: float) -> None:
+        """Adds ``seconds`` of input wait timed elsewhere (``fit``'s steps time their reads in
+        their graph: :mod:`tfdist.input_wait`)."""
+        self._input_s = (self._input_s or 0.0) + seconds
+
     def step(self, steps: int = 1) -> None:
         """Marks the end of ``steps`` more steps (several for one multi-step execution)."""
         self._steps += steps
@@ -234,7 +239,7 @@ class StepMeter:
     def _judge(self, record: dict[str, Any], profiles: list[health.RankProfile],
                step_s: float) -> None:
         """The chief names a rank slow two epochs in a row, and advises once on the input."""
-        finding = health.slowest(profiles, step_s)
+        finding, advice = health.verdict(profiles, step_s)
         record["slow"] = None if finding is None else {
             "rank": finding.rank, "host": finding.host, "cause": finding.cause,
             "excess_s": round(finding.excess_s, 6)}
@@ -243,8 +248,7 @@ class StepMeter:
         line = self._watch.see(finding)
         if line:
             logger.warning("tfdist: %s", line)
-        advice = None if self._advised else health.input_advice(profiles, step_s)
-        if advice:
+        if advice and not self._advised:
             self._advised = True
             logger.warning("tfdist: %s", advice)
 
