@@ -211,7 +211,11 @@ SETTINGS: tuple[Setting, ...] = (
             "store (torch: at most half TFDIST_TORCH_TIMEOUT). The heartbeat is a thread of its "
             "own, so a rank that computes, saves or evaluates alone keeps beating"),
     Setting("threads", "TFDIST_NUM_THREADS", _positive_int, None,
-            "TensorFlow (and torch) threads; default: the cores this process is pinned to",
+            "TensorFlow (and torch) threads; default: the cores this process is pinned to; "
+            "unpinned beside other ranks on the machine (srun without CPU binding, horovodrun, "
+            "`mpirun --bind-to none`), the machine's cores divided by the ranks on it; unset "
+            "where `OMP_NUM_THREADS` (torch) or `TF_NUM_INTRAOP_THREADS` (TensorFlow) is, "
+            "which the framework reads",
             argument="init(threads=)"),
     Setting("port_base", "TFDIST_PORT_BASE", _port, None,
             "first port on each node; default: derived from the Slurm job and step id "
