@@ -15,6 +15,7 @@ the same seed and global batch in every variant:
 Per epoch (the first, which traces, left out): ``start``, from ``on_epoch_begin`` to the first
 step's ``on_train_batch_begin`` (Keras makes the epoch's iterator there); ``first``, the first
 step (its batch is read then: the shuffle buffer fills); ``step``, the median of the other steps;
+``end``, from the last step's ``on_train_batch_end`` to ``on_epoch_end``;
 ``overhead``, the epoch's time from ``on_epoch_begin`` to ``on_epoch_end`` less ``--steps``
 median steps: what the epoch costs beyond its steps, wherever the work moved. The variants take
 turns, in a rotated order each round. Prints each round, then per variant the median over the
@@ -84,6 +85,7 @@ def worker(variant: str, args: argparse.Namespace) -> None:
             step = statistics.median(steps)
             epochs.append({"start": self.first_begin - self.began,
                            "first": self.ends[0] - self.first_begin, "step": step,
+                           "end": ended - self.ends[-1],
                            "overhead": ended - self.began - len(self.ends) * step,
                            "steps": len(self.ends)})
 
@@ -108,7 +110,7 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, float]:
         raise SystemExit(f"{variant}: the two workers ended with different weights")
     epochs = results[0]["epochs"]
     return {key: statistics.median(e[key] for e in epochs)
-            for key in ("start", "first", "step", "overhead")}
+            for key in ("start", "first", "step", "end", "overhead")}
 
 
 def main() -> None:
@@ -128,14 +130,15 @@ def main() -> None:
             found[variant].append(run(variant, args))
             f = found[variant][-1]
             print(f"round {r + 1} {variant:12s} start {f['start'] * 1e3:6.1f} ms  first "
-                  f"{f['first'] * 1e3:6.1f} ms  step {f['step'] * 1e3:5.2f} ms  overhead "
+                  f"{f['first'] * 1e3:6.1f} ms  step {f['step'] * 1e3:5.2f} ms  end "
+                  f"{f['end'] * 1e3:6.1f} ms  overhead "
                   f"{f['overhead'] * 1e3:6.1f} ms", flush=True)
     print(f"\nmedians over {args.rounds} round(s) of the steady epochs' medians, ms "
           f"({args.steps} steps of {args.batch} an epoch):")
     for variant in VARIANTS:
         rows = found[variant]
         cells = "  ".join(f"{key} {spread([f[key] * 1e3 for f in rows], '.1f')}"
-                          for key in ("start", "first", "step", "overhead"))
+                          for key in ("start", "first", "step", "end", "overhead"))
         print(f"  {variant:12s} {cells}")
     for variant in VARIANTS[1:]:
         extra = [f["overhead"] - o["overhead"] for f, o in zip(found[variant], found["one"],
