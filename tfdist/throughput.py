@@ -239,7 +239,9 @@ class StepMeter:
     def _judge(self, record: dict[str, Any], profiles: list[health.RankProfile],
                step_s: float) -> None:
         """The chief names a rank slow two epochs in a row, and advises once on the input."""
-        finding, advice = health.verdict(profiles, step_s)
+        # The first epoch's reads include the pipeline's start (its buffers filling): the
+        # input is judged from the second on.
+        finding, advice = health.verdict(profiles, step_s, judge_input=bool(self.records))
         record["slow"] = None if finding is None else {
             "rank": finding.rank, "host": finding.host, "cause": finding.cause,
             "excess_s": round(finding.excess_s, 6)}
