@@ -26,7 +26,6 @@ rounds (min..max) and the MWMS variants' overhead less one process's. The issue'
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
@@ -45,6 +44,7 @@ FEATURES = 32
 def worker(variant: str, args: argparse.Namespace) -> None:
     """One process of ``variant``: trains and writes its epochs' figures."""
     import tfdist
+    from tfdist.sync import digest, model_variables
 
     dist = tfdist.init()
     import numpy as np
@@ -93,8 +93,7 @@ def worker(variant: str, args: argparse.Namespace) -> None:
               callbacks=[*dist.callbacks(), Clock()], **fit_args)
     with open(os.path.join(args.out, f"result-{dist.rank}.json"), "w") as f:
         json.dump({"epochs": epochs[1:], "workers": dist.world_size,
-                   "weights": hashlib.sha256(b"".join(w.numpy().tobytes()
-                                                      for w in model.weights)).hexdigest()}, f)
+                   "weights": digest(model_variables(model))}, f)
 
 
 def run(variant: str, args: argparse.Namespace) -> dict[str, float]:

@@ -28,7 +28,7 @@ import glob
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["FIELDS", "THRESHOLD", "Finding", "RankProfile", "Watch", "cpu_counters",
            "input_advice", "pack", "slowest", "unpack", "verdict"]
@@ -168,7 +168,7 @@ def verdict(profiles: Sequence[RankProfile], step_s: float, *,
     ``judge_input=False`` (a first epoch, whose reads include the pipeline's start: its
     buffers filling) leaves the input out of both."""
     if not judge_input:
-        profiles = [RankProfile(p.rank, p.host, p.cpu_s, p.queued_s, None) for p in profiles]
+        profiles = [replace(p, input_s=None) for p in profiles]
     finding, advice = slowest(profiles, step_s), input_advice(profiles, step_s)
     if finding is not None and finding.cause == "input" and advice is not None:
         finding = None
