@@ -20,7 +20,7 @@ import time
 import pytest
 from helpers import HOROVOD_PYTHON, ROOT, clean_env, needs
 
-from tfdist import quiet
+from tfdist import doctor, quiet
 from tfdist.backends import facts
 from tfdist.devices import node_gpus
 from tfdist.doctor.collective import bus_bandwidth
@@ -177,6 +177,30 @@ def test_the_tested_tensorflow_range_is_the_lanes_pins():
         return tuple(map(int, version.groups()))
 
     assert (pinned("tf215.txt"), pinned("test.txt")) == TESTED_TENSORFLOW
+
+
+FRAMEWORKS = {
+    # name: (--framework, installed modules, Keras's backend, TFDIST_BACKEND, engine checked)
+    "asked for": ("torch", {"tensorflow", "torch"}, "tensorflow", None, "torch"),
+    "TensorFlow installed": ("auto", {"tensorflow", "torch"}, "tensorflow", None, "tf"),
+    "Keras on JAX, TensorFlow installed": ("auto", {"tensorflow", "jax"}, "jax", None, "tf"),
+    # A JAX machine without TensorFlow (seen on a GPU machine: PyTorch and JAX, no TensorFlow)
+    # once had its torch engine checked, not the Keras on JAX it trains with.
+    "Keras on JAX, no TensorFlow": ("auto", {"jax", "keras", "torch"}, "jax", None, "tf"),
+    "Keras on JAX without jax": ("auto", {"keras", "torch"}, "jax", None, "torch"),
+    "neither": ("auto", {"torch"}, "tensorflow", None, "torch"),
+    "one of PyTorch's backends": ("auto", {"tensorflow", "torch"}, "tensorflow", "deepspeed",
+                                  "torch"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRAMEWORKS))
+def test_the_engine_checked_is_the_one_training_starts(case, monkeypatch):
+    requested, installed, keras, backend, expected = FRAMEWORKS[case]
+    monkeypatch.delenv("TFDIST_BACKEND", raising=False)
+    if backend:
+        monkeypatch.setenv("TFDIST_BACKEND", backend)
+    assert doctor._framework(requested, installed.__contains__, keras) == expected
 
 
 @pytest.mark.parametrize(("backend", "gpus", "cpu_replicas", "expected"), [

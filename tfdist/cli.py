@@ -309,7 +309,8 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         help="fail if the bus bandwidth is below this (default: warn below "
                         "5 GB/s for NCCL across nodes)")
     parser.add_argument("--framework", choices=("auto", "tf", "torch"), default="auto",
-                        help="the engine to check (default: tf when TensorFlow is installed)")
+                        help="the engine to check (default: tf, Keras's, when TensorFlow is "
+                        "installed, or JAX under KERAS_BACKEND=jax; else torch)")
     parser.add_argument("--backend", choices=setting("backend").choices,
                         help="the backend to start: TensorFlow's, or with --framework torch "
                         "auto, ddp, horovod, deepspeed (default: TFDIST_BACKEND, else auto)")

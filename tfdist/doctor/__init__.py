@@ -21,11 +21,12 @@ import contextlib
 import importlib.util
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tfdist import hostlist, settings
-from tfdist.backends import facts
+from tfdist.backends import facts, keras_backend
 from tfdist.doctor import meet, probe
 from tfdist.doctor.report import Problem, RankReport, check, table
 from tfdist.env import ClusterEnvironment, detect
@@ -82,14 +83,21 @@ def run(options: Options) -> int:
     return 0
 
 
-def _framework(requested: str) -> str:
+def _framework(requested: str, installed: Callable[[str], bool] | None = None,
+               keras: str | None = None) -> str:
+    """The engine ``--framework auto`` checks: PyTorch's for one of its own backends, else
+    Keras's (``"tf"``: TensorFlow, or JAX when Keras runs on it) where that is installed, else
+    PyTorch's. ``installed`` and ``keras`` (Keras's backend) are read here unless given."""
     if requested != "auto":
         return requested
     with contextlib.suppress(TfdistError):  # an invalid value is reported by the probe
         if settings.resolve("backend") in set(facts.names(facts.TORCH)) - set(
                 facts.names(facts.TF)):
             return "torch"  # one of PyTorch's only backends
-    return "tf" if importlib.util.find_spec("tensorflow") else "torch"
+    installed = installed or (lambda name: importlib.util.find_spec(name) is not None)
+    keras = keras_backend() if keras is None else keras
+    # A JAX install holds no TensorFlow: Keras 3 on JAX is still Keras's engine.
+    return "tf" if installed("tensorflow") or (keras == "jax" and installed("jax")) else "torch"
 
 
 def _meet(environment: ClusterEnvironment, mine: RankReport,
@@ -168,7 +176,9 @@ def _all_reduce(environment: ClusterEnvironment, mine: RankReport, framework: st
                 "(run with NCCL_DEBUG=INFO and look for NET/IB); a rank that crashed says why "
                 "in its own output")
 
-    if framework == "tf":  # the import is slow and not the collective's fault
+    if framework == "tf" and keras_backend() == "jax":  # the import is slow and not the
+        import jax  # noqa: F401  collective's fault
+    elif framework == "tf":
         from tfdist import quiet
 
         quiet.import_tensorflow()  # without TensorFlow's start-up lines, as training imports it
