@@ -298,8 +298,8 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "Every rank reports its host, cores, GPUs, versions and network settings to rank 0 "
         "over TCP (rank 0's port, within --timeout); rank 0 checks them together and prints "
         "one table; then the engine starts as training will start it and a tiny all-reduce "
-        "must finish within --timeout. A problem names the rank, the host and the fix, and "
-        "every rank exits 1.",
+        "must finish within --timeout. A problem names the rank, the host and the fix; the "
+        "step fails (rank 0 exits 1 once the ranks it stopped have exited 0).",
     )
     parser.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECONDS",
                         help="deadline of each phase (default: 30)")

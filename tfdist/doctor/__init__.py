@@ -18,6 +18,7 @@ Every problem names the rank, its host and the fix; any error makes every rank e
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import socket
 import sys
@@ -63,8 +64,8 @@ def run(options: Options) -> int:
     met = bool(environment.worker_addresses) and environment.is_distributed
     if met:  # rank 0 printed the table and the problems as soon as it had them
         problems = _meet(environment, mine, options.timeout_s)
-        if problems is None:  # another rank: it could not connect, or rank 0 said no
-            return 1
+        if isinstance(problems, int):  # another rank: it could not connect, or rank 0 said no
+            return problems
         if any(p.severity == "error" for p in problems):
             return 1
     line, reports, problems = _all_reduce(environment, mine, framework, options, met)
@@ -100,31 +101,41 @@ def _framework(requested: str, installed: Callable[[str], bool] | None = None,
     return "tf" if installed("tensorflow") or (keras == "jax" and installed("jax")) else "torch"
 
 
+def _stopped(rank: int, verdict: dict[str, Any]) -> bool:
+    """Whether rank 0's verdict stops this rank (not rank 0); if so, says so with its own
+    problems again, for a launch that writes each task's output to its own file (srun
+    --output=task-%t.out)."""
+    if verdict.get("ok"):
+        return False
+    own = "".join(f"\ntfdist doctor: {line}"
+                  for line in verdict.get("lines", {}).get(str(rank), []))
+    print(f"tfdist doctor: rank {rank} stops: rank 0's output lists "
+          f"{verdict.get('errors', 'the')} problem(s){own}", file=sys.stderr, flush=True)
+    return True
+
+
 def _meet(environment: ClusterEnvironment, mine: RankReport,
-          timeout_s: float) -> list[Problem] | None:
+          timeout_s: float) -> list[Problem] | int:
     """Phase 1. Rank 0 gets every report, prints the table and returns the problems; the others
-    get None when they must stop (after saying why), else ``[]``."""
+    get ``[]`` to go on, else (after saying why) their exit code: 1 when they could not reach
+    rank 0; 0 when rank 0 stops them, so that rank 0, which exits 1 once every rank has hung up,
+    is the only task to fail. A launcher that ends the others at the first failure (srun
+    --kill-on-bad-exit) then has nothing left to end: on the Slurm test cluster, a step ended so
+    lost lines its tasks had written up to a second before (what they had printed after their
+    first line), the ending task's own too."""
     coordinator = environment.worker_addresses[0]
     if environment.rank != 0:
         try:
-            verdict = meet.report_to(coordinator, mine.to_dict(), timeout_s)
+            verdict = meet.report_to(coordinator, mine.to_dict(), timeout_s,
+                                     heard=functools.partial(_stopped, environment.rank))
         except (ConnectionError, TimeoutError) as error:
             print(f"tfdist doctor: error: rank {environment.rank} (host {mine.host}): cannot "
                   f"reach rank 0 at {coordinator} within {timeout_s:g} s: {error}. Fix: open "
                   "the port range between the nodes, or set TFDIST_HOST_TEMPLATE to an "
                   "interface that routes; `nc -zv HOST PORT` from this node tests it",
                   file=sys.stderr, flush=True)
-            return None
-        if not verdict.get("ok"):
-            # This rank's own problems again, for a launch that writes each task's output to
-            # its own file (srun --output=task-%t.out), and in case rank 0's output is cut.
-            own = "".join(f"\ntfdist doctor: {line}"
-                          for line in verdict.get("lines", {}).get(str(environment.rank), []))
-            print(f"tfdist doctor: rank {environment.rank} stops: rank 0's output lists "
-                  f"{verdict.get('errors', 'the')} problem(s){own}", file=sys.stderr,
-                  flush=True)
-            return None
-        return []
+            return 1
+        return [] if verdict.get("ok") else 0  # _stopped said why before it hung up
     port = int(coordinator.rsplit(":", 1)[1])
     hosts = [address.rsplit(":", 1)[0] for address in environment.worker_addresses]
 
@@ -132,8 +143,7 @@ def _meet(environment: ClusterEnvironment, mine: RankReport,
         found = sorted((RankReport.from_dict(r) for r in meeting.reports.values()),
                        key=lambda report: report.rank)
         meeting.problems += check(found)
-        # Printed before any rank hears the verdict: a rank that exits 1 can make the launcher
-        # end the others (srun --kill-on-bad-exit) and drop what they had not yet written.
+        # Printed before any rank hears the verdict and hangs up.
         _report(environment, found, meeting.problems)
         errors = sum(p.severity == "error" for p in meeting.problems)
         lines: dict[str, list[str]] = {}

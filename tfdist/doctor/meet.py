@@ -23,6 +23,7 @@ from tfdist.doctor.report import Problem
 __all__ = ["Meeting", "gather", "report_to"]
 
 _RETRY_S = 0.2
+_KEPT: list[int] = []  # connections to rank 0 kept open until this process exits (report_to)
 
 
 @dataclass
@@ -85,17 +86,22 @@ def gather(port: int, world_size: int, mine: dict[str, Any], timeout_s: float,
         for client in clients:
             with contextlib.suppress(OSError):
                 client.sendall(answer)
-        for client in clients:  # wait for the client to close first, then close
+        # Each client hangs up first: at once when it goes on, at its exit when the verdict
+        # ended it (report_to). Rank 0 waits for that, up to 5 s in all, then closes.
+        until = time.monotonic() + 5.0
+        for client in clients:
             with contextlib.suppress(OSError):
-                client.settimeout(5.0)
+                client.settimeout(max(0.01, until - time.monotonic()))
                 client.recv(1)
             client.close()
     return meeting
 
 
-def report_to(address: str, mine: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def report_to(address: str, mine: dict[str, Any], timeout_s: float,
+              heard: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """Any other rank: connects to rank 0 within ``timeout_s``, sends the report, returns the
-    verdict.
+    verdict. ``heard`` gets the verdict first and says whether this rank ends with it; then the
+    connection is closed by this process's exit, which rank 0 waits for before its own.
 
     Raises:
         ConnectionError: no connection within the deadline, with the last error.
@@ -119,10 +125,15 @@ def report_to(address: str, mine: dict[str, Any], timeout_s: float) -> dict[str,
         # Rank 0 answers once every rank arrived or its own deadline passed.
         connection.settimeout(timeout_s + 10.0)
         try:
-            return dict(json.loads(_read_line(connection)))
+            verdict = dict(json.loads(_read_line(connection)))
         except (OSError, ValueError) as error:
             raise TimeoutError(f"rank 0 accepted the report but sent no verdict ({error})") \
                 from None
+        if heard is not None and heard(verdict):
+            # This rank ends here: the connection stays open until its process has exited (the
+            # kernel closes the copy), so that rank 0 can exit after it.
+            _KEPT.append(os.dup(connection.fileno()))
+        return verdict
 
 
 def _listen(port: int) -> socket.socket:
