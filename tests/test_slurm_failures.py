@@ -1,8 +1,11 @@
 """Faults on the Slurm test cluster: the doctor's checks under srun, and a task that dies or hangs.
 
 - ``tfdist doctor`` as an srun step on n9 and n10: an interface no node has is named for each
-  rank with its node, before anything slow starts; node names that do not resolve
-  (``TFDIST_HOST_TEMPLATE``) stop both sides within the deadline, each naming the other.
+  rank with its node, before anything slow starts, whichever rank exits later; node names that
+  do not resolve (``TFDIST_HOST_TEMPLATE``) stop both sides within the deadline, each naming the
+  other.
+- A rank that fails and ends at once under ``srun --kill-on-bad-exit=1`` (the output through
+  srun): its error reaches srun's output.
 - A 2-node MWMS fit (one task per node, ``srun --kill-on-bad-exit=1`` as the rendered scripts
   run it) whose task 1 sends itself SIGKILL (a crash) or SIGSTOP (a hang) at step 20. The step
   must end within a bound, measured from the fault: a killed task is named by srun
@@ -76,6 +79,21 @@ def test_doctor_under_srun_stops_both_sides_when_node_names_do_not_resolve(
                      r"8 s", text), text
     assert re.search(r"error: rank 0 \(host n9\): cannot resolve n9-ib0 \(.*\), the name "
                      r"TFDIST_HOST_TEMPLATE=\{host\}-ib0 gives", text), text
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_ranks_last_lines_reach_srun_even_when_it_ends_at_once(
+        slurm_cluster: SlurmCluster) -> None:
+    # The rendered jobs' main step: srun --kill-on-bad-exit, the output through srun. Ended at
+    # the first task that fails, the step dropped what that task wrote just before: the error
+    # line after a 20-frame traceback, 0 times in 8 when the process ended at once. tfdist's
+    # failure hook lingers (tfdist.failures.linger).
+    out = slurm_cluster.srun(*TWO_NODES, "--kill-on-bad-exit=1", slurm_cluster.python,
+                             str(ROOT / "tests" / "workers" / "excepthook_worker.py"),
+                             env=slurm_cluster.job_env(PYTHONPATH=str(ROOT)))
+    text = out.stdout + out.stderr
+    assert "srun: error: n10: task 1: Exited with exit code 1" in text, text
+    assert "ValueError: the cause, on rank 1" in text, text
 
 
 def _fault_job(cluster: SlurmCluster, kind: str) -> tuple[str, dict[int, str], float, int]:

@@ -173,12 +173,14 @@ class Heartbeat:
         if silent_rank == self.rank:  # it was frozen, and the others gave up on it meanwhile
             print(f"tfdist: the other ranks stopped: to them, {message}. Rank {self.rank} was "
                   f"here (most recent call last):\n{stack}", file=sys.stderr, end="", flush=True)
+            failures.linger(self.environment)
             os._exit(1)
         line = failures.report(message, self.environment) or ""
         print(f"tfdist: {message}; rank {self.rank} was waiting here (most recent call last):\n"
               f"{stack}{line}", file=sys.stderr, flush=True)
         if self.size > 2 and not learnt:
             time.sleep(2 * self.interval)  # the others read the verdict and name the same rank
+        failures.linger(self.environment)
         os._exit(1)
 
 

@@ -38,15 +38,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+from tfdist import failures, walltime
 from tfdist import model_dir as layout
-from tfdist import walltime
 from tfdist.errors import ConfigError
 from tfdist.scratch import remove_scratch_dirs, scratch_dir
 from tfdist.settings import catchable_signal, resolve
@@ -397,18 +396,18 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
     # Registered last, so it runs first at shutdown, after every finally block: the process
     # ends there, without TensorFlow's teardown, which can wait for seconds on peers that have
     # already exited (the chief holds MWMS's coordination service) while srun's KillWait runs.
-    atexit.register(_end_now, EXIT_PREEMPTED)
+    atexit.register(_end_now, EXIT_PREEMPTED, dist.environment)
     raise SystemExit(EXIT_PREEMPTED)
 
 
-def _end_now(code: int) -> None:
+def _end_now(code: int, environment: ClusterEnvironment | None = None) -> None:
     """Flushes the logs and output, removes scratch folders, and ends the process with
-    ``code`` at once (no further ``atexit`` functions, no library teardown)."""
+    ``code`` at once (no further ``atexit`` functions, no library teardown), after a moment
+    for the launcher to forward the output (:func:`tfdist.failures.linger`: ``code`` is not 0,
+    and srun --kill-on-bad-exit ends the others at the first rank's exit)."""
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
     remove_scratch_dirs()
+    failures.linger(environment)
     os._exit(code)
 
 

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist import failures
 from tfdist.errors import ConfigError
 
 __all__ = ["Engine", "bus_bandwidth", "start", "watchdog"]
@@ -77,6 +78,7 @@ def watchdog(seconds: float, message: Callable[[], str]) -> Iterator[None]:
     def bark() -> None:
         if not done.wait(seconds):
             print(message(), file=sys.stderr, flush=True)
+            time.sleep(failures.LINGER_S)  # for the launcher to forward it (failures.linger)
             os._exit(1)
 
     thread = threading.Thread(target=bark, name="tfdist-doctor-watchdog", daemon=True)
