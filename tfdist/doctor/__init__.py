@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tfdist import hostlist, settings
-from tfdist.backends import facts, keras_backend
+from tfdist.backends import KERAS_BACKENDS, facts, keras_backend
 from tfdist.doctor import meet, probe
 from tfdist.doctor.report import Problem, RankReport, check, table
 from tfdist.env import ClusterEnvironment, detect
@@ -98,7 +98,8 @@ def _framework(requested: str, installed: Callable[[str], bool] | None = None,
     installed = installed or (lambda name: importlib.util.find_spec(name) is not None)
     keras = keras_backend() if keras is None else keras
     # A JAX install holds no TensorFlow: Keras 3 on JAX is still Keras's engine.
-    return "tf" if installed("tensorflow") or (keras == "jax" and installed("jax")) else "torch"
+    on_jax = KERAS_BACKENDS.get(keras) == facts.JAX and installed("jax")
+    return "tf" if installed("tensorflow") or on_jax else "torch"
 
 
 def _stopped(rank: int, verdict: dict[str, Any]) -> bool:
@@ -186,8 +187,8 @@ def _all_reduce(environment: ClusterEnvironment, mine: RankReport, framework: st
                 "(run with NCCL_DEBUG=INFO and look for NET/IB); a rank that crashed says why "
                 "in its own output")
 
-    if framework == "tf" and keras_backend() == "jax":  # the import is slow and not the
-        import jax  # noqa: F401  collective's fault
+    if framework == "tf" and KERAS_BACKENDS.get(keras_backend()) == facts.JAX:  # the import is
+        import jax  # noqa: F401  slow and not the collective's fault
     elif framework == "tf":
         from tfdist import quiet
 
