@@ -12,7 +12,9 @@ Run it with the same launcher as the training, as its own step (the rendered job
    it, and a tiny all-reduce across every rank must finish within the deadline; optionally a
    bandwidth probe of N MB.
 
-Every problem names the rank, its host and the fix; any error makes every rank exit 1.
+Every problem names the rank, its host and the fix; any error fails the launch: rank 0 exits 1
+(after the ranks it stopped at the meeting have exited 0, so that a launcher that ends the
+others at the first failure cuts no output), and a rank that fails by itself exits 1.
 """
 
 from __future__ import annotations
