@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 
 def torch_loop(out: str) -> None:
@@ -83,7 +84,7 @@ def keras_fit(out: str) -> None:
         json.dump({"waited_s": input_wait.seconds(), "steps": 3 * 8, "fed": _fed(dist)}, f)
 
 
-def _fed(dist: object) -> dict[str, float]:
+def _fed(dist: Any) -> dict[str, float]:
     """The control: a conv net fed from a cache, whose reads take no time to speak of. Its
     input wait and its fit's seconds (after a first fit that traces)."""
     import numpy as np
@@ -94,8 +95,8 @@ def _fed(dist: object) -> dict[str, float]:
     keras = tf.keras
     x = np.random.default_rng(0).normal(size=(64 * 16, 32, 32, 3)).astype("float32")
     y = (x[:, 0, 0, 0] > 0).astype("int64")
-    ds = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(64).cache())  # type: ignore[attr-defined]
-    with dist.scope():  # type: ignore[attr-defined]  (the benchmarks' 18k conv net)
+    ds = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(64).cache())
+    with dist.scope():  # the benchmarks' 18k conv net
         model = keras.Sequential([keras.Input((32, 32, 3)),
                                   keras.layers.Conv2D(32, 3, activation="relu"),
                                   keras.layers.MaxPooling2D(),
