@@ -33,6 +33,28 @@ def test_two_workers_end_bit_identical(tmp_path, loop, keras):
     # Losses are averaged over the workers: every rank logs the same numbers.
     assert results[0]["losses"] == results[1]["losses"]
     assert results[0]["losses"][-1] < results[0]["losses"][0]
+    if loop == "fit":
+        _one_iterator_an_epoch_and_keras_own_orders(results)
+
+
+def _one_iterator_an_epoch_and_keras_own_orders(results):
+    """Each rank fitted 3 epochs of a reshuffled dataset from the same weights three ways
+    (train_worker._three_ways): tfdist's way trains the very batches of Keras's own, makes one
+    distributed iterator an epoch instead of two, and frees every one it made."""
+    for result in results:
+        ways = result["iterators"]
+        tfdist, keras, control = ways["tfdist"], ways["keras"], ways["no-seeds"]
+        assert tfdist["weights"] == keras["weights"], "other shuffle orders than Keras's"
+        if result["keras3"]:  # tf_keras makes no iterator it does not read: nothing to spare
+            assert control["weights"] != tfdist["weights"], "the control must draw other orders"
+            # one more before the first epoch in both (Keras's build reads a batch)
+            assert keras["made"] - tfdist["made"] == 3, ways
+        else:
+            assert keras["made"] == tfdist["made"] >= 3, ways
+        for way in (tfdist, keras):  # nothing kept alive after fit: every one made is freed
+            assert way["freed_on"] == ["MainThread"] * way["made"], way
+    assert results[0]["iterators"]["tfdist"]["weights"] == (
+        results[1]["iterators"]["tfdist"]["weights"])
 
 
 @pytest.mark.parametrize("loop", ["fit", "custom"])

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, NamedTuple
 
 from tfdist import patches
 from tfdist.keras_compat import keras2_module, keras2_package
 
-__all__ = ["JaxInput", "Keras3Input", "Position", "Resume", "TfKerasInput", "current", "plan",
-           "track"]
+__all__ = ["JaxInput", "Keras3Input", "Position", "Resume", "SeedsOnly", "TfKerasInput", "current",
+           "plan", "seeds_only", "track"]
 
 logger = logging.getLogger("tfdist")
 
@@ -187,7 +188,9 @@ class TfKerasInput:
         pass
 
 
-_last: dict[str, Any] = {}  # the trainer's input made last, by Keras
+# The trainer's input made last, by Keras: a weak reference, so that the input of a fit that has
+# ended (its iterator, the buffers that iterator prefetched) is freed with the fit.
+_last: dict[str, weakref.ref[Any]] = {}
 _counters: dict[int, tuple[int, int]] = {}  # id(model): where its next tf_keras fit starts
 
 
@@ -197,7 +200,7 @@ def _counting_init(init: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         init(self, *args, **kwargs)
         self._tfdist_created, self._tfdist_next = 0, None
-        _last["keras3"] = self
+        _last["keras3"] = weakref.ref(self)
 
     return __init__
 
@@ -209,13 +212,77 @@ def _track_keras3() -> None:
         def _get_iterator(self: Any) -> Any:
             self._tfdist_created += 1
             prepared, self._tfdist_next = self._tfdist_next, None
-            return prepared if prepared is not None else get_iterator(self)
+            if prepared is not None:
+                return prepared
+            data = get_iterator(self)
+            if _dropped_unread(self):  # its seeds drawn, no multi-device iterator made
+                return seeds_only(data) or data
+            return data
 
         return _get_iterator
 
     cls = trainer.TFEpochIterator
     patches.apply("keras3-input-position", cls, "__init__", _counting_init)
     patches.apply("keras3-input-position", cls, "_get_iterator", wrap_get_iterator)
+
+
+def _dropped_unread(epoch_iterator: Any) -> bool:
+    """Whether the iterator a Keras 3 epoch iterator asks for now is the one it makes when an
+    epoch's batches are done and, without ``steps_per_epoch``, drops unread at the next epoch's
+    start (``EpochIterator._enumerate_iterator``, Keras 3.7 and later)."""
+    batches = getattr(epoch_iterator, "_num_batches", None) or 0
+    return (epoch_iterator.steps_per_epoch is None and batches > 0
+            and getattr(epoch_iterator, "_current_iterator", None) is not None
+            and getattr(epoch_iterator, "_steps_seen", 0) >= batches)
+
+
+class SeedsOnly:
+    """Stands for the distributed iterator Keras 3 makes when an epoch's batches are done and,
+    without ``steps_per_epoch``, drops unread at the next epoch's start.
+
+    Made, it draws its dataset's random seeds as the real one would (one plain iterator of
+    each worker's dataset, never read), so every epoch's shuffle order stays Keras's own; what
+    it saves is a multi-device iterator: about 45 ms to make on 2 CPU workers, a prefetch that
+    would fill its shuffle buffer for nothing, and its freeing, which waits for that prefetch
+    and for tf.data's autotuner (docs/performance.md). Read after all (a Keras that reads the
+    iterator it made at an epoch's end), it makes the real iterator then and says so once: the
+    batches come, in another order than Keras's own.
+    """
+
+    def __init__(self, distributed: Any) -> None:
+        self._distributed = distributed
+        self._seeds = [iter(dataset) for dataset in distributed._cloned_datasets]
+        self._real: Any = None
+
+    def __iter__(self) -> SeedsOnly:
+        return self
+
+    def __next__(self) -> Any:
+        if self._real is None:
+            if not _read_stand_in:
+                _read_stand_in.append(True)
+                logger.warning("tfdist: Keras read the iterator it made at an epoch's end, "
+                               "which tfdist expected it to drop unread (a Keras newer than "
+                               "3.15?); it is made now, and this epoch's shuffle order differs "
+                               "from the one Keras alone would draw")
+            self._real = iter(self._distributed)
+        return next(self._real)
+
+
+_read_stand_in: list[bool] = []
+
+
+def seeds_only(dataset: Any) -> SeedsOnly | None:
+    """A :class:`SeedsOnly` for ``dataset`` where it is a tf.distribute dataset with a dataset
+    per worker (None: make the real iterator)."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import input_lib
+
+    if not isinstance(dataset, input_lib.DistributedDataset) or not tf.executing_eagerly():
+        return None
+    if not getattr(dataset, "_cloned_datasets", None):
+        return None
+    return SeedsOnly(dataset)
 
 
 def _track_keras3_jax() -> None:
@@ -253,7 +320,7 @@ def _track_keras2() -> None:
             init(self, *args, **kwargs)
             self._tfdist_created, self._tfdist_drawn_before = 0, 0
             self._tfdist_plan = None
-            _last["tf_keras"] = self
+            _last["tf_keras"] = weakref.ref(self)
 
         return __init__
 
@@ -328,12 +395,17 @@ def tracked() -> bool:
 _tracking: list[bool] = []
 
 
+def _made_last(keras: str) -> Any:
+    made = _last.get(keras)
+    return made() if made is not None else None
+
+
 def current(model: Any) -> Keras3Input | TfKerasInput | None:
     """The input of the ``fit`` of ``model`` that is starting (call in ``on_train_begin``)."""
     if keras2_package():
-        handler = _last.get("tf_keras")
+        handler = _made_last("tf_keras")
         return TfKerasInput(handler, model) if handler is not None else None
-    epoch_iterator = _last.get("keras3")
+    epoch_iterator = _made_last("keras3")
     if epoch_iterator is None:
         return None
     return (JaxInput if type(epoch_iterator).__name__ == "JAXEpochIterator"

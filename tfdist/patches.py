@@ -139,7 +139,10 @@ INVENTORY: tuple[Patch, ...] = (
     Patch("keras3-input-position", f"{_TRAINER}.TFEpochIterator.__init__/_get_iterator",
           "tfdist.keras_input", "Keras 3, every TensorFlow backend",
           "counts the iterators fit makes, so a preempted fit resumes at the batch it stopped "
-          "at instead of the epoch's start", lambda w: w.backend.framework == TF and w.keras3),
+          "at instead of the epoch's start; the distributed iterator Keras makes at an epoch's "
+          "end only to drop it unread at the next epoch's start is a stand-in that draws the "
+          "same shuffle seeds without a multi-device iterator (keras_input.SeedsOnly)",
+          lambda w: w.backend.framework == TF and w.keras3),
     Patch("keras2-input-position",
           "tf_keras.src.engine.data_adapter.DataHandler.__init__/enumerate_epochs, "
           "tf_keras.src.engine.training.Model._maybe_load_initial_counters_from_ckpt",

@@ -60,10 +60,13 @@ def train(out_dir: str, loop: str, mode: str, backend: str, rank: int) -> dict:
     if mode == "control":  # this worker's half of the data in batches of half the size:
         dataset = dataset.shard(2, rank)  # the same steps as in dist mode, minus averaging
         global_batch //= 2
+    freed: dict = {}
+    watched = None
     if loop == "fit":
         with dist.scope():
             model.compile(optimizer=optimizer,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        watched = _watch_iterators() if dist.backend == "mwms" else None
         history = model.fit(dist.shard(dataset.batch(global_batch)), epochs=3, verbose=0,
                             callbacks=dist.callbacks())
         losses = [float(v) for v in history.history["loss"]]
@@ -71,9 +74,82 @@ def train(out_dir: str, loop: str, mode: str, backend: str, rank: int) -> dict:
         losses = _custom_loop(dist, model, optimizer, dataset.batch(global_batch), global_batch)
     weights = {f"w{i}": v.numpy() for i, v in enumerate(model.trainable_variables)}
     np.savez(os.path.join(out_dir, f"weights-{rank}.npz"), **weights)
+    if watched is not None:
+        freed = _three_ways(dist, model, x, y, global_batch, watched)
     return {"rank": rank, "size": dist.world_size, "backend": dist.backend,
             "collective": dist.collective, "launcher": dist.environment.launcher,
-            "keras3": keras_compat.is_keras3(keras), "losses": losses}
+            "keras3": keras_compat.is_keras3(keras), "losses": losses, "iterators": freed}
+
+
+def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: ignore[no-untyped-def]
+    """Fits 3 epochs over a dataset reshuffled every epoch, from the same weights, three ways:
+    ``tfdist`` as installed (the iterator Keras 3 makes at an epoch's end and drops unread is
+    a stand-in: tfdist.keras_input.SeedsOnly), ``keras`` with every iterator Keras asks for
+    made, and the control ``no-seeds``, whose stand-in draws no seeds (other orders). Each way:
+    its weights' digest, the distributed iterators made and the threads that freed them."""
+    import tensorflow as tf
+
+    from tfdist import keras_input
+    from tfdist.sync import digest, model_variables
+
+    start = model.get_weights()
+
+    def fit() -> dict:
+        model.set_weights(start)
+        tf.random.set_seed(7)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1)
+        watched.update(made=0, freed_on=[], round=watched["round"] + 1)
+        model.fit(dist.shard(data.batch(global_batch)), epochs=3, verbose=0)
+        return {"weights": digest(model_variables(model)), **_freed(watched)}
+
+    ways = {"tfdist": fit()}
+    seeds_only = keras_input.seeds_only
+    try:
+        keras_input.seeds_only = lambda data: None
+        ways["keras"] = fit()
+        keras_input.seeds_only = lambda data: iter(())
+        ways["no-seeds"] = fit()
+    finally:
+        keras_input.seeds_only = seeds_only
+    return ways
+
+
+def _watch_iterators() -> dict:
+    """Counts the distributed iterators made from now on, and names the thread that frees each
+    one's multi-device iterator."""
+    import threading
+    import weakref
+
+    from tensorflow.python.distribute import input_lib
+
+    watched: dict = {"made": 0, "freed_on": [], "round": 0}
+    make = input_lib.DistributedDataset.__iter__
+
+    def __iter__(self):  # type: ignore[no-untyped-def]  # noqa: N807
+        iterator = make(self)
+        watched["made"] += 1
+        made_in = watched["round"]  # an iterator of an earlier fit may be freed during this one
+
+        def freed() -> None:
+            if watched["round"] == made_in:
+                watched["freed_on"].append(threading.current_thread().name)
+
+        for worker in iterator._iterators:
+            weakref.finalize(worker._iterator, freed)
+        return iterator
+
+    input_lib.DistributedDataset.__iter__ = __iter__
+    return watched
+
+
+def _freed(watched: dict, wait_s: float = 20.0) -> dict:
+    """``watched`` once every iterator made is freed (or ``wait_s`` passed)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while len(watched["freed_on"]) < watched["made"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"made": watched["made"], "freed_on": list(watched["freed_on"])}
 
 
 def _data() -> tuple[np.ndarray, np.ndarray]:
