@@ -97,6 +97,26 @@ class _OneProcess:  # what StepMeter reads of a handle
     world_size, num_replicas, backend, is_chief, sharded_batch_size = 1, 1, "single", True, 16
 
 
+def _epochs(*starts_and_epochs):
+    return [{"start_s": start, "epoch_s": epoch} for start, epoch in starts_and_epochs]
+
+
+@pytest.mark.parametrize(("records", "advised"), [
+    (_epochs((2.0, 3.0), (0.4, 1.0), (0.4, 1.0)), True),  # the first epoch does not count
+    (_epochs((2.0, 3.0), (0.4, 1.0)), False),  # one later epoch: not yet
+    (_epochs((0.0, 1.0), (0.4, 1.0), (0.05, 1.0)), False),  # not two in a row
+    (_epochs((0.0, 1.0), (0.05, 0.2), (0.06, 0.2)), False),  # under 0.1 s
+    (_epochs((0.0, 9.0), (0.5, 9.0), (0.5, 9.0)), False),  # under a tenth of the epoch
+    (_epochs((0.0, 9.0), (0.5, 9.0), (0.95, 9.0), (0.95, 9.0)), True),  # the last two
+    ([{"epoch_s": 1.0}, {"epoch_s": 1.0}, {"epoch_s": 1.0}], False),  # an older record
+])
+def test_an_epoch_start_that_is_a_clear_share_is_advised(records, advised):
+    advice = throughput.start_advice(records)
+    assert (advice is not None) == advised
+    if advised:
+        assert "dataset.repeat() and fit(steps_per_epoch=N)" in advice
+
+
 def test_step_meter_in_a_custom_loop_writes_one_line_per_epoch(tmp_path):
     path = tmp_path / "deep" / "throughput.jsonl"
     meter = throughput.StepMeter(_OneProcess(), path=str(path), log=False)
@@ -114,5 +134,6 @@ def test_step_meter_in_a_custom_loop_writes_one_line_per_epoch(tmp_path):
         assert line["examples_per_s"]["total"] == pytest.approx(
             16 / line["step_time_s"]["median"], rel=1e-3)
         assert line["epoch_s"] >= 5 * 0.005 and 0 <= line["busy"] < 0.9  # it slept
+        assert 0 <= line["start_s"] < line["epoch_s"]
     assert meter.epoch_end(2) is None  # no steps: no record, no line
     assert len(path.read_text().splitlines()) == 2

@@ -8,13 +8,17 @@ Each epoch the chief logs one line and, when a file is set, appends one JSON obj
      "global_batch": 64, "steps": 64, "timed_steps": 63,
      "step_time_s": {"median": 0.0131, "q1": 0.0127, "q3": 0.014, "min": 0.012, "max": 0.03},
      "examples_per_s": {"total": 4885.5, "per_worker": 2442.7}, "epoch_s": 1.62,
-     "busy": 0.83, "time": ...}
+     "start_s": 0.041, "busy": 0.83, "time": ...}
 
 The file is ``TFDIST_THROUGHPUT_FILE`` (what ``tfdist scaling`` sets), else
 ``model_dir/throughput.jsonl``. Steps are timed from one step's end to the next (the first
 step of an epoch, which waits for the input pipeline to start, is not counted, and
 ``epoch_s``, the epoch's wall time from its start to its end, tells what the steps leave out:
-starting the epoch's input and its end's callbacks); with
+starting the epoch's input and its end's callbacks). ``start_s`` is the epoch's start: from its
+beginning to its first step's end, less one median step (making the epoch's input iterator,
+its first batch, freeing the last epoch's iterator). When that start is a clear share of the
+epoch two epochs in a row, the chief says once how to read one iterator for every epoch
+(:func:`start_advice`). With
 ``steps_per_execution=N`` Keras reports every N steps, and each execution counts as N steps of
 its mean time. ``busy`` is the CPU time of this process over the epoch's wall time and its
 cores: on CPU workers, what is not busy was spent waiting (for the other workers in collectives,
@@ -48,9 +52,12 @@ from tfdist import health
 from tfdist import model_dir as layout
 from tfdist.settings import resolve
 
-__all__ = ["StepMeter", "batch_size_of", "describe", "summarise", "throughput_file"]
+__all__ = ["START_ADVICE_S", "StepMeter", "batch_size_of", "describe", "start_advice",
+           "summarise", "throughput_file"]
 
 logger = logging.getLogger("tfdist")
+
+START_ADVICE_S = 0.1  # an epoch's start above this and a tenth of the epoch: advised once
 
 
 def batch_size_of(dataset: Any) -> int | None:
@@ -141,7 +148,7 @@ class StepMeter:
         self.path = path if path is not None else throughput_file(None)
         self.records: list[dict[str, Any]] = []
         self._watch = health.Watch()
-        self._advised = False
+        self._advised = self._start_advised = False
         self.begin_epoch()
 
     def begin_epoch(self) -> None:
@@ -191,7 +198,7 @@ class StepMeter:
             The record (on every rank), or None when the epoch had fewer than 2 reports.
         """
         ended = time.perf_counter()
-        wall = ended - self._wall
+        wall, began, stamps = ended - self._wall, self._wall, self._stamps
         cpu_now, queued_now = health.cpu_counters()
         cpu = cpu_now - self._cpu
         batch = self.global_batch or getattr(self.dist, "sharded_batch_size", None)
@@ -204,10 +211,12 @@ class StepMeter:
         self.begin_epoch()
         if summary is None:
             return None
+        median = summary["step_time_s"]["median"]
+        start = max(0.0, stamps[0][1] - began - (stamps[0][0] + 1) * median)
         record = {"event": "epoch", "epoch": epoch, "workers": self.dist.world_size,
                   "replicas": self.dist.num_replicas, "backend": self.dist.backend,
                   "global_batch": batch, "steps": steps, **summary,
-                  "epoch_s": round(wall, 4),
+                  "epoch_s": round(wall, 4), "start_s": round(start, 4),
                   "busy": round(cpu / wall / _cores(), 3) if wall > 0 else None,
                   "time": time.time()}
         if self.dist.is_chief and self.log:
@@ -217,6 +226,10 @@ class StepMeter:
             record["profile_s"] = round(profiled, 6)
             self._judge(record, profiles, summary["step_time_s"]["median"])
         self.records.append(record)
+        advice = start_advice(self.records) if self.dist.is_chief and self.log else None
+        if advice and not self._start_advised:
+            self._start_advised = True
+            logger.warning("tfdist: %s", advice)
         if self.dist.is_chief and self.path:
             _append(self.path, record)
         return record
@@ -253,6 +266,25 @@ class StepMeter:
         if advice and not self._advised:
             self._advised = True
             logger.warning("tfdist: %s", advice)
+
+
+def start_advice(records: Sequence[dict[str, Any]]) -> str | None:
+    """The line to log when each epoch's start is a clear share of the epoch (pure): in the
+    last two epochs, not counting a meter's first (it traces and starts the pipeline), each
+    start above :data:`START_ADVICE_S` and a tenth of its epoch; None otherwise."""
+    later = list(records[1:])[-2:]
+    if len(later) < 2 or any(r.get("start_s") is None or not r.get("epoch_s") for r in later):
+        return None
+    if not all(r["start_s"] > max(START_ADVICE_S, 0.1 * r["epoch_s"]) for r in later):
+        return None
+    start = statistics.median(r["start_s"] for r in later)
+    share = statistics.median(r["start_s"] / r["epoch_s"] for r in later)
+    return (f"each epoch's start takes {start:.2f} s ({share * 100:.0f} % of the epoch) before its "
+            "first step: a new input iterator is made for every epoch, and under "
+            "MultiWorkerMirroredStrategy making one and freeing the last one (TensorFlow does "
+            "it on the training thread) costs 0.1 to 1 s. Read one iterator for every epoch: "
+            "dataset.repeat() and fit(steps_per_epoch=N) (tfdist resumes it exactly, step and "
+            "batch)")
 
 
 def describe(record: dict[str, Any]) -> str:
