@@ -9,8 +9,14 @@ the same seed and global batch in every variant:
 - ``one``: one plain process (tfdist's one-process handle), the baseline;
 - ``mwms``: 2 workers under ``tfdist launch -n 2`` (MultiWorkerMirroredStrategy), the dataset
   through ``dist.shard``: a new distributed iterator every epoch, as Keras makes it;
-- ``mwms-repeat``: the same, the dataset repeated with ``steps_per_epoch``: one iterator for
-  every epoch (the way around a per-epoch cost of the iterator).
+- ``mwms-keras``: the same with every iterator Keras 3 asks for made (tfdist's stand-in for
+  the one Keras makes at an epoch's end and drops unread taken out: ``keras_input.seeds_only``);
+- ``mwms-no-autotune``: the same as ``mwms`` with tf.data's autotuning off
+  (``options.autotune.enabled = False``): freeing a multi-device iterator then waits for
+  nothing (the cause, measured; not a recommendation: autotuning sizes parallel maps and
+  prefetches);
+- ``mwms-repeat``: the same as ``mwms``, the dataset repeated with ``steps_per_epoch``: one
+  iterator for every epoch (the way around a per-epoch cost of the iterator).
 
 Per epoch (the first, which traces, left out): ``start``, from ``on_epoch_begin`` to the first
 step's ``on_train_batch_begin`` (Keras makes the epoch's iterator there); ``first``, the first
@@ -37,7 +43,7 @@ from typing import Any
 
 from _common import run_workers, spread
 
-VARIANTS = ("one", "mwms", "mwms-repeat")
+VARIANTS = ("one", "mwms", "mwms-keras", "mwms-no-autotune", "mwms-repeat")
 FEATURES = 32
 
 
@@ -47,6 +53,10 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     from tfdist.sync import digest, model_variables
 
     dist = tfdist.init()
+    if variant == "mwms-keras":
+        from tfdist import keras_input
+
+        keras_input.seeds_only = lambda data: None  # Keras's own two iterators an epoch
     import numpy as np
     import tensorflow as tf
 
@@ -66,6 +76,10 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     fit_args: dict[str, Any] = {}
     if variant == "mwms-repeat":
         ds, fit_args = ds.repeat(), {"steps_per_epoch": args.steps}
+    if variant == "mwms-no-autotune":
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        ds = ds.with_options(options)
     epochs: list[dict[str, Any]] = []
 
     class Clock(keras.callbacks.Callback):
@@ -128,7 +142,7 @@ def main() -> None:
         for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
             found[variant].append(run(variant, args))
             f = found[variant][-1]
-            print(f"round {r + 1} {variant:12s} start {f['start'] * 1e3:6.1f} ms  first "
+            print(f"round {r + 1} {variant:16s} start {f['start'] * 1e3:6.1f} ms  first "
                   f"{f['first'] * 1e3:6.1f} ms  step {f['step'] * 1e3:5.2f} ms  end "
                   f"{f['end'] * 1e3:6.1f} ms  overhead "
                   f"{f['overhead'] * 1e3:6.1f} ms", flush=True)
@@ -138,7 +152,7 @@ def main() -> None:
         rows = found[variant]
         cells = "  ".join(f"{key} {spread([f[key] * 1e3 for f in rows], '.1f')}"
                           for key in ("start", "first", "step", "end", "overhead"))
-        print(f"  {variant:12s} {cells}")
+        print(f"  {variant:16s} {cells}")
     for variant in VARIANTS[1:]:
         extra = [f["overhead"] - o["overhead"] for f, o in zip(found[variant], found["one"],
                                                                   strict=True)]
