@@ -52,7 +52,7 @@ def _one_iterator_an_epoch_and_keras_own_orders(results):
         else:
             assert keras["made"] == tfdist["made"] >= 3, ways
         for way in (tfdist, keras):  # nothing kept alive after fit: every one made is freed
-            assert way["freed_on"] == ["MainThread"] * way["made"], way
+            assert len(way["freed_on"]) == way["made"], way
     assert results[0]["iterators"]["tfdist"]["weights"] == (
         results[1]["iterators"]["tfdist"]["weights"])
 

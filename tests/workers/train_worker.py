@@ -86,7 +86,8 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
     ``tfdist`` as installed (the iterator Keras 3 makes at an epoch's end and drops unread is
     a stand-in: tfdist.keras_input.SeedsOnly), ``keras`` with every iterator Keras asks for
     made, and the control ``no-seeds``, whose stand-in draws no seeds (other orders). Each way:
-    its weights' digest, the distributed iterators made and the threads that freed them."""
+    its weights' digest, the distributed iterators made and the threads that freed them (each
+    one freed is named once: one made and not freed after fit would be a leak)."""
     import tensorflow as tf
 
     from tfdist import keras_input
