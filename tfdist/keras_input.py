@@ -251,7 +251,8 @@ class SeedsOnly:
 
     def __init__(self, distributed: Any) -> None:
         self._distributed = distributed
-        self._seeds = [iter(dataset) for dataset in distributed._cloned_datasets]
+        for dataset in distributed._cloned_datasets:
+            iter(dataset)  # made (its seed drawn) and dropped unread: nothing to wait for
         self._real: Any = None
 
     def __iter__(self) -> SeedsOnly:

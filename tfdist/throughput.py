@@ -198,21 +198,20 @@ class StepMeter:
             The record (on every rank), or None when the epoch had fewer than 2 reports.
         """
         ended = time.perf_counter()
-        wall, began, stamps = ended - self._wall, self._wall, self._stamps
+        wall = ended - self._wall
         cpu_now, queued_now = health.cpu_counters()
         cpu = cpu_now - self._cpu
         batch = self.global_batch or getattr(self.dist, "sharded_batch_size", None)
         summary = summarise(self._stamps, global_batch=batch, workers=self.dist.world_size)
+        start = None if summary is None else _epoch_start(self._stamps, self._wall, summary)
         steps = self._steps
         queued = None if queued_now is None or self._queued is None else max(
             0.0, queued_now - self._queued)  # a thread that ended takes its count with it
         profiles = self._profiles(steps, cpu, queued, self._input_s)  # on every rank
         profiled = time.perf_counter() - ended  # the counters and the sum: the profile's cost
         self.begin_epoch()
-        if summary is None:
+        if summary is None or start is None:
             return None
-        median = summary["step_time_s"]["median"]
-        start = max(0.0, stamps[0][1] - began - (stamps[0][0] + 1) * median)
         record = {"event": "epoch", "epoch": epoch, "workers": self.dist.world_size,
                   "replicas": self.dist.num_replicas, "backend": self.dist.backend,
                   "global_batch": batch, "steps": steps, **summary,
@@ -266,6 +265,14 @@ class StepMeter:
         if advice and not self._advised:
             self._advised = True
             logger.warning("tfdist: %s", advice)
+
+
+def _epoch_start(stamps: Sequence[tuple[int, float]], began: float,
+                 summary: dict[str, Any]) -> float:
+    """From the epoch's beginning to its first report, less the steps that report covers at
+    the median step time (pure)."""
+    last, ended = stamps[0]
+    return max(0.0, ended - began - (last + 1) * summary["step_time_s"]["median"])
 
 
 def start_advice(records: Sequence[dict[str, Any]]) -> str | None:
