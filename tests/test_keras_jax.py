@@ -3,13 +3,15 @@
 The tables are pure. The runs are real: 2 processes under ``tfdist launch`` meet through JAX's
 own runtime with Gloo's CPU collectives and train with Keras's ``DataParallel``; their ranks are
 seeded differently and must end bit-identical, equal to one process with the same global batch
-within rounding, while a control of the same two processes without tfdist ends apart.
+within rounding, while a control of the same two processes without tfdist ends apart. The
+same run's throughput records hold every rank's input wait, and its starved epoch the advice.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, WORKERS, clean_env, require
 
+from tfdist import health
 from tfdist.backends import choose, keras_backend
 from tfdist.backends.keras_jax import coordinator
 from tfdist.env import ClusterEnvironment
@@ -182,6 +185,25 @@ def test_the_chief_says_how_the_processes_met_and_writes_each_file_once(runs):
     written = {p.name for p in model_dir.iterdir()}  # logs/: TensorBoard's, where installed
     # Each epoch's exact state (preempted/) is removed once the fit ends well.
     assert written - {"logs"} == {"checkpoint.keras", "throughput.jsonl"}, written
+
+
+@pytest.mark.multiprocess
+def test_every_ranks_input_wait_is_timed_and_the_starved_epoch_gets_the_advice(runs):
+    # The arrays' epoch is fed in time (the control); each batch of the dataset's epoch takes
+    # DECODE_S to make, far longer than the step: both ranks wait for it, and the chief advises
+    # once, naming no rank (every rank's input is slow, not one's).
+    output = runs["dist"][0]["output"]
+    records = [json.loads(line) for line in (runs["dist"][0]["out"] / "model" /
+                                             "throughput.jsonl").read_text().splitlines()]
+    assert [r["backend"] for r in records] == ["jax", "jax"], records
+    fed, starved = ([p["input_s"] for p in r["ranks"]] for r in records)
+    assert [p["rank"] for p in records[1]["ranks"]] == [0, 1], records
+    assert all(w is not None and w >= 0 for w in fed + starved), records
+    step = [r["step_time_s"]["median"] for r in records]
+    assert statistics.median(fed) < health.INPUT_SHARE * step[0], records
+    assert statistics.median(starved) > health.INPUT_SHARE * step[1], records
+    assert output.count("[0] tfdist: waiting for input takes") == 1, output[-3000:]
+    assert " is slow " not in output, output[-3000:]
 
 
 @pytest.mark.multiprocess

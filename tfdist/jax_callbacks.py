@@ -8,7 +8,8 @@ writes them through ``tf.summary``), the preemption and walltime stop with the e
 at one agreed step and resumed there, the same state saved at each epoch's end and every
 ``checkpoint_every`` (:class:`tfdist.fit_preemption.PreemptionCallback`, as on the TensorFlow
 backends), the replica sync check (where TensorFlow is installed), the throughput meter with
-every rank's profile (:class:`tfdist.throughput.StepMeter`), the chief's progress bar alone.
+every rank's profile (:class:`tfdist.throughput.StepMeter`; the input wait timed where ``fit``
+draws its batches, :func:`tfdist.keras_input._counted`), the chief's progress bar alone.
 """
 
 from __future__ import annotations
@@ -100,15 +101,30 @@ def _preemption(keras: Any) -> Any:
 
 
 def _meter(keras: Any, meter: StepMeter) -> Any:
+    """The meter as a callback; an epoch's input wait is what the ``fit``'s own batches took to
+    arrive (:meth:`tfdist.keras_input.JaxInput.waited`), where tfdist follows its input."""
+
     class ThroughputMeter(keras.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            self._input = keras_input.current(self.model)  # this fit's, not its evaluation's
+            self._waited = 0.0
+
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             meter.begin_epoch()
+            self._waited = self._input_wait() or 0.0
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             meter.steps_done(batch)
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            waited = self._input_wait()
+            if waited is not None:
+                meter.waited(waited - self._waited)
             meter.epoch_end(epoch)
+
+        def _input_wait(self) -> float | None:
+            waited = getattr(getattr(self, "_input", None), "waited", None)
+            return waited() if callable(waited) else None
 
     return ThroughputMeter()
 

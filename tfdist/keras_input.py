@@ -151,6 +151,12 @@ class JaxInput(Keras3Input):
             next(iter(data._get_iterator()), None)  # made, one batch drawn, dropped
         return _skip(iter(data._get_iterator()), at.skip)  # counted at its first batch
 
+    def waited(self) -> float:
+        """Seconds this ``fit``'s training batches took to arrive so far, all its epochs: each
+        ``next`` of the batches Keras draws for a step, but for an iterator's first (not its
+        evaluation's, which has an epoch iterator of its own)."""
+        return float(self.data._tfdist_waited)
+
 
 class TfKerasInput:
     """The input of a tf_keras ``fit``: its ``DataHandler``.
@@ -199,7 +205,7 @@ def _counting_init(init: Any) -> Any:
     input of the ``fit`` that is starting."""
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         init(self, *args, **kwargs)
-        self._tfdist_created, self._tfdist_next = 0, None
+        self._tfdist_created, self._tfdist_next, self._tfdist_waited = 0, None, 0.0
         _last["keras3"] = weakref.ref(self)
 
     return __init__
@@ -302,12 +308,22 @@ def _track_keras3_jax() -> None:
 
 
 def _counted(epoch_iterator: Any, batches: Any) -> Any:
-    """``batches``, counted as an iterator made when its first batch is drawn."""
-    first = True
-    for batch in batches:
+    """``batches``, counted as an iterator made when its first batch is drawn, and the time
+    each later batch takes to arrive added to the epoch iterator's input wait
+    (``_tfdist_waited``). The first batch is not: drawing it makes the dataset's iterator, the
+    epoch's start (the throughput meter's ``start_s``), as TensorFlow's steps time only reads."""
+    iterator, first = iter(batches), True
+    while True:
+        started = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
         if first:
             epoch_iterator._tfdist_created += 1
             first = False
+        else:
+            epoch_iterator._tfdist_waited += time.perf_counter() - started
         yield batch
 
 

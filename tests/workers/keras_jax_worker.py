@@ -9,10 +9,11 @@ everything (its weights must differ from the other rank's); ``desync``: rank 1's
 variable changed by hand before ``fit`` (:func:`_desync`).
 
 The model has a BatchNormalization layer. It trains one epoch on in-memory arrays with
-validation arrays, then one on a ``tf.data`` dataset through ``dist.shard``; then ``evaluate``
-and ``predict``; then a second model with its own ``train_step`` trains one epoch. Each rank
-writes ``OUT/rank-N.json`` (history, results, predictions' shape and sum, the second model's
-history) and ``OUT/rank-N.npz`` (the weights of both, in order).
+validation arrays, then one on a ``tf.data`` dataset through ``dist.shard`` whose every batch
+takes ``DECODE_S`` to make (the input advice's case, the arrays' epoch its control); then
+``evaluate`` and ``predict``; then a second model with its own ``train_step`` trains one
+epoch. Each rank writes ``OUT/rank-N.json`` (history, results, predictions' shape and sum, the
+second model's history) and ``OUT/rank-N.npz`` (the weights of both, in order).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -28,6 +30,7 @@ import tfdist
 from tfdist import patches
 
 ROWS, GLOBAL_BATCH = 256, 32
+DECODE_S = 0.04  # each batch of the dataset epoch: its input starves the step
 
 
 def main(out: str, mode: str) -> None:
@@ -50,7 +53,9 @@ def main(out: str, mode: str) -> None:
     callbacks = dist.callbacks(model_dir=os.path.join(out, "model")) if dist else []
     arrays = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False,
                        validation_data=(x[:64], y[:64]), callbacks=callbacks)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).map(
+        lambda a, b: (tf.ensure_shape(tf.numpy_function(_slow, [a], tf.float32, stateful=True),
+                                      [None, 8]), b))
     datasets = model.fit(dist.shard(dataset) if dist else dataset, epochs=1, verbose=0,
                          callbacks=callbacks)
     results = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
@@ -65,6 +70,12 @@ def main(out: str, mode: str) -> None:
                    "predicted": [list(predicted.shape), float(predicted.sum())],
                    "replicas": dist.num_replicas if dist else 1,
                    "patches": [p.key for p in patches.installed()]}, f)
+
+
+def _slow(rows: np.ndarray) -> np.ndarray:
+    """A decode far slower than the step (stateful: tf.data cannot run it in parallel)."""
+    time.sleep(DECODE_S)
+    return rows
 
 
 def _custom_step(keras, dist, x, y):
