@@ -90,11 +90,12 @@ def train() -> None:
         ds = tfdist.datasets.load(FLAGS.dataset, name, FLAGS.data_dir)
         ds = ds.map(tfdist.datasets.normalize)
         if shuffle:  # the same seed on every worker, so the shards partition the data
-            ds = ds.shuffle(2048, seed=FLAGS.seed)
-        # tfdist: batch with the GLOBAL batch size and shard explicitly by element. Training
-        # drops each epoch's last, partial batch (another one each epoch, the data being
-        # reshuffled): a batch that does not split evenly over the replicas gives no gradient
-        # one process would compute, and tfdist would say so.
+            # tfdist: repeated, reshuffled each pass: one iterator reads every epoch (fit's
+            # steps_per_epoch below). A new iterator each epoch costs 0.1 to 1 s under MWMS.
+            ds = ds.shuffle(2048, seed=FLAGS.seed).repeat()
+        # tfdist: batch with the GLOBAL batch size and shard explicitly by element. Every
+        # training batch is whole: a batch that does not split evenly over the replicas gives
+        # no gradient one process would compute, and tfdist would say so.
         ds = ds.batch(FLAGS.batch_size, drop_remainder=shuffle).prefetch(tf.data.AUTOTUNE)
         return dist.shard(ds) if shard else ds
 
@@ -102,7 +103,9 @@ def train() -> None:
     if dist.is_chief:
         print(f"tfdist: {dist.world_size} worker(s), {dist.num_replicas} replica(s), backend "
               f"{dist.backend}, collective {dist.collective}, learning rate {lr:g}", flush=True)
-    model.fit(train, epochs=FLAGS.epochs, verbose=2, shuffle=False,  # shuffled above
+    examples = int(tfdist.datasets.load(FLAGS.dataset, "train", FLAGS.data_dir).cardinality())
+    model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=examples // FLAGS.batch_size,
+              verbose=2, shuffle=False,  # shuffled above
               # tfdist: chief-only checkpoints and logs, the exact state at each epoch's end,
               # LR warmup.
               callbacks=dist.callbacks(model_dir=FLAGS.model_dir,
