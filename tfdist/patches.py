@@ -273,7 +273,8 @@ INVENTORY: tuple[Patch, ...] = (
     Patch("jax-input-position", "keras.src.backend.jax.trainer.JAXEpochIterator.__init__/"
           "_get_iterator", "tfdist.keras_input", "Keras 3 on JAX",
           "counts the iterators fit draws from, so a preempted fit resumes at the batch it "
-          "stopped at, with the order the stopped run saw, instead of the epoch's start",
+          "stopped at, with the order the stopped run saw, instead of the epoch's start; "
+          "times each batch's arrival (the throughput meter's input wait)",
           lambda w: w.backend.framework == JAX),
     Patch("jax-predict-every-row", "keras.src.backend.jax.trainer.JAXTrainer."
           "make_predict_function", "tfdist.jax_patches", "Keras 3 on JAX, several processes",
