@@ -84,6 +84,7 @@ class PreemptionCallback:
         self.epoch, self.step, self._in_fit = 0, 0, False
         self.resumed_from: dict[str, Any] | None = None  # the state this fit resumed from
         self._state_found = False
+        self._epochs_begun = 0  # in this fit: none, and no collective ran either
         self._input: keras_input.Keras3Input | keras_input.TfKerasInput | None = None
         self._resumed_epoch: int | None = None
 
@@ -94,6 +95,7 @@ class PreemptionCallback:
         if late is not None and self.watch.signal is None:
             self.watch.signal, self.watch.received_at = late, time.monotonic()
         self._input = keras_input.current(self.model) if keras_input.tracked() else None
+        self._epochs_begun = 0
         state = preemption.read_state(self.model_dir)
         if state is not None:
             self._state_found = True
@@ -109,6 +111,11 @@ class PreemptionCallback:
         # Resumed at the end of the last epoch: fit ran no epoch, and the state is used up. Left
         # behind, the next fit with this model_dir would resume from it and train nothing. So
         # would it from this fit's last safety save.
+        if self._state_found and not self._epochs_begun and self.dist.world_size > 1:
+            # No epoch, so no collective, ran: a rank may not have read the state yet. Removed
+            # now, it would train from the start alone, waiting in a collective for ranks that
+            # have ended (seen: 1 in 8 runs, two at a time on 2 cores). Every rank meets first.
+            self.dist.sum_over_ranks([0.0])
         self._state_found = self._state_found or self._saved_here
         self._discard_state()
 
@@ -120,6 +127,7 @@ class PreemptionCallback:
         self._state_found = False
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epochs_begun += 1
         if self._input is not None and epoch != self._resumed_epoch:
             self._input.epoch_begin()
         self.epoch = epoch
