@@ -8,15 +8,18 @@ the same seed and global batch in every variant:
 
 - ``one``: one plain process (tfdist's one-process handle), the baseline;
 - ``mwms``: 2 workers under ``tfdist launch -n 2`` (MultiWorkerMirroredStrategy), the dataset
-  through ``dist.shard``: a new distributed iterator every epoch, as Keras makes it;
-- ``mwms-keras``: the same with every iterator Keras 3 asks for made (tfdist's stand-in for
-  the one Keras makes at an epoch's end and drops unread taken out: ``keras_input.seeds_only``);
-- ``mwms-no-autotune``: the same as ``mwms`` with tf.data's autotuning off
-  (``options.autotune.enabled = False``): freeing a multi-device iterator then waits for
-  nothing (the cause, measured; not a recommendation: autotuning sizes parallel maps and
+  through ``dist.shard``: a new distributed iterator every epoch, as Keras makes it, each
+  worker reading a plain tf.data iterator (tfdist's ``host-input-iterator``);
+- ``mwms-tf-iterator``: the same with TensorFlow's multi-device iterator on each worker
+  (``TFDIST_INPUT_ITERATOR=tensorflow``), the control;
+- ``mwms-tf-no-autotune``: the control with tf.data's autotuning off
+  (``options.autotune.enabled = False``): freeing a multi-device iterator then waits less
+  (part of its cost, measured; not a recommendation: autotuning sizes parallel maps and
   prefetches);
+- ``mwms-keras``: ``mwms`` with every iterator Keras 3 asks for made (tfdist's stand-in for
+  the one Keras makes at an epoch's end and drops unread taken out: ``keras_input.seeds_only``);
 - ``mwms-repeat``: the same as ``mwms``, the dataset repeated with ``steps_per_epoch``: one
-  iterator for every epoch (the way around a per-epoch cost of the iterator).
+  iterator for every epoch.
 
 Per epoch (the first, which traces, left out): ``start``, from ``on_epoch_begin`` to the first
 step's ``on_train_batch_begin`` (Keras makes the epoch's iterator there); ``first``, the first
@@ -43,7 +46,8 @@ from typing import Any
 
 from _common import run_workers, spread
 
-VARIANTS = ("one", "mwms", "mwms-keras", "mwms-no-autotune", "mwms-repeat")
+VARIANTS = ("one", "mwms", "mwms-tf-iterator", "mwms-tf-no-autotune", "mwms-keras",
+            "mwms-repeat")
 FEATURES = 32
 
 
@@ -76,7 +80,7 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     fit_args: dict[str, Any] = {}
     if variant == "mwms-repeat":
         ds, fit_args = ds.repeat(), {"steps_per_epoch": args.steps}
-    if variant == "mwms-no-autotune":
+    if variant == "mwms-tf-no-autotune":
         options = tf.data.Options()
         options.autotune.enabled = False
         ds = ds.with_options(options)
@@ -117,7 +121,8 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, float]:
               "--batch", str(args.batch), "--epochs", str(args.epochs)]
         workers = 1 if variant == "one" else 2
         launch = ["-m", "tfdist", "launch", "-n", "2"] if workers == 2 else []
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "0"}
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "0",
+               "TFDIST_INPUT_ITERATOR": "tensorflow" if "-tf-" in variant else "auto"}
         results = run_workers([sys.executable, *launch, *me], env, out, workers, variant)
     if workers == 2 and results[0]["weights"] != results[1]["weights"]:
         raise SystemExit(f"{variant}: the two workers ended with different weights")

@@ -122,6 +122,27 @@ def test_shard_files_refuses_fewer_files_than_workers():
         shard_files(["a", "b", "c"], 0, 4)
 
 
+ONE_CPU_REPLICA = {
+    # a worker's replica devices -> whether it reads a plain tf.data iterator
+    "one CPU, as MWMS names it": (("/job:worker/replica:0/task:1/device:CPU:0",), True),
+    "one CPU, short": (("/cpu:0",), True),
+    "one GPU": (("/job:worker/replica:0/task:0/device:GPU:0",), False),
+    "two logical CPUs (TFDIST_CPU_REPLICAS=2)": (
+        ("/job:worker/replica:0/task:0/device:CPU:0",
+         "/job:worker/replica:0/task:0/device:CPU:1"), False),
+    "two GPUs": (("/device:GPU:0", "/device:GPU:1"), False),
+    "none": ((), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_CPU_REPLICA))
+def test_only_a_worker_whose_one_replica_is_a_cpu_reads_a_plain_iterator(case):
+    from tfdist.sharding import _one_cpu_replica
+
+    devices, plain = ONE_CPU_REPLICA[case]
+    assert _one_cpu_replica(devices) is plain
+
+
 def _end_check_cases():
     import tensorflow as tf
 

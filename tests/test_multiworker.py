@@ -40,10 +40,15 @@ def test_two_workers_end_bit_identical(tmp_path, loop, keras):
 def _one_iterator_an_epoch_and_keras_own_orders(results):
     """Each rank fitted 3 epochs of a reshuffled dataset from the same weights three ways
     (train_worker._three_ways): tfdist's way trains the very batches of Keras's own, makes one
-    distributed iterator an epoch instead of two, and frees every one it made."""
+    distributed iterator an epoch instead of two, and frees every one it made. Each CPU worker
+    reads a plain tf.data iterator (no multi-device iterator to make and free every epoch),
+    while the same strategy keeps TensorFlow's for a dataset distributed with options of one's
+    own (the control)."""
     for result in results:
         ways = result["iterators"]
         tfdist, keras, control = ways["tfdist"], ways["keras"], ways["no-seeds"]
+        assert tfdist["kinds"] == keras["kinds"] == ["OwnedIterator"], ways
+        assert ways["your-options"]["kinds"] == ["OwnedMultiDeviceIterator"], ways
         assert tfdist["weights"] == keras["weights"], "other shuffle orders than Keras's"
         if result["keras3"]:  # tf_keras makes no iterator it does not read: nothing to spare
             assert control["weights"] != tfdist["weights"], "the control must draw other orders"

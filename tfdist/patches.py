@@ -40,6 +40,7 @@ class Where:
     keras_fix: bool = True  # TFDIST_KERAS_FIX
     cpu_replicas: int = 1  # TFDIST_CPU_REPLICAS
     collective_timeout: bool = False  # TFDIST_COLLECTIVE_TIMEOUT is set
+    host_iterator: bool = True  # TFDIST_INPUT_ITERATOR=auto
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,16 @@ INVENTORY: tuple[Patch, ...] = (
           "drops the per-step collective that asks whether every worker still has a batch, "
           "only for a dataset split by DATA with a constant batch (every worker gets as many "
           "batches); every other dataset keeps it", _mwms),
+    Patch("host-input-iterator",
+          "tensorflow.python.distribute.collective_all_reduce_strategy."
+          "CollectiveAllReduceExtended._experimental_distribute_dataset",
+          "tfdist.sharding", "MWMS on several CPU workers, one replica each "
+          "(TFDIST_INPUT_ITERATOR=auto)",
+          "a worker whose one replica is its CPU reads a distributed dataset through a plain "
+          "tf.data iterator, as TensorFlow's host-placed per-replica input does, instead of a "
+          "multi-device iterator that copies to no device and costs 0.1-1 s an epoch to make "
+          "and free", lambda w: _mwms(w) and not w.gpus and w.cpu_replicas == 1
+          and w.host_iterator),
     Patch("arrays-one-order", "keras.Model.fit", "tfdist.sharding",
           "MWMS on several workers",
           "Keras shuffles fit's arrays with each worker's own random state, so the workers split "
@@ -406,7 +417,8 @@ def where(backend: Backend, versions: Mapping[str, str], environ: Mapping[str, s
                  several_processes=several_processes, gpus=gpus, legacy_keras=legacy,
                  keras_fix=bool(resolve("keras_fix", environ=environ)),
                  cpu_replicas=resolve("cpu_replicas", environ=environ) or 1,
-                 collective_timeout=resolve("collective_timeout", environ=environ) is not None)
+                 collective_timeout=resolve("collective_timeout", environ=environ) is not None,
+                 host_iterator=resolve("input_iterator", environ=environ) == "auto")
 
 
 def _major_minor(version: str) -> tuple[int, int]:

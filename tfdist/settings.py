@@ -242,6 +242,11 @@ SETTINGS: tuple[Setting, ...] = (
             "MWMS: tf.distribute's per-step check that every worker still has a batch (a "
             "collective per step); `auto` drops it where every worker provably gets the same "
             "number of batches (DATA sharding of a dataset with a constant batch size)"),
+    _choice("input_iterator", "TFDIST_INPUT_ITERATOR", ("auto", "tensorflow"),
+            "MWMS: the iterator each worker reads a distributed dataset through; `auto`: a "
+            "plain tf.data iterator where the worker's one replica is its CPU (nothing to copy "
+            "to a device, and TensorFlow's multi-device iterator costs 0.1 to 1 s an epoch to "
+            "make and free), TensorFlow's elsewhere; `tensorflow`: TensorFlow's everywhere"),
     Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
             "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
     Setting("batch_statistics", "TFDIST_AVERAGE_BATCH_STATISTICS", flag, True,

@@ -87,7 +87,10 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
     a stand-in: tfdist.keras_input.SeedsOnly), ``keras`` with every iterator Keras asks for
     made, and the control ``no-seeds``, whose stand-in draws no seeds (other orders). Each way:
     its weights' digest, the distributed iterators made and the threads that freed them (each
-    one freed is named once: one made and not freed after fit would be a leak)."""
+    one freed is named once: one made and not freed after fit would be a leak), and the kinds
+    of iterator each worker read through. Then ``your-options``: the kinds of a distributed
+    iterator of the same strategy for the same batches distributed with options of one's own
+    (the control: TensorFlow's multi-device iterator)."""
     import tensorflow as tf
 
     from tfdist import keras_input
@@ -99,9 +102,10 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
         model.set_weights(start)
         tf.random.set_seed(7)
         data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1)
-        watched.update(made=0, freed_on=[], round=watched["round"] + 1)
+        watched.update(made=0, freed_on=[], kinds=set(), round=watched["round"] + 1)
         model.fit(dist.shard(data.batch(global_batch)), epochs=3, verbose=0)
-        return {"weights": digest(model_variables(model)), **_freed(watched)}
+        return {"weights": digest(model_variables(model)), **_freed(watched),
+                "kinds": sorted(watched["kinds"])}
 
     ways = {"tfdist": fit()}
     seeds_only = keras_input.seeds_only
@@ -112,18 +116,21 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
         ways["no-seeds"] = fit()
     finally:
         keras_input.seeds_only = seeds_only
+    batches = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+    own = iter(dist.strategy.experimental_distribute_dataset(batches, tf.distribute.InputOptions()))
+    ways["your-options"] = {"kinds": sorted({type(w._iterator).__name__ for w in own._iterators})}
     return ways
 
 
 def _watch_iterators() -> dict:
-    """Counts the distributed iterators made from now on, and names the thread that frees each
-    one's multi-device iterator."""
+    """Counts the distributed iterators made from now on, notes the kind each worker reads
+    through, and names the thread that frees each one's per-worker iterator."""
     import threading
     import weakref
 
     from tensorflow.python.distribute import input_lib
 
-    watched: dict = {"made": 0, "freed_on": [], "round": 0}
+    watched: dict = {"made": 0, "freed_on": [], "kinds": set(), "round": 0}
     make = input_lib.DistributedDataset.__iter__
 
     def __iter__(self):  # type: ignore[no-untyped-def]  # noqa: N807
@@ -136,6 +143,7 @@ def _watch_iterators() -> dict:
                 watched["freed_on"].append(threading.current_thread().name)
 
         for worker in iterator._iterators:
+            watched["kinds"].add(type(worker._iterator).__name__)
             weakref.finalize(worker._iterator, freed)
         return iterator
 

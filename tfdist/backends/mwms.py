@@ -224,6 +224,8 @@ def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
         step_results.install_mwms(tf.keras.Model, keras_compat.is_keras3(tf.keras),
                                   environment.rank == 0)
         sharding.skip_end_checks()  # one collective fewer per step where it cannot matter
+        if not num_gpus:  # a CPU replica reads a plain iterator: no per-epoch thread to free
+            sharding.host_iterators()
         # fit's shuffled arrays: one order; an uneven last batch named
         sharding.agree_on_arrays(environment.rank == 0, num_replicas)
         sharding.agree_on_sequences()  # a PyDataset's shuffled batches: one order
