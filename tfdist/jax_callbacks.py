@@ -106,8 +106,8 @@ def _meter(keras: Any, meter: StepMeter) -> Any:
 
     class ThroughputMeter(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
-            self._input = keras_input.current(self.model)  # this fit's, not its evaluation's
-            self._waited = 0.0
+            found = keras_input.current(self.model)  # this fit's, not its evaluation's
+            self._input = found if isinstance(found, keras_input.JaxInput) else None
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             meter.begin_epoch()
@@ -123,8 +123,7 @@ def _meter(keras: Any, meter: StepMeter) -> Any:
             meter.epoch_end(epoch)
 
         def _input_wait(self) -> float | None:
-            waited = getattr(getattr(self, "_input", None), "waited", None)
-            return waited() if callable(waited) else None
+            return self._input.waited() if self._input is not None else None
 
     return ThroughputMeter()
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from tfdist import patches
 from tfdist.keras_compat import keras2_module, keras2_package
+from tfdist.throughput import arrivals
 
 __all__ = ["JaxInput", "Keras3Input", "Position", "Resume", "SeedsOnly", "TfKerasInput", "current",
            "plan", "seeds_only", "track"]
@@ -312,18 +313,11 @@ def _counted(epoch_iterator: Any, batches: Any) -> Any:
     each later batch takes to arrive added to the epoch iterator's input wait
     (``_tfdist_waited``). The first batch is not: drawing it makes the dataset's iterator, the
     epoch's start (the throughput meter's ``start_s``), as TensorFlow's steps time only reads."""
-    iterator, first = iter(batches), True
-    while True:
-        started = time.perf_counter()
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        if first:
-            epoch_iterator._tfdist_created += 1
-            first = False
+    for index, (waited, batch) in enumerate(arrivals(batches)):
+        if index:
+            epoch_iterator._tfdist_waited += waited
         else:
-            epoch_iterator._tfdist_waited += time.perf_counter() - started
+            epoch_iterator._tfdist_created += 1
         yield batch
 
 

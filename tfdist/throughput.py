@@ -166,14 +166,8 @@ class StepMeter:
             for batch in meter.batches(dataset):
                 ...
         """
-        iterator = iter(batches)
-        while True:
-            started = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            self._input_s = (self._input_s or 0.0) + time.perf_counter() - started
+        for waited, batch in arrivals(batches):
+            self._input_s = (self._input_s or 0.0) + waited
             yield batch
 
     def waited(self, seconds: float) -> None:
@@ -265,6 +259,18 @@ class StepMeter:
         if advice and not self._advised:
             self._advised = True
             logger.warning("tfdist: %s", advice)
+
+
+def arrivals(batches: Iterable[Any]) -> Iterator[tuple[float, Any]]:
+    """Each of ``batches`` with the seconds it took to arrive (its ``next``)."""
+    iterator = iter(batches)
+    while True:
+        started = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        yield time.perf_counter() - started, batch
 
 
 def _epoch_start(stamps: Sequence[tuple[int, float]], began: float,
