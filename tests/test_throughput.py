@@ -115,6 +115,7 @@ def test_an_epoch_start_that_is_a_clear_share_is_advised(records, advised):
     assert (advice is not None) == advised
     if advised:
         assert "dataset.repeat() and fit(steps_per_epoch=N)" in advice
+        assert "tf.data's autotuning" in advice  # the cause (benchmarks/iterator_free.py)
 
 
 def test_step_meter_in_a_custom_loop_writes_one_line_per_epoch(tmp_path):
