@@ -40,10 +40,10 @@ def test_two_workers_end_bit_identical(tmp_path, loop, keras):
 def _one_iterator_an_epoch_and_keras_own_orders(results):
     """Each rank fitted 3 epochs of a reshuffled dataset from the same weights three ways
     (train_worker._three_ways): tfdist's way trains the very batches of Keras's own, makes one
-    distributed iterator an epoch instead of two, and frees every one it made. Each CPU worker
-    reads a plain tf.data iterator (no multi-device iterator to make and free every epoch),
-    while the same strategy keeps TensorFlow's for a dataset distributed with options of one's
-    own (the control)."""
+    distributed iterator an epoch instead of two, and frees every one it made, on tfdist's
+    thread (tfdist.iterators). Each CPU worker reads a plain tf.data iterator (no multi-device
+    iterator to make and free every epoch), while the same strategy keeps TensorFlow's for a
+    dataset distributed with options of one's own (the control)."""
     for result in results:
         ways = result["iterators"]
         tfdist, keras, control = ways["tfdist"], ways["keras"], ways["no-seeds"]
@@ -58,6 +58,8 @@ def _one_iterator_an_epoch_and_keras_own_orders(results):
             assert keras["made"] == tfdist["made"] >= 3, ways
         for way in (tfdist, keras):  # nothing kept alive after fit: every one made is freed
             assert len(way["freed_on"]) == way["made"], way
+            # and off the training thread: no epoch waits for tf.data's autotuning to wake
+            assert way["freed_elsewhere"] >= way["made"], way
     assert results[0]["iterators"]["tfdist"]["weights"] == (
         results[1]["iterators"]["tfdist"]["weights"])
 

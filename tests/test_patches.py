@@ -79,11 +79,12 @@ def _row(name):
 
 
 @pytest.mark.parametrize(("backend", "keras", "several", "gpus", "expected"), [
-    ("single", "3.15.1", False, False, {"keras3-input-position", "fit-input-wait"}),
+    ("single", "3.15.1", False, False, {"keras3-input-position", "fit-input-wait",
+                                        "iterator-free-thread"}),
     ("mwms", "3.15.1", True, True, {"keras3-symbolic-build", "keras3-reduce-per-replica",
                                     "keras3-steps-per-execution", "keras3-epoch-chunks",
                                     "keras3-step-logs", "keras3-input-position",
-                                    "fit-input-wait",
+                                    "fit-input-wait", "iterator-free-thread",
                                     "input-end-check", "failure-line", "user-writers",
                                     "save-once", "arrays-one-order", "arrays-shuffle-seed",
                                     "predict-on-batch", "epoch-results",
@@ -92,7 +93,7 @@ def _row(name):
     ("mwms", "3.15.1", True, False, {"keras3-symbolic-build", "keras3-reduce-per-replica",
                                      "keras3-steps-per-execution", "keras3-epoch-chunks",
                                      "keras3-step-logs", "keras3-input-position",
-                                     "fit-input-wait",
+                                     "fit-input-wait", "iterator-free-thread",
                                      "input-end-check", "host-input-iterator",
                                      "failure-line",
                                      "compile-without-xla", "user-writers", "save-once",
@@ -101,6 +102,7 @@ def _row(name):
                                      "sequence-one-order", "generator-copies",
                                     "mwms-heartbeat"}),
     ("horovod", "2.15.0", True, True, {"keras2-input-position", "fit-input-wait",
+                                       "iterator-free-thread",
                                        "compile-without-xla",
                                        "horovod-fit", "failure-line", "user-writers",
                                        "save-once", "arrays-shuffle-seed",
@@ -121,6 +123,10 @@ def test_settings_decide_too():
     assert {"mixed-keras", "keras2-input-position", "mwms-cpu-replicas", "timeout-line",
             "keras2-step-results"} <= keys
     assert "keras3-symbolic-build" not in keys  # tf.keras is tf_keras: Keras 3's fix is moot
+    where = patches.where(_row("mwms"), {"keras": "3.15.1", "tensorflow": "2.21.0"},
+                          {"TFDIST_ITERATOR_FREE": "tensorflow"}, several_processes=True,
+                          gpus=False)
+    assert "iterator-free-thread" not in {p.key for p in patches.planned(where)}
 
 
 def library_names(tree: ast.AST) -> set[str]:

@@ -41,6 +41,7 @@ class Where:
     cpu_replicas: int = 1  # TFDIST_CPU_REPLICAS
     collective_timeout: bool = False  # TFDIST_COLLECTIVE_TIMEOUT is set
     host_iterator: bool = True  # TFDIST_INPUT_ITERATOR=auto
+    iterator_free: bool = True  # TFDIST_ITERATOR_FREE=thread
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,15 @@ INVENTORY: tuple[Patch, ...] = (
           "read before and after, added to one variable the throughput meter reads at each "
           "epoch's end (the per-rank profile's input wait, the input advice)",
           lambda w: w.backend.framework == TF),
+    Patch("iterator-free-thread",
+          "tensorflow.python.data.ops.iterator_ops.OwnedIterator._create_iterator",
+          "tfdist.iterators", "every TensorFlow backend (TFDIST_ITERATOR_FREE=thread)",
+          "freeing an autotuned tf.data iterator can wait for its autotuning thread's next "
+          "pass (a race in TensorFlow: the cancellation wakes it before the iterator is marked "
+          "cancelled; up to 60 s), and Keras frees the last epoch's iterator on the training "
+          "thread at every epoch's start; a plain iterator made eagerly is freed on a thread of "
+          "tfdist's own instead (a multi-device iterator's are left to TensorFlow)",
+          lambda w: w.backend.framework == TF and w.iterator_free),
     Patch("input-end-check",
           "tensorflow.python.distribute.input_lib.DistributedDataset.build",
           "tfdist.sharding", "MWMS on several workers (TFDIST_INPUT_END_CHECK=auto)",
@@ -418,7 +428,8 @@ def where(backend: Backend, versions: Mapping[str, str], environ: Mapping[str, s
                  keras_fix=bool(resolve("keras_fix", environ=environ)),
                  cpu_replicas=resolve("cpu_replicas", environ=environ) or 1,
                  collective_timeout=resolve("collective_timeout", environ=environ) is not None,
-                 host_iterator=resolve("input_iterator", environ=environ) == "auto")
+                 host_iterator=resolve("input_iterator", environ=environ) == "auto",
+                 iterator_free=resolve("iterator_free", environ=environ) == "thread")
 
 
 def _major_minor(version: str) -> tuple[int, int]:

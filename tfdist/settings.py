@@ -247,6 +247,12 @@ SETTINGS: tuple[Setting, ...] = (
             "plain tf.data iterator where the worker's one replica is its CPU (nothing to copy "
             "to a device, and TensorFlow's multi-device iterator costs 0.1 to 1 s an epoch to "
             "make and free), TensorFlow's elsewhere; `tensorflow`: TensorFlow's everywhere"),
+    _choice("iterator_free", "TFDIST_ITERATOR_FREE", ("thread", "tensorflow"),
+            "where a tf.data iterator is freed (every TensorFlow backend); `thread`: a plain "
+            "one made eagerly on a thread of tfdist's own, so the training thread never waits "
+            "for tf.data's autotuning to wake (a race in TensorFlow: up to as long as the "
+            "iterator was read, at most 60 s, at every epoch's start); `tensorflow`: where "
+            "TensorFlow frees it, on the thread that drops it"),
     Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
             "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
     Setting("batch_statistics", "TFDIST_AVERAGE_BATCH_STATISTICS", flag, True,

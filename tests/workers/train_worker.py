@@ -87,8 +87,9 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
     a stand-in: tfdist.keras_input.SeedsOnly), ``keras`` with every iterator Keras asks for
     made, and the control ``no-seeds``, whose stand-in draws no seeds (other orders). Each way:
     its weights' digest, the distributed iterators made and the threads that freed them (each
-    one freed is named once: one made and not freed after fit would be a leak), and the kinds
-    of iterator each worker read through. Then ``your-options``: the kinds of a distributed
+    one freed is named once: one made and not freed after fit would be a leak), the kinds
+    of iterator each worker read through, and how many tf.data iterators were freed on
+    tfdist's thread (tfdist.iterators). Then ``your-options``: the kinds of a distributed
     iterator of the same strategy for the same batches distributed with options of one's own
     (the control: TensorFlow's multi-device iterator)."""
     import tensorflow as tf
@@ -103,9 +104,10 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
         tf.random.set_seed(7)
         data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1)
         watched.update(made=0, freed_on=[], kinds=set(), round=watched["round"] + 1)
+        before = _freed_elsewhere()
         model.fit(dist.shard(data.batch(global_batch)), epochs=3, verbose=0)
         return {"weights": digest(model_variables(model)), **_freed(watched),
-                "kinds": sorted(watched["kinds"])}
+                "kinds": sorted(watched["kinds"]), "freed_elsewhere": _freed_elsewhere() - before}
 
     ways = {"tfdist": fit()}
     seeds_only = keras_input.seeds_only
@@ -120,6 +122,18 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
     own = iter(dist.strategy.experimental_distribute_dataset(batches, tf.distribute.InputOptions()))
     ways["your-options"] = {"kinds": sorted({type(w._iterator).__name__ for w in own._iterators})}
     return ways
+
+
+def _freed_elsewhere() -> int:
+    """The iterators freed on tfdist's thread so far (tfdist.iterators), none pending."""
+    import time
+
+    from tfdist import iterators
+
+    deadline = time.monotonic() + 10
+    while iterators.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return iterators.freed()
 
 
 def _watch_iterators() -> dict:
