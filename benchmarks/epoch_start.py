@@ -10,7 +10,11 @@ the same seed and global batch in every variant:
 - ``mwms``: 2 workers under ``tfdist launch -n 2`` (MultiWorkerMirroredStrategy), the dataset
   through ``dist.shard``: a new distributed iterator every epoch, as Keras makes it, each
   worker reading a plain tf.data iterator (tfdist's ``host-input-iterator``);
-- ``mwms-tf-iterator``: the same with TensorFlow's multi-device iterator on each worker
+- ``mwms-free-tensorflow``: the same with each dropped iterator freed where TensorFlow frees
+  it, on the training thread (``TFDIST_ITERATOR_FREE=tensorflow``): there the free can wait for
+  tf.data's autotuning to wake (a race in TensorFlow, up to as long as the epoch; tfdist frees
+  it on a thread of its own, ``tfdist.iterators``);
+- ``mwms-tf-iterator``: ``mwms`` with TensorFlow's multi-device iterator on each worker
   (``TFDIST_INPUT_ITERATOR=tensorflow``), the control;
 - ``mwms-tf-no-autotune``: the control with tf.data's autotuning off
   (``options.autotune.enabled = False``): freeing a multi-device iterator then waits less
@@ -27,9 +31,10 @@ step (its batch is read then: the shuffle buffer fills); ``step``, the median of
 ``end``, from the last step's ``on_train_batch_end`` to ``on_epoch_end``;
 ``overhead``, the epoch's time from ``on_epoch_begin`` to ``on_epoch_end`` less ``--steps``
 median steps: what the epoch costs beyond its steps, wherever the work moved. The variants take
-turns, in a rotated order each round. Prints each round, then per variant the median over the
-rounds (min..max) and the MWMS variants' overhead less one process's. The issue's target: within
-0.1 s of one process's.
+turns, in a rotated order each round (``--variants`` picks some, ``one`` always among them).
+The race's cost grows with the epoch: ``--steps 520`` makes epochs of about 3 s on 2 workers.
+Prints each round, then per variant the median over the rounds (min..max) and the MWMS
+variants' overhead less one process's. The issue's target: within 0.1 s of one process's.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ from typing import Any
 
 from _common import run_workers, spread
 
-VARIANTS = ("one", "mwms", "mwms-tf-iterator", "mwms-tf-no-autotune", "mwms-keras",
-            "mwms-repeat")
+VARIANTS = ("one", "mwms", "mwms-free-tensorflow", "mwms-tf-iterator", "mwms-tf-no-autotune",
+            "mwms-keras", "mwms-repeat")
 FEATURES = 32
 
 
@@ -122,7 +127,9 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, float]:
         workers = 1 if variant == "one" else 2
         launch = ["-m", "tfdist", "launch", "-n", "2"] if workers == 2 else []
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "0",
-               "TFDIST_INPUT_ITERATOR": "tensorflow" if "-tf-" in variant else "auto"}
+               "TFDIST_INPUT_ITERATOR": "tensorflow" if "-tf-" in variant else "auto",
+               "TFDIST_ITERATOR_FREE": "tensorflow" if "free-tensorflow" in variant
+               else "thread"}
         results = run_workers([sys.executable, *launch, *me], env, out, workers, variant)
     if workers == 2 and results[0]["weights"] != results[1]["weights"]:
         raise SystemExit(f"{variant}: the two workers ended with different weights")
@@ -137,14 +144,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=32, help="batches an epoch")
     parser.add_argument("--batch", type=int, default=64, help="the global batch")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args)
-    found: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    variants = ("one", *(v for v in VARIANTS[1:] if v in args.variants))
+    found: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
+        for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
             found[variant].append(run(variant, args))
             f = found[variant][-1]
             print(f"round {r + 1} {variant:16s} start {f['start'] * 1e3:6.1f} ms  first "
@@ -153,12 +162,12 @@ def main() -> None:
                   f"{f['overhead'] * 1e3:6.1f} ms", flush=True)
     print(f"\nmedians over {args.rounds} round(s) of the steady epochs' medians, ms "
           f"({args.steps} steps of {args.batch} an epoch):")
-    for variant in VARIANTS:
+    for variant in variants:
         rows = found[variant]
         cells = "  ".join(f"{key} {spread([f[key] * 1e3 for f in rows], '.1f')}"
                           for key in ("start", "first", "step", "end", "overhead"))
         print(f"  {variant:16s} {cells}")
-    for variant in VARIANTS[1:]:
+    for variant in variants[1:]:
         extra = [f["overhead"] - o["overhead"] for f, o in zip(found[variant], found["one"],
                                                                   strict=True)]
         print(f"  {variant} overhead less one process's, same round: "

@@ -293,12 +293,12 @@ def start_advice(records: Sequence[dict[str, Any]]) -> str | None:
     start = statistics.median(r["start_s"] for r in later)
     share = statistics.median(r["start_s"] / r["epoch_s"] for r in later)
     return (f"each epoch's start takes {start:.2f} s ({share * 100:.0f} % of the epoch) before its "
-            "first step: a new input iterator is made for every epoch, and freeing the last "
-            "one, on the training thread, can wait for tf.data's autotuning (a race in "
-            "TensorFlow: up to its next pass, at most 60 s) and, on GPU workers, for "
-            "TensorFlow's multi-device iterator; every rank then waits for the slowest. Read one "
-            "iterator for every epoch: dataset.repeat() and fit(steps_per_epoch=N) (tfdist "
-            "resumes it exactly, step and batch)")
+            "first step: a new input iterator is made for every epoch on the training thread, "
+            "and a GPU worker frees the last one there too (TensorFlow's multi-device iterator "
+            "waits for its prefetch, and can wait for tf.data's autotuning: a race in "
+            "TensorFlow, up to 60 s); every rank then waits for the slowest. Read one iterator "
+            "for every epoch: dataset.repeat() and fit(steps_per_epoch=N) (tfdist resumes it "
+            "exactly, step and batch)")
 
 
 def describe(record: dict[str, Any]) -> str:
