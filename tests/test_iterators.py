@@ -7,6 +7,7 @@ benchmarks/epoch_start.py (docs/performance.md)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -53,6 +54,19 @@ def test_at_exit_the_wait_is_bounded_and_later_frees_are_the_callers():
     here = threading.current_thread().name
     assert dropped_on == [here]
     assert freer.close(5.0) and dropped_on == [here, "tfdist-iterator-free"]
+
+
+def test_a_forked_child_frees_on_a_thread_of_its_own():
+    freer, dropped_on = iterators._Freer(), []
+    freer.hand_over(Held(dropped_on, hold_s=0.5))  # the parent's thread is busy at the fork
+    child = os.fork()
+    if child == 0:  # the child: no freeing thread was copied, and the lock may be held
+        freer._reset()  # what os.register_at_fork does for tfdist's own
+        freer.hand_over(Held([]))
+        os._exit(0 if freer.close(5.0) else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert freer.close(5.0) and dropped_on == ["tfdist-iterator-free"]
 
 
 class Dataset:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -45,6 +46,11 @@ class _Freer:
     """The thread that drops what is handed to it, and its counts."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """Starts empty: also in a forked child, which has no freeing thread (and whose copy of
+        the lock may be held by it)."""
         self._ready = threading.Condition()
         self._queue: deque[tuple[Any, ...]] = deque()
         self._busy = 0  # handed over and not yet dropped
@@ -165,4 +171,5 @@ def install() -> bool:
     if patches.apply("iterator-free-thread", iterator_ops.OwnedIterator, "_create_iterator",
                      wrap):
         atexit.register(_exit)  # after TensorFlow's own exit handlers were registered: first
+        os.register_at_fork(after_in_child=_freer._reset)
     return True
