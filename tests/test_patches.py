@@ -114,6 +114,12 @@ def test_what_applies_to_a_launch(backend, keras, several, gpus, expected):
     assert {p.key for p in patches.planned(where)} == expected
 
 
+def test_keras3_on_jax_frees_tf_data_iterators_on_tfdists_thread_too():
+    where = patches.where(facts.backend("jax", facts.JAX), {"keras": "3.15.1", "jax": "0.8.0"},
+                          {}, several_processes=False, gpus=False)
+    assert "iterator-free-thread" in {p.key for p in patches.planned(where)}
+
+
 def test_settings_decide_too():
     environ = {"TF_USE_LEGACY_KERAS": "1", "TFDIST_CPU_REPLICAS": "2",
                "TFDIST_COLLECTIVE_TIMEOUT": "30"}

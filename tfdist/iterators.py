@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -33,7 +34,7 @@ from typing import Any
 
 from tfdist import patches
 
-__all__ = ["EXIT_WAIT_S", "freed", "install", "pending"]
+__all__ = ["EXIT_WAIT_S", "freed", "install", "install_where_loaded", "pending"]
 
 logger = logging.getLogger("tfdist")
 
@@ -135,10 +136,27 @@ def _exit() -> None:
                        "exiting without it", EXIT_WAIT_S)
 
 
+def install_where_loaded() -> bool:
+    """:func:`install` if TensorFlow is loaded: Keras 3 on JAX calls it as an epoch's input is
+    made, so a job that reads a tf.data dataset gets it and one that never imports TensorFlow
+    does not start it."""
+    return "tensorflow" in sys.modules and install()
+
+
 def install() -> bool:
     """Frees plain tf.data iterators on tfdist's thread from now on, once per process (every
-    TensorFlow backend). False where it is off (``TFDIST_ITERATOR_FREE=tensorflow``) or this
-    TensorFlow lacks what it hooks."""
+    TensorFlow backend; Keras 3 on JAX: :func:`install_where_loaded`). False where it is off
+    (``TFDIST_ITERATOR_FREE=tensorflow``) or this TensorFlow lacks what it hooks."""
+    if _installed:
+        return _installed[0]
+    _installed.append(_install())
+    return _installed[0]
+
+
+_installed: list[bool] = []
+
+
+def _install() -> bool:
     from tfdist.settings import resolve
 
     if resolve("iterator_free") == "tensorflow":

@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Any, NamedTuple
 
-from tfdist import patches
+from tfdist import iterators, patches
 from tfdist.keras_compat import keras2_module, keras2_package
 from tfdist.throughput import arrivals
 
@@ -298,6 +298,7 @@ def _track_keras3_jax() -> None:
 
     def wrap_get_iterator(get_iterator: Any) -> Any:
         def _get_iterator(self: Any) -> Any:
+            iterators.install_where_loaded()  # a tf.data dataset's epochs: freed off this thread
             prepared, self._tfdist_next = self._tfdist_next, None
             return prepared if prepared is not None else _counted(self, get_iterator(self))
 

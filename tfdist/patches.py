@@ -166,13 +166,14 @@ INVENTORY: tuple[Patch, ...] = (
           lambda w: w.backend.framework == TF),
     Patch("iterator-free-thread",
           "tensorflow.python.data.ops.iterator_ops.OwnedIterator._create_iterator",
-          "tfdist.iterators", "every TensorFlow backend (TFDIST_ITERATOR_FREE=thread)",
+          "tfdist.iterators", "every TensorFlow backend; Keras 3 on JAX once an epoch's "
+          "input is made with TensorFlow loaded (TFDIST_ITERATOR_FREE=thread)",
           "freeing an autotuned tf.data iterator can wait for its autotuning thread's next "
           "pass (a race in TensorFlow: the cancellation wakes it before the iterator is marked "
           "cancelled; up to 60 s), and Keras frees the last epoch's iterator on the training "
           "thread at every epoch's start; a plain iterator made eagerly is freed on a thread of "
           "tfdist's own instead (a multi-device iterator's are left to TensorFlow)",
-          lambda w: w.backend.framework == TF and w.iterator_free),
+          lambda w: w.backend.framework in (TF, JAX) and w.iterator_free),
     Patch("input-end-check",
           "tensorflow.python.distribute.input_lib.DistributedDataset.build",
           "tfdist.sharding", "MWMS on several workers (TFDIST_INPUT_END_CHECK=auto)",

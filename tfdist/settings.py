@@ -248,7 +248,8 @@ SETTINGS: tuple[Setting, ...] = (
             "to a device, and TensorFlow's multi-device iterator costs 0.1 to 1 s an epoch to "
             "make and free), TensorFlow's elsewhere; `tensorflow`: TensorFlow's everywhere"),
     _choice("iterator_free", "TFDIST_ITERATOR_FREE", ("thread", "tensorflow"),
-            "where a tf.data iterator is freed (every TensorFlow backend); `thread`: a plain "
+            "where a tf.data iterator is freed (every TensorFlow backend, and Keras 3 on JAX "
+            "reading tf.data); `thread`: a plain "
             "one made eagerly on a thread of tfdist's own, so the training thread never waits "
             "for tf.data's autotuning to wake (a race in TensorFlow: up to as long as the "
             "iterator was read, at most 60 s, at every epoch's start); `tensorflow`: where "

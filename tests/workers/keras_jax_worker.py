@@ -69,7 +69,18 @@ def main(out: str, mode: str) -> None:
                    "evaluate": results, "custom": custom.history.history,
                    "predicted": [list(predicted.shape), float(predicted.sum())],
                    "replicas": dist.num_replicas if dist else 1,
-                   "patches": [p.key for p in patches.installed()]}, f)
+                   "patches": [p.key for p in patches.installed()],
+                   "freed_elsewhere": _freed_elsewhere()}, f)
+
+
+def _freed_elsewhere() -> int:
+    """The tf.data iterators freed on tfdist's thread (tfdist.iterators), none pending."""
+    from tfdist import iterators
+
+    deadline = time.monotonic() + 10
+    while iterators.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return iterators.freed()
 
 
 def _slow(rows: np.ndarray) -> np.ndarray:
