@@ -7,9 +7,10 @@ is read for ``--read`` seconds, then dropped (Keras drops the last epoch's itera
 at every epoch's start, on the training thread), and the drop is timed. The variants alternate:
 ``autotune`` (TensorFlow's default) and ``no-autotune`` (``options.autotune.enabled = False``).
 
-What it shows (docs/performance.md, "Epoch start"): with autotuning on, some drops block for
-the rest of the autotuning thread's current wait. That thread optimizes 10 ms after the first
-read, then after 20, 40, 80 ... ms (doubling, at most 60 s), and the iterator's free joins it.
+What it shows (docs/performance.md, "Each epoch's start and end"): with autotuning on, some
+drops block for the rest of the autotuning thread's current wait. That thread optimizes 10 ms
+after the first read, then after 20, 40, 80 ... ms (doubling, at most 60 s), and the iterator's
+free joins it.
 The free's cancellation wakes it before TensorFlow marks the iterator cancelled, so it can go
 back to sleep until its next deadline. ``remainder`` is that deadline's distance from the drop,
 computed from the schedule (optimizing takes about a millisecond here, so the schedule drifts a
