@@ -71,7 +71,6 @@ class _Freer:
                                                 daemon=True)
                 self._thread.start()
             self._ready.notify_all()
-        del held
 
     def _run(self) -> None:
         while True:
@@ -85,15 +84,19 @@ class _Freer:
                 self._freed += 1
                 self._ready.notify_all()
 
-    def close(self, wait_s: float) -> bool:
-        """Takes no more, and waits up to ``wait_s`` for what was handed over: whether all of
-        it was freed."""
+    def settle(self, wait_s: float) -> bool:
+        """Waits up to ``wait_s`` for what was handed over: whether all of it was freed."""
         deadline = time.monotonic() + wait_s
         with self._ready:
-            self._closed = True
-            while self._busy and time.monotonic() < deadline:
-                self._ready.wait(timeout=max(0.0, deadline - time.monotonic()))
+            while self._busy and (left := deadline - time.monotonic()) > 0:
+                self._ready.wait(timeout=left)
             return not self._busy
+
+    def close(self, wait_s: float) -> bool:
+        """Takes no more, then :meth:`settle`."""
+        with self._ready:
+            self._closed = True
+        return self.settle(wait_s)
 
     def counts(self) -> tuple[int, int]:
         with self._ready:
@@ -108,8 +111,10 @@ def pending() -> int:
     return _freer.counts()[0]
 
 
-def freed() -> int:
-    """Iterators this process freed on tfdist's thread."""
+def freed(wait_s: float = 0.0) -> int:
+    """Iterators this process freed on tfdist's thread; with ``wait_s``, once what was handed
+    over is freed (waiting ``wait_s`` at most)."""
+    _freer.settle(wait_s)
     return _freer.counts()[1]
 
 

@@ -21,10 +21,7 @@ atexit.register(lambda: print(json.dumps({"pending_at_exit": iterators.pending()
 
 def settled() -> int:
     """Iterators freed on tfdist's thread once nothing handed over is pending (10 s at most)."""
-    deadline = time.monotonic() + 10
-    while iterators.pending() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return iterators.freed()
+    return iterators.freed(wait_s=10)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import tfdist
-from tfdist import patches
+from tfdist import iterators, patches
 
 ROWS, GLOBAL_BATCH = 256, 32
 DECODE_S = 0.15  # each batch of the dataset epoch: far slower than a step, even under load
@@ -70,17 +70,7 @@ def main(out: str, mode: str) -> None:
                    "predicted": [list(predicted.shape), float(predicted.sum())],
                    "replicas": dist.num_replicas if dist else 1,
                    "patches": [p.key for p in patches.installed()],
-                   "freed_elsewhere": _freed_elsewhere()}, f)
-
-
-def _freed_elsewhere() -> int:
-    """The tf.data iterators freed on tfdist's thread (tfdist.iterators), none pending."""
-    from tfdist import iterators
-
-    deadline = time.monotonic() + 10
-    while iterators.pending() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return iterators.freed()
+                   "freed_elsewhere": iterators.freed(wait_s=10)}, f)
 
 
 def _slow(rows: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ import traceback
 import numpy as np
 
 import tfdist
-from tfdist import keras_compat
+from tfdist import iterators, keras_compat
 
 
 def main(out_dir: str, loop: str, mode: str, backend: str = "mwms") -> None:
@@ -104,10 +104,11 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
         tf.random.set_seed(7)
         data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1)
         watched.update(made=0, freed_on=[], kinds=set(), round=watched["round"] + 1)
-        before = _freed_elsewhere()
+        before = iterators.freed(wait_s=10)
         model.fit(dist.shard(data.batch(global_batch)), epochs=3, verbose=0)
         return {"weights": digest(model_variables(model)), **_freed(watched),
-                "kinds": sorted(watched["kinds"]), "freed_elsewhere": _freed_elsewhere() - before}
+                "kinds": sorted(watched["kinds"]),
+                "freed_elsewhere": iterators.freed(wait_s=10) - before}
 
     ways = {"tfdist": fit()}
     seeds_only = keras_input.seeds_only
@@ -122,18 +123,6 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
     own = iter(dist.strategy.experimental_distribute_dataset(batches, tf.distribute.InputOptions()))
     ways["your-options"] = {"kinds": sorted({type(w._iterator).__name__ for w in own._iterators})}
     return ways
-
-
-def _freed_elsewhere() -> int:
-    """The iterators freed on tfdist's thread so far (tfdist.iterators), none pending."""
-    import time
-
-    from tfdist import iterators
-
-    deadline = time.monotonic() + 10
-    while iterators.pending() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return iterators.freed()
 
 
 def _watch_iterators() -> dict:
