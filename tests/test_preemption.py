@@ -151,7 +151,7 @@ def test_a_signal_never_acted_on_goes_to_the_previous_handler():
         signal.signal(signal.SIGUSR2, previous)
 
 
-def test_commit_keeps_one_complete_checkpoint_at_every_moment(tmp_path):
+def test_commit_keeps_the_newest_and_the_one_before_complete_at_every_moment(tmp_path):
     def state(folder: Path, step: int) -> Path:
         folder.mkdir()
         (folder / preemption.STATE_FILE).write_text(json.dumps({"step": step}))
@@ -164,8 +164,12 @@ def test_commit_keeps_one_complete_checkpoint_at_every_moment(tmp_path):
     os.replace(final, f"{final}.old")
     assert preemption.read_state(str(tmp_path))["path"] == f"{final}.old"
     preemption.commit(str(state(tmp_path / "partial2", 2)), str(final))
-    assert preemption.read_state(str(tmp_path))["step"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [preemption.CHECKPOINT_DIR]
+    assert [s["step"] for s in preemption.read_states(str(tmp_path))] == [2, 1]
+    # The next commit drops the oldest: the newest and the one before it stay.
+    preemption.commit(str(state(tmp_path / "partial3", 3)), str(final))
+    assert [s["step"] for s in preemption.read_states(str(tmp_path))] == [3, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        preemption.CHECKPOINT_DIR, f"{preemption.CHECKPOINT_DIR}.old"]
     assert preemption.read_state(str(tmp_path / "nothing")) is None
 
 
@@ -416,18 +420,19 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
                                   "jax-keras3-steps_per_epoch"])
 def test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes(
         tmp_path_factory, case):
-    # No signal at all: `tfdist launch --time-limit 40s` gives the workers their end, and the
-    # margin (28 s) is reached 12 s after the launch, while the slowed steps (0.5 s each, 24 s
-    # of training; 18 s with steps_per_epoch) run. The guard stops both ranks at one step,
-    # saves and exits 75 before the launch's own stop at 40 s; the next launch (the requeued
-    # job) resumes there.
+    # No signal at all: `tfdist launch --time-limit 50s` gives the workers their end, and the
+    # margin (25 s) is reached 25 s after the launch, while the slowed steps (0.75 s each, 36 s
+    # of training; 27 s with steps_per_epoch) run. The guard stops both ranks at one step,
+    # saves and exits 75 before the launch's own stop at 50 s; the next launch (the requeued
+    # job) resumes there. (A start-up slower than 25 s would be refused at the first step: the
+    # margin would then stop every run there, a restart loop.)
     total = RESUME[case][-1]
     python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
     first = _run(python, backend, tmp_path / "out", tmp_path / "m2", "-1", "0",
-                 "--time-limit", "40s", TFDIST_WALLTIME_MARGIN="28",
-                 PREEMPT_TEST_STEP_SLEEP="0.5", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
+                 "--time-limit", "50s", TFDIST_WALLTIME_MARGIN="25",
+                 PREEMPT_TEST_STEP_SLEEP="0.75", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
     assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "[0] tfdist: walltime: " in first.stdout and "margin is 28 s" in first.stdout
+    assert "[0] tfdist: walltime: " in first.stdout and "margin is 25 s" in first.stdout
     assert "--time-limit) is reached" not in first.stderr  # the guard stopped them, in time
     second = _run(python, backend, tmp_path / "out2", tmp_path / "m2", "-1", "0", **env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]

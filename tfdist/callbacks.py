@@ -33,10 +33,12 @@ from tfdist import (
     input_wait,
     keras_compat,
     keras_input,
+    ownership,
     sync,
     walltime,
 )
 from tfdist import model_dir as layout
+from tfdist.errors import StorageError
 from tfdist.scratch import as_given, save_atomically, save_once, scratch_dir
 from tfdist.settings import resolve
 from tfdist.throughput import StepMeter, throughput_file
@@ -227,7 +229,13 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.path = path
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        save_atomically(self.model, self.path)
+        try:
+            save_atomically(self.model, self.path)
+        except OSError as error:  # the previous checkpoint stays (the write was to a new name)
+            raise StorageError(
+                f"could not write the epoch's checkpoint {self.path}: "
+                f"{error.strerror or error}. {layout.storage_fix(error.errno)}; the previous "
+                "checkpoint, if any, is kept") from None
 
 
 def save(dist: Distributed, model: Any, path: str) -> bool:
@@ -540,6 +548,8 @@ def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
     """
     o = CallbackOptions(**options)
     model_dir = o.model_dir
+    if model_dir:  # before anything reads or writes it: one run, a folder every rank sees
+        ownership.claim(dist, model_dir)
     # The backend's own first (Horovod: the broadcast from rank 0).
     callbacks: list[Any] = list(dist.backend_callbacks())
     averaged = (resolve("batch_statistics", o.average_batch_statistics)

@@ -165,7 +165,8 @@ def _add_launch_output(group: argparse._ArgumentGroup) -> None:
         default=0,
         metavar="N",
         help="after a preemption (workers exit 75 having saved their state) or a failure, start "
-        "all workers again, at most N times (default: 0)",
+        "all workers again, at most N times (default: 0); not after exit code 78, a setting "
+        "refused at the workers' start (the walltime margin), which every run would repeat",
     )
     group.add_argument(
         "--time-limit",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["TfdistError", "LaunchError", "InitOrderError", "ConfigError", "ReplicaMismatchError"]
+__all__ = ["TfdistError", "LaunchError", "InitOrderError", "ConfigError", "ReplicaMismatchError",
+           "StorageError"]
 
 
 class TfdistError(RuntimeError):
@@ -30,3 +31,9 @@ class ReplicaMismatchError(TfdistError):
     Raised on every rank together by the replica sync check (:mod:`tfdist.sync`); the message
     names the ranks and variables that differ from rank 0.
     """
+
+
+class StorageError(TfdistError):
+    """``model_dir`` cannot be written or read as training needs: read-only, full, not seen by
+    every rank, held by another run, or holding a damaged or foreign save. Raised on every rank
+    together; the message names the folder, what is wrong and the fix."""

@@ -18,14 +18,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfdist import keras_compat, keras_input, preemption
+from tfdist import keras_compat, keras_input, ownership, preemption, walltime
+from tfdist import model_dir as layout
+from tfdist.errors import StorageError
 from tfdist.scratch import save_once
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
     from tfdist.backends.base import Distributed
 
-__all__ = ["PreemptionCallback", "save_model"]
+__all__ = ["PreemptionCallback", "fingerprint", "save_model"]
 
 logger = logging.getLogger("tfdist")
 
@@ -89,6 +91,7 @@ class PreemptionCallback:
         self._resumed_epoch: int | None = None
 
     def on_train_begin(self, logs: Any = None) -> None:
+        ownership.claim(self.dist, self.model_dir)  # one run, a folder every rank sees
         self._in_fit = True
         self.watch.install()
         late = preemption.take_late_signal()  # came between two fits: this one stops at once
@@ -96,10 +99,10 @@ class PreemptionCallback:
             self.watch.signal, self.watch.received_at = late, time.monotonic()
         self._input = keras_input.current(self.model) if keras_input.tracked() else None
         self._epochs_begun = 0
-        state = preemption.read_state(self.model_dir)
-        if state is not None:
+        states = preemption.read_states(self.model_dir)
+        if states:
             self._state_found = True
-            self._resume(state)
+            self._resume(states)
 
     def on_train_end(self, logs: Any = None) -> None:
         self._in_fit = False
@@ -210,10 +213,23 @@ class PreemptionCallback:
         if self._input is not None:
             where = self._input.position(self.step)
             state["input"] = {"iterator": where.iterator, "drawn": where.drawn,
-                              "recreates": self._input.recreates}
+                              "recreates": self._input.recreates,
+                              "global_batch": self._global_batch()}
+        state["fingerprint"] = fingerprint(self.model)
         return preemption.save_state(self.dist, self.model_dir, write, state)
 
-    def _resume(self, state: dict[str, Any]) -> None:
+    def _global_batch(self) -> int | None:
+        """Rows per step over all workers: what ``dist.shard`` saw, or in one process the
+        input's batch; None where unknown (a position then stays in batches)."""
+        found = getattr(self.dist, "sharded_batch_size", None)
+        if found:
+            return int(found)
+        if self.dist.world_size != 1 or self._input is None:
+            return None
+        return self._input.batch_size()
+
+    def _resume(self, states: list[dict[str, Any]]) -> None:
+        state = states[0]
         epoch, step = int(state["epoch"]), int(state["step"])
         where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
         saved, found = state.get("input"), self._input
@@ -227,26 +243,96 @@ class PreemptionCallback:
                 logger.warning("tfdist: %s holds the state at %s, but resuming there %s: %s",
                                state["path"], where, why, instead)
             return
-        optimizer: Any = getattr(self.model, "optimizer", None)
-        if (callable(getattr(optimizer, "build", None)) and not hasattr(optimizer, "built")
-                and not getattr(optimizer, "_built", False)):
-            # A Keras 2 optimizer not built yet: Keras 2.15's BackupAndRestore leaves it so
-            # (2.16's builds it), and load_weights would skip its state ("Skipping variable
-            # loading for optimizer"). Keras 3's have `built`, and fit built them already.
-            optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(os.path.join(state["path"], "model.keras"))
-        self._restore_unsaved(state["path"])
+        self._build_for_loading()
+        state = self._load(states)
+        walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
+        epoch, step, saved = int(state["epoch"]), int(state["step"]), state["input"]
+        where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
         at = keras_input.plan(keras_input.Position(saved["iterator"], saved["drawn"]), epoch,
                               step, epoch_done=bool(state["epoch_done"]),
                               recreates=found.recreates)
-        found.resume(at)
+        before, now = saved.get("global_batch"), self._global_batch()
+        rebatched = keras_input.rebatch(at, before, now)
+        if rebatched is None:
+            raise StorageError(
+                f"{state['path']} stopped after {at.skip * before} rows in batches of {before}, "
+                f"which is not a whole number of this run's global batch {now}: no exact resume. "
+                f"Resume with a global batch that divides {at.skip * before} (such as {before}), "
+                f"or start afresh: rm -r {layout.path(self.model_dir, layout.PREEMPTED)}*")
+        found.resume(rebatched)
         self.model._initial_epoch = at.epoch  # Keras 3's fit starts there; tf_keras: resume()
         self._resumed_epoch, self.epoch, self.resumed_from = at.epoch, at.epoch, state
         if self.dist.is_chief:
             changed = ("" if state["world_size"] == self.dist.world_size else
                        f"; it ran on {state['world_size']} workers, now {self.dist.world_size}: "
                        "the global batch is what the script sets")
+            if before and now and before != now:
+                changed += (f"; its global batch was {before}, now {now}: it goes on after "
+                            f"the same {at.skip * before} rows")
             logger.warning("tfdist: resuming at %s from %s%s", where, state["path"], changed)
+
+    def _build_for_loading(self) -> None:
+        """Builds the optimizer (and a model not built yet) the way the first step would, so
+        that loading the state restores every variable. One process builds them only at its
+        first step (Keras 3 without a strategy; Keras 2.15's BackupAndRestore), and
+        ``load_weights`` would skip the optimizer's state: "Skipping variable loading for
+        optimizer"."""
+        model = self.model
+        if not _built(model):
+            spec = self._input.element_spec() if self._input is not None else None
+            symbolic_build = getattr(model, "_symbolic_build", None)
+            if spec is not None and callable(symbolic_build):
+                symbolic_build(data_batch=spec)  # Keras 3: builds the optimizer too
+        optimizer: Any = getattr(model, "optimizer", None)
+        if optimizer is None or not callable(getattr(optimizer, "build", None)):
+            return
+        built = getattr(optimizer, "built", None)  # Keras 3's; Keras 2's have `_built`
+        if built is None:
+            built = getattr(optimizer, "_built", False)
+        if not built:
+            optimizer.build(model.trainable_variables)
+
+    def _load(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Loads the newest state that can be read (the same one on every rank); refuses the
+        state of another model. Returns it."""
+        now = fingerprint(self.model) if _built(self.model) else None
+        failures: list[str] = []
+        used = len(states)
+        for index, state in enumerate(states):
+            saved = state.get("fingerprint")
+            if now is not None and saved:
+                different = layout.difference(saved, now)
+                if different:
+                    raise StorageError(
+                        f"{state['path']} holds the state of another model ({different}): "
+                        "resume with the model and optimizer that saved it, or start afresh "
+                        f"with another model_dir or rm -r "
+                        f"{layout.path(self.model_dir, layout.PREEMPTED)}*")
+            try:
+                self.model.load_weights(os.path.join(state["path"], "model.keras"))
+                self._restore_unsaved(state["path"])
+            except Exception as error:  # damaged: a truncated file, a half-copied folder
+                failures.append(f"{state['path']}: {type(error).__name__}: {error}"[:300])
+                continue
+            used = index
+            break
+        if self.dist.world_size > 1:  # every rank resumes from the same one, or none does
+            total = round(self.dist.sum_over_ranks([float(used)])[0])
+            if total != used * self.dist.world_size:
+                raise StorageError(
+                    f"the ranks read different states in {self.model_dir} (this rank: "
+                    f"{'none' if used == len(states) else states[used]['path']}): is "
+                    "model_dir one folder that every rank sees?")
+        if used == len(states):
+            raise StorageError(
+                f"the saved training state in {self.model_dir} cannot be read ("
+                f"{'; '.join(failures)}), and there is no earlier complete one: start afresh "
+                f"with rm -r {layout.path(self.model_dir, layout.PREEMPTED)}*")
+        if failures and self.dist.is_chief:
+            logger.warning("tfdist: %s cannot be read (%s): resuming from the complete state "
+                           "before it, %s", states[0]["path"], failures[0],
+                           states[used]["path"])
+        return states[used]
 
     def _restore_unsaved(self, folder: str) -> None:
         mine = os.path.join(folder, f"rank-{self.dist.rank}.npz")
@@ -259,6 +345,24 @@ class PreemptionCallback:
             for i, variable in enumerate(_unsaved(self.model)):
                 if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
                     variable.assign(saved[f"v{i}"])
+
+
+def fingerprint(model: Any) -> dict[str, Any]:
+    """What :func:`tfdist.model_dir.difference` compares: the shapes and types of the model's
+    weights in order, and its optimizer's class."""
+    weights = list(getattr(model, "weights", []))
+    optimizer = getattr(model, "optimizer", None)
+    return {"weights": [[int(d) for d in w.shape] for w in weights],
+            "dtypes": [str(getattr(w.dtype, "name", w.dtype)) for w in weights],
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None}
+
+
+def _built(model: Any) -> bool:
+    """Whether ``model`` and every layer in it have their variables."""
+    layers = getattr(model, "_flatten_layers", None)
+    if callable(layers):
+        return all(getattr(layer, "built", True) for layer in layers())
+    return bool(getattr(model, "built", True))
 
 
 def _unsaved(model: Any) -> list[Any]:

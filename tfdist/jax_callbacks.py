@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from tfdist import fit_preemption, keras_input
+from tfdist import fit_preemption, keras_input, ownership
 from tfdist import model_dir as layout
 from tfdist.scratch import save_once
 from tfdist.throughput import StepMeter, throughput_file
@@ -46,6 +46,8 @@ def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
     if unknown:
         raise TypeError(f"dist.callbacks() got unknown options {unknown}")
     model_dir = options.get("model_dir")
+    if model_dir:  # before anything reads or writes it: one run, a folder every rank sees
+        ownership.claim(dist, model_dir)
     callbacks: list[Any] = list(extra)
     if model_dir and options.get("checkpoint", True):
         callbacks.append(_checkpoint(keras, dist, layout.path(model_dir, layout.CHECKPOINT)))

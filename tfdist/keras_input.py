@@ -27,7 +27,7 @@ from tfdist.keras_compat import keras2_module, keras2_package
 from tfdist.throughput import arrivals
 
 __all__ = ["JaxInput", "Keras3Input", "Position", "Resume", "SeedsOnly", "TfKerasInput", "current",
-           "plan", "seeds_only", "track"]
+           "plan", "rebatch", "seeds_only", "track"]
 
 logger = logging.getLogger("tfdist")
 
@@ -70,6 +70,39 @@ def plan(saved: Position, epoch: int, step: int, *, epoch_done: bool,
     return Resume(epoch + 1, 0, saved.iterator, saved.drawn)
 
 
+def rebatch(at: Resume, saved_batch: int | None, batch: int | None) -> Resume | None:
+    """``at``, planned in batches of ``saved_batch`` rows, in batches of ``batch`` rows (pure):
+    the same rows skipped and trained, so a run resumed with another global batch goes on at
+    the row where the stopped one was. ``at`` as it is where either size is unknown or they are
+    equal; None where the rows are not a whole number of the new batches (no exact resume)."""
+    if not saved_batch or not batch or saved_batch == batch:
+        return at
+    skip, step = at.skip * saved_batch, at.step * saved_batch
+    if skip % batch or step % batch:
+        return None
+    return at._replace(skip=skip // batch, step=step // batch)
+
+
+class _Spec(NamedTuple):
+    """A batch's part as Keras's symbolic build reads it."""
+
+    shape: tuple[int | None, ...]
+    dtype: str
+
+
+def _adapter_batch(adapter: Any) -> int | None:
+    """A Keras data adapter's rows per batch: its dataset's ``batch`` (tf.data), or the batch
+    size it was given (arrays); None where not a constant."""
+    from tfdist.throughput import batch_size_of
+
+    dataset = getattr(adapter, "_dataset", None)
+    if dataset is not None:
+        return batch_size_of(dataset)
+    size = getattr(adapter, "batch_size", None)
+    size = size() if callable(size) else size
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 def _skip(iterator: Any, count: int) -> Any:
     """Draws ``count`` batches from ``iterator`` and drops them; says how long that took."""
     if count:
@@ -106,6 +139,25 @@ class Keras3Input:
     def epoch_steps(self) -> int | None:
         """Steps in a whole epoch, when known."""
         return self._steps_per_epoch or self.data.data_adapter.num_batches
+
+    def batch_size(self) -> int | None:
+        """Rows per batch of the input, when it is a constant."""
+        return _adapter_batch(self.data.data_adapter)
+
+    def element_spec(self) -> Any:
+        """The shapes and types of a batch (``shape`` and ``dtype`` each), without drawing one;
+        None where unknown."""
+        adapter = self.data.data_adapter
+        dataset = getattr(adapter, "_dataset", None)
+        if dataset is not None and hasattr(dataset, "element_spec"):
+            return dataset.element_spec
+        arrays = getattr(adapter, "_inputs", None)
+        if arrays is None:
+            return None
+        from keras import tree
+
+        return tree.map_structure(
+            lambda a: None if a is None else _Spec((None, *a.shape[1:]), str(a.dtype)), arrays)
 
     def resume(self, at: Resume) -> None:
         data = self.data
@@ -186,6 +238,15 @@ class TfKerasInput:
         """Steps in a whole epoch, when known."""
         steps = self.handler._inferred_steps
         return int(steps) if steps is not None else None
+
+    def batch_size(self) -> int | None:
+        """Rows per batch of the input, when it is a constant."""
+        return _adapter_batch(self.handler._adapter)
+
+    def element_spec(self) -> Any:
+        """None: tf_keras builds a model at its first step (``_build_for_loading`` builds the
+        optimizer only)."""
+        return None
 
     def resume(self, at: Resume) -> None:
         self.handler._tfdist_plan = at

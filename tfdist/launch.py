@@ -31,6 +31,7 @@ from tfdist.backends.facts import BACKENDS
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
 from tfdist.supervisor import WorkerSpec, exit_code, run_workers, split_lines, warn
+from tfdist.walltime import EXIT_REFUSED
 
 __all__ = [
     "WorkerSpec",
@@ -46,6 +47,7 @@ __all__ = [
     "horovod_worker_env",
     "launch",
     "log_path",
+    "next_run",
     "port_range",
     "run_workers",
     "split_lines",
@@ -363,12 +365,14 @@ class LaunchOptions:
             horovodrun's variables.
         max_restarts: start every worker again after a failure or a preemption (exit code 75:
             every worker saved its state at an agreed step), as a requeue would; each run's
-            workers see ``TFDIST_RESTART_COUNT``.
+            workers see ``TFDIST_RESTART_COUNT``. Not after exit code 78, a setting refused at
+            the workers' start, which every run would repeat (:func:`next_run`).
         log_dir: created if missing; each worker's output also goes, unprefixed, to
             :func:`log_path` (``log_dir/rank-R.log``, emptied at the start, the runs one after
             the other), flushed as it arrives.
         time_limit: each run's walltime in seconds: its workers get its end as
-            ``TFDIST_END_TIME`` (:mod:`tfdist.walltime` stops, saves and exits 75 in time), and
+            ``TFDIST_END_TIME`` (:mod:`tfdist.walltime` stops, saves and exits 75 in time, or
+            exits 78 at the first step when the limit leaves no time past its margin), and
             the launch stops them at the end as Slurm would (SIGTERM, then SIGKILL after
             ``grace_period``); the next run of ``max_restarts`` gets a new limit, as a requeued
             job does.
@@ -563,13 +567,35 @@ def _run(options: LaunchOptions, mode: _Mode, plan: _Plan, out: TextIO | None) -
                 deadline[0] = time.time() + options.time_limit
                 env["TFDIST_END_TIME"] = f"{deadline[0]:.3f}"
             code = mode.run(options, env, plan.cpu_sets, supervise)
-            if code == 0 or code in (130, 128 + signal.SIGTERM) or restart == restarts:
+            again, line = next_run(code, restart, restarts)
+            if line is not None:
+                warn(line)
+            if not again:
                 break
-            warn(f"restarting all workers ({restart + 1} of --max-restarts {restarts}) after "
-                 + ("a preemption" if code == EXIT_PREEMPTED else f"exit code {code}"))
-    if code and restarts and code not in (130, 128 + signal.SIGTERM):
-        warn(f"giving up after {restarts} restart(s): the last run ended with code {code}")
     return code
+
+
+def next_run(code: int, restart: int, restarts: int) -> tuple[bool, str | None]:
+    """Whether the launch starts every worker again after a run that ended with ``code``, and
+    the line it says (pure). ``restart``: the run's number (0 for the first); ``restarts``:
+    ``--max-restarts``.
+
+    A preemption (75) or a failure is restarted while restarts are left; success, Ctrl-C
+    (130) and SIGTERM to the launcher (143) are not, and neither is
+    :data:`tfdist.walltime.EXIT_REFUSED` (78): the workers refused a setting at their start
+    (the walltime margin), and every run would stop there again.
+    """
+    if code == 0 or code in (130, 128 + signal.SIGTERM):
+        return False, None
+    if code == EXIT_REFUSED:
+        return False, (f"not restarting (--max-restarts {restarts}): the workers exited "
+                       f"{EXIT_REFUSED}, a setting refused at their start (their output says "
+                       "which), and every run would stop there again" if restarts else None)
+    if restart >= restarts:
+        return False, (f"giving up after {restarts} restart(s): the last run ended with code "
+                       f"{code}" if restarts else None)
+    return True, (f"restarting all workers ({restart + 1} of --max-restarts {restarts}) after "
+                  + ("a preemption" if code == EXIT_PREEMPTED else f"exit code {code}"))
 
 
 def _ports(port_base: int | None, num_workers: int) -> list[int]:

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -44,9 +45,9 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from tfdist import failures, walltime
+from tfdist import failures, ownership, walltime
 from tfdist import model_dir as layout
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, StorageError
 from tfdist.scratch import remove_scratch_dirs, scratch_dir
 from tfdist.settings import catchable_signal, resolve
 
@@ -55,8 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "after_training", "commit",
            "default_signals_in_children", "exit_preempted", "load_loop_state", "next_interval",
-           "parse_signal", "read_state", "requeue", "requeue_plan", "save_loop_state", "save_state",
-           "signals", "take_late_signal", "watch"]
+           "parse_signal", "read_state", "read_states", "requeue", "requeue_plan",
+           "save_loop_state", "save_state", "signals", "take_late_signal", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -154,7 +155,9 @@ def next_interval(previous: int, proposal: float) -> int:
 
 class Watch:
     """Records the first preemption signal; tells every rank at the same step. So it does when
-    the chief's walltime clock says the run's end is within the margin (:mod:`tfdist.walltime`).
+    the chief's walltime clock says the run's end is within the margin (:mod:`tfdist.walltime`),
+    except at the run's first agreement: there every rank refuses the run alike
+    (:func:`tfdist.walltime.refusal`).
 
     Args:
         dist: the handle; its :meth:`~tfdist.backends.base.Distributed.sum_over_ranks` is the
@@ -250,6 +253,10 @@ class Watch:
         """Runs the agreement now (every rank at the same point, e.g. at an epoch's end).
 
         Returns whether all ranks must stop.
+
+        Raises:
+            ConfigError: on every rank, at the run's first agreement, when the walltime guard
+                would stop it there (:func:`tfdist.walltime.refusal`).
         """
         if self.stop_requested:
             return True
@@ -260,16 +267,29 @@ class Watch:
         # The chief's time left and margin (0 elsewhere): the sums are the chief's on every rank.
         guard = ([1.0, left, walltime.margin(walltime.longest_save(), gap, self._margin)]
                  if left is not None else [0.0, 0.0, 0.0])
+        # At the run's first agreement also the time it had at its start and where its end came
+        # from: every rank refuses the run there alike when it would stop (walltime.refusal).
+        first = self.dist.is_chief and self.clock is not None and self.clock.take_first()
+        started = self.clock.left_at_start() if first and self.clock is not None else None
+        opening = ([1.0, started, walltime.source_number(self.clock.source)]
+                   if started is not None and left is not None and self.clock is not None
+                   else [0.0, 0.0, 0.0])
         # A safety save is due by the chief's clock.
         due = (self.dist.is_chief and self.every is not None
                and time.monotonic() - self._saved_at >= self.every)
-        signalled, proposals, known, left_s, margin_s, due_s = self.dist.sum_over_ranks(
-            [self.signal is not None, proposal, *guard, due])
+        (signalled, proposals, known, left_s, margin_s, due_s, first_s, started_s,
+         source_s) = self.dist.sum_over_ranks(
+            [self.signal is not None, proposal, *guard, due, *opening])
         self.checks += 1
         # The mean of the proposals is the same number on every rank, and so is the interval.
         self._interval = next_interval(self._interval, proposals / self.dist.world_size)
         self._next_check = self._steps + self._interval
         self._checked_step, self._checked_time = self._steps, time.monotonic()
+        refused = (walltime.refusal(started_s, left_s, margin_s, walltime.source_named(source_s),
+                                    self._margin is not None, signalled > 0)
+                   if first_s > 0 else None)
+        if refused is not None:
+            raise _refused(refused, self.dist)
         if signalled > 0:
             self.stop_requested = True
             if self.dist.is_chief:
@@ -401,20 +421,45 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
 
 
 def _end_now(code: int, environment: ClusterEnvironment | None = None) -> None:
-    """Flushes the logs and output, removes scratch folders, and ends the process with
+    """Flushes the logs and output, removes scratch folders, gives up the ``model_dir`` this
+    process holds (:func:`tfdist.ownership.release_all`), and ends the process with
     ``code`` at once (no further ``atexit`` functions, no library teardown), after a moment
     for the launcher to forward the output (:func:`tfdist.failures.linger`: ``code`` is not 0,
     and srun --kill-on-bad-exit ends the others at the first rank's exit)."""
     logging.shutdown()
     remove_scratch_dirs()
+    ownership.release_all()
     failures.linger(environment)
     os._exit(code)
 
 
+def _refused(line: str, dist: Agreeing) -> ConfigError:
+    """The error every rank raises when the walltime guard refuses the run at its first
+    agreement (:func:`tfdist.walltime.refusal`). Left uncaught, it ends the process with
+    :data:`tfdist.walltime.EXIT_REFUSED` once Python has printed it, not with 1, which
+    ``tfdist launch --max-restarts`` would restart: a restart would stop there again."""
+    import sys
+
+    error = ConfigError(line)
+    environment = getattr(dist, "environment", None)
+
+    def end() -> None:
+        uncaught = getattr(sys, "last_value", None)
+        while uncaught is not None and uncaught is not error:
+            uncaught = uncaught.__cause__ or uncaught.__context__
+        if uncaught is error:
+            _end_now(walltime.EXIT_REFUSED, environment)
+
+    atexit.register(end)
+    return error
+
+
 def commit(partial: str, final: str) -> None:
     """Makes the finished directory ``partial`` the checkpoint ``final``, atomically enough that
-    a kill at any moment leaves one complete checkpoint: ``final`` or ``final.old``.
+    a kill at any moment leaves a complete checkpoint: ``final``, else ``final.old``.
 
+    The complete checkpoint before it stays as ``final.old`` until the next commit, so a resume
+    whose newest state cannot be read (a damaged file) falls back to it (:func:`read_states`).
     ``partial``, ``final`` and ``final.old`` are siblings on one file system.
     """
     old = f"{final}.old"
@@ -422,15 +467,13 @@ def commit(partial: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(partial, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def read_state(model_dir: str) -> dict[str, Any] | None:
-    """The state of the last complete preemption checkpoint in ``model_dir``, or None.
-
-    Falls back to ``preempted.old`` when a kill came between the two renames of :func:`commit`.
-    The returned dict has ``"path"``, the checkpoint's directory.
-    """
+def read_states(model_dir: str) -> list[dict[str, Any]]:
+    """The states of the complete checkpoints in ``model_dir``, the newest first: ``preempted``
+    and the one before it, ``preempted.old`` (also the only one when a kill came between the two
+    renames of :func:`commit`). Each dict has ``"path"``, the checkpoint's directory."""
+    found = []
     for folder in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"):
         path = os.path.join(model_dir, folder)
         try:
@@ -438,9 +481,19 @@ def read_state(model_dir: str) -> dict[str, Any] | None:
                 state: dict[str, Any] = json.load(f)
         except (OSError, ValueError):
             continue
-        walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
-        return {**state, "path": path}
-    return None
+        if isinstance(state, dict):
+            found.append({**state, "path": path})
+    return found
+
+
+def read_state(model_dir: str) -> dict[str, Any] | None:
+    """The state of the last complete preemption checkpoint in ``model_dir``, or None
+    (:func:`read_states`' first)."""
+    states = read_states(model_dir)
+    if not states:
+        return None
+    walltime.record_save(states[0].get("save_seconds"))  # the run that saved it timed the save
+    return states[0]
 
 
 def requeue_plan(environment: ClusterEnvironment, max_requeues: int,
@@ -510,29 +563,66 @@ def save_state(dist: Agreeing, model_dir: str, write: Callable[[str], None],
     """Writes one complete state folder and makes it ``model_dir/preempted`` (:func:`commit`).
 
     Call it on every rank: the chief makes a fresh folder, every rank runs ``write(folder)``
-    (what a rank writes there must be its own files), then the chief adds ``state.json``
-    (``state`` and the world size) and commits.
+    (what a rank writes there must be its own files), the chief adds ``state.json`` (``state``
+    and the world size) and, once every rank has written, commits.
 
     Returns:
         The committed folder on the chief, None on the other ranks.
+
+    Raises:
+        StorageError: on every rank, when a rank could not write (a full or read-only file
+            system): nothing is committed, and the last complete state stays the one to resume.
     """
     final = os.path.join(model_dir, CHECKPOINT_DIR)
     partial = os.path.join(model_dir, f".{CHECKPOINT_DIR}.partial")
     started = time.monotonic()
+    problem: OSError | None = None
     if dist.is_chief:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.sum_over_ranks([0.0])  # a barrier: the folder exists for every rank
-    write(partial)
-    dist.sum_over_ranks([0.0])  # every rank has written before the chief commits
-    took = time.monotonic() - started
-    walltime.record_save(took)  # the walltime guard's margin follows the saves
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as error:
+            problem = error
+    _agree_written(dist, problem, final)  # also a barrier: the folder exists for every rank
+    try:
+        write(partial)
+        took = time.monotonic() - started
+        if dist.is_chief:
+            with open(os.path.join(partial, STATE_FILE), "w", encoding="utf-8") as f:
+                json.dump({**state, "world_size": dist.world_size,
+                           "save_seconds": round(took, 3)}, f)
+    except OSError as error:
+        problem = error
+    try:
+        _agree_written(dist, problem, final)  # every rank has written before the chief commits
+    except StorageError:
+        if dist.is_chief:  # what it wrote takes room the next save needs
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    walltime.record_save(time.monotonic() - started)  # the walltime margin follows the saves
     if not dist.is_chief:
         return None
-    with open(os.path.join(partial, STATE_FILE), "w", encoding="utf-8") as f:
-        json.dump({**state, "world_size": dist.world_size, "save_seconds": round(took, 3)}, f)
     commit(partial, final)
     return final
+
+
+def _agree_written(dist: Agreeing, problem: OSError | None, final: str) -> None:
+    """One small collective: whether every rank could write; if not, every rank raises the same
+    :class:`~tfdist.errors.StorageError` (the ranks that failed say why first)."""
+    failed = round(dist.sum_over_ranks([1.0 if problem is not None else 0.0])[0])
+    if not failed:
+        return
+    rank = getattr(dist, "rank", 0)
+    if problem is not None:
+        logger.error("tfdist: rank %d (%s) could not write in %s: %s", rank,
+                     socket.gethostname(), os.path.dirname(final), problem)
+    reason = (problem.strerror or str(problem)) if problem is not None else "see its line"
+    older = [s["path"] for s in read_states(os.path.dirname(final))]
+    kept = (f"the last complete state, {older[0]}, is kept and the next run resumes from it"
+            if older else "no earlier complete state exists")
+    raise StorageError(
+        f"could not save the training state in {final} ({failed} rank(s) failed: {reason}). "
+        f"{layout.storage_fix(problem.errno if problem is not None else None)}; {kept}")
 
 
 def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],

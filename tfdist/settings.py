@@ -307,7 +307,9 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds before the run's end (Slurm's time limit, `tfdist launch --time-limit`) at "
             "which every rank stops at one step, saves its exact state and exits 75 to be "
             "requeued, with no signal needed; default: twice the longest save timed plus twice "
-            "the time between two agreements plus 10 s, at least 60 s"),
+            "the time between two agreements plus 10 s, at least 60 s. A margin that leaves a "
+            "run no time past its first step is refused there, on every rank (exit code 78: "
+            "not requeued, not restarted)"),
     Setting("preempt_check_seconds", "TFDIST_PREEMPT_CHECK_SECONDS", _positive_seconds, 1.0,
             "about how often the ranks agree whether one of them was signalled (one tiny "
             "collective each time); the step interval follows the measured step time",

@@ -20,9 +20,16 @@ itself:
    collective that already runs for the signals) the chief adds its time left and its margin.
    When the time left is at most the margin, every rank stops at that step, saves the same exact
    state as for a signal, exits 75, and the job is requeued where it may be.
+4. Except at the run's first agreement (:func:`refusal`): a run the guard would stop there made
+   no progress since it started, and every restart would stop there again. Every rank raises
+   the same :class:`~tfdist.errors.ConfigError` instead, which names the margin, the time left
+   and the fix; nothing is saved or requeued, and the process exits :data:`EXIT_REFUSED`, which
+   ``tfdist launch --max-restarts`` does not restart. A preemption signal there is no loop: it
+   is requeued as ever, unless the margin is at or above the whole time the run had.
 
 The pure parts (:func:`end_from`, :func:`parse_squeue_end`, :func:`parse_duration`,
-:func:`margin`) are table-tested; :class:`Clock` takes its reader and time as arguments.
+:func:`margin`, :func:`refusal`) are table-tested; :class:`Clock` takes its reader and time as
+arguments.
 """
 
 from __future__ import annotations
@@ -41,14 +48,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
-__all__ = ["EXIT_S", "FLOOR_S", "REREAD_S", "Clock", "clock", "end_from", "longest_save",
-           "margin", "parse_duration", "parse_squeue_end", "record_save", "squeue_end"]
+__all__ = ["EXIT_REFUSED", "EXIT_S", "FLOOR_S", "REREAD_S", "SOURCES", "Clock", "clock",
+           "end_from", "longest_save", "margin", "parse_duration", "parse_squeue_end",
+           "record_save", "refusal", "source_named", "source_number", "squeue_end"]
 
 logger = logging.getLogger("tfdist")
 
 FLOOR_S = 60.0  # the default margin at least: no save timed yet, or a fast one
 EXIT_S = 10.0  # after the save: the exit handshake, `scontrol requeue`, the processes' end
 REREAD_S = 300.0  # how often the chief asks Slurm for the job's end again
+# What a run refused at its first agreement exits with (:func:`refusal`): EX_CONFIG from
+# sysexits.h. Not 75: a restart or a requeue would stop where this run did, again and again.
+EXIT_REFUSED = 78
+# Where an end can come from; the agreement carries the chief's as a number (source_number).
+SOURCES = ("TFDIST_END_TIME", "SLURM_JOB_END_TIME", "squeue")
 _YEAR_S = 366 * 24 * 3600.0  # an end further away than this is no limit (an "infinite" job)
 _longest: list[float] = [0.0]  # the longest save this process timed, in seconds
 
@@ -135,6 +148,58 @@ def margin(save_s: float, gap_s: float, override: float | None = None) -> float:
     return max(FLOOR_S, 2 * save_s + 2 * gap_s + EXIT_S)
 
 
+def refusal(started: float, left: float, margin_s: float, end_from: str, margin_set: bool,
+            signalled: bool = False) -> str | None:
+    """Why the guard refuses a run at its first agreement (pure), or None: it trains on.
+
+    Where the time left there is at most the margin, the guard would stop the run at its first
+    agreement, and every restart (a requeued job gets the same time limit) there again: it would
+    make no progress, restart after restart. So it is refused, in one line: the margin and where
+    it came from, the time left and where the end came from, and the fix. A preemption signal
+    at that agreement is no loop: the run stops and is requeued as ever, unless the margin is at
+    or above the whole time the run had at its start.
+
+    Args:
+        started: seconds the run had left when its training began (:attr:`Clock.started`).
+        left: seconds left at its first agreement.
+        margin_s: the margin then (:func:`margin`).
+        end_from: where the end came from (one of :data:`SOURCES`, or ``"?"``).
+        margin_set: the margin is ``TFDIST_WALLTIME_MARGIN``'s, not the default.
+        signalled: a rank got a preemption signal by that agreement.
+    """
+    if left > margin_s or (signalled and started > margin_s):
+        return None
+    given = ("TFDIST_WALLTIME_MARGIN" if margin_set else "the default: twice the longest save "
+             "and twice the time between two agreements, plus 10 s, at least 60 s")
+    limit = {"TFDIST_END_TIME": "tfdist launch --time-limit, or whatever sets TFDIST_END_TIME",
+             "SLURM_JOB_END_TIME": "sbatch --time", "squeue": "sbatch --time"}.get(
+                 end_from, "the job's time limit")
+    longer = f"a longer time limit ({limit})"
+    fix = (f"Set TFDIST_WALLTIME_MARGIN below {left:.0f} s or give the run {longer}"
+           if left >= 1 else f"Give the run {longer}")
+    if margin_s >= started:
+        return (f"walltime: the margin, {margin_s:.0f} s ({given}), is at or above the "
+                f"{started:.0f} s this run had left when its training began (its end from "
+                f"{end_from}): the walltime guard would stop every run at its first step and "
+                f"start it again, without end; refused, nothing saved or requeued. {fix}")
+    return (f"walltime: this run made no progress since its last start: {left:.0f} s were left "
+            f"at its first step (its end from {end_from}), within the margin, {margin_s:.0f} s "
+            f"({given}), of the {started:.0f} s it had when its training began, and every "
+            f"restart would stop there again; refused, nothing saved or requeued. {fix}")
+
+
+def source_number(source: str) -> float:
+    """``source`` (where an end came from) as the agreement carries it: its place in
+    :data:`SOURCES` from 1, else 0 (pure)."""
+    return float(SOURCES.index(source) + 1) if source in SOURCES else 0.0
+
+
+def source_named(number: float) -> str:
+    """The source :func:`source_number` made ``number`` of, or ``"?"`` (pure)."""
+    index = round(number) - 1
+    return SOURCES[index] if 0 <= index < len(SOURCES) else "?"
+
+
 def record_save(seconds: float | None) -> None:
     """Notes how long a save of the training state took (tfdist's exact saves, the epoch
     backups, and the time a resumed state records)."""
@@ -156,6 +221,10 @@ class Clock:
         reread: asks for the end again (Slurm's), or None; called in a thread of its own, first
             at :meth:`start` and then every ``every`` seconds.
         now: the clock (``time.time``).
+
+    Attributes:
+        started: when the clock was made (``now()``): the first watch of the process makes it,
+            as training begins.
     """
 
     def __init__(self, end: float | None, source: str,
@@ -163,12 +232,25 @@ class Clock:
                  now: Callable[[], float] = time.time) -> None:
         self.end, self.source = end, source
         self._reread, self._every, self._now = reread, every, now
+        self.started = now()  # the run's start as the guard knows it: its training's
+        self._first = True  # no agreement has asked yet (take_first)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def left(self) -> float | None:
         """Seconds until the end, or None without one."""
         return None if self.end is None else self.end - self._now()
+
+    def left_at_start(self) -> float | None:
+        """Seconds the run had when this clock was made (until the end as known now), or None
+        without an end."""
+        return None if self.end is None else self.end - self.started
+
+    def take_first(self) -> bool:
+        """True at the first call only: the run's first agreement, where the guard refuses a
+        margin that leaves the run no time (:func:`refusal`); never again later."""
+        first, self._first = self._first, False
+        return first
 
     def start(self) -> None:
         """Starts re-reading the end, if there is a reader (once)."""

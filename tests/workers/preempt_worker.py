@@ -17,6 +17,10 @@ epochs straddle its passes) or ``validation`` (``epochs`` with
 ``validation_data``). ``PREEMPT_TEST_STEP_SLEEP=S`` makes each training step S seconds longer
 (a slow run for the walltime guard to stop; the weights do not change);
 ``PREEMPT_TEST_BATCH=B`` sets the global batch (default 32; another drops the last, short one).
+``PREEMPT_TEST_WIDTH=W`` sets the hidden layer's width (default 16: another is another model).
+``PREEMPT_TEST_COUNT_ROWS=1`` adds a layer that counts the rows trained on and sums their first
+feature's squares (in the model's state, so saved and resumed with it): every row trained
+exactly once over the run shows as ``rows`` (count, sum) in the result.
 ``PREEMPT_TEST_SOAK=SEED:CYCLES`` (with the ``validation`` input) replaces the signal arguments:
 runs 0 to CYCLES-1 are each signalled (unless SIGNAL_RANK is -1) at a moment drawn from SEED
 and the run's number (the same on every rank, :func:`soak_moment`), and the fit has
@@ -59,6 +63,25 @@ def soak_moment(seed: int, run: int) -> dict[str, object]:
             "signal": draw.choice(["USR1", "TERM"])}
 
 
+def RowCount(keras):  # noqa: N802 (a layer class of the Keras in use)
+    """A layer that counts the rows it trains on and sums their first feature's squares."""
+
+    class Counter(keras.layers.Layer):
+        def build(self, input_shape: object) -> None:
+            self.seen = self.add_weight(shape=(2,), initializer="zeros", trainable=False,
+                                        name="seen")
+
+        def call(self, x: object, training: object = None) -> object:
+            if training:
+                first = x[:, 0]
+                self.seen.assign_add(keras.ops.stack([
+                    keras.ops.cast(keras.ops.shape(x)[0], "float32"),
+                    keras.ops.sum(first * first)]))
+            return x
+
+    return Counter()
+
+
 def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_step: str,
          signal_name: str = "USR1") -> None:
     dist = tfdist.init(backend=backend)
@@ -91,8 +114,11 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     if os.environ.get("PREEMPT_TEST_LEGACY_RNG") == "1":
         keras.backend.experimental.disable_tf_random_generator()  # undoes tfdist's, Keras 2
     dropout = [keras.layers.Dropout(0.3)] if os.environ.get("PREEMPT_TEST_DROPOUT") == "1" else []
+    counting = [RowCount(keras)] if os.environ.get("PREEMPT_TEST_COUNT_ROWS") == "1" else []
+    width = int(os.environ.get("PREEMPT_TEST_WIDTH", "16"))
     with dist.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+        model = keras.Sequential([keras.Input((8,)), *counting,
+                                  keras.layers.Dense(width, activation="relu"),
                                   *dropout, keras.layers.Dense(2)])
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -174,6 +200,9 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
         from tfdist.sync import digest, model_variables
 
         result["digest"] = digest(model_variables(model, include_optimizer=True))
+        result["iterations"] = int(np.asarray(model.optimizer.iterations.numpy()))
+        if counting:
+            result["rows"] = [float(v) for v in np.asarray(counting[0].seen.numpy())]
         np.savez(os.path.join(out_dir, f"weights-{dist.rank}-{run}.npz"),
                  *[np.asarray(w) for w in model.get_weights()])
     except SystemExit as exit_:

@@ -208,15 +208,18 @@ class Distributed(ReplicaMath):
     def save_state(self, model_dir: str, position: dict[str, Any], **objects: Any) -> bool:
         """Saves a custom loop's ``objects`` and ``position`` in ``model_dir/preempted``, written
         once by the chief (:func:`tfdist.preemption.save_loop_state`). Call it on every rank."""
-        from tfdist import preemption
+        from tfdist import ownership, preemption
 
+        ownership.claim(self, model_dir)  # one run, a folder every rank sees (once)
         return preemption.save_loop_state(self, model_dir, position, **objects)
 
     def load_state(self, model_dir: str | None, **objects: Any) -> dict[str, Any] | None:
         """Restores :meth:`save_state`'s ``objects``; the saved position, or None on a first run
         (:func:`tfdist.preemption.load_loop_state`)."""
-        from tfdist import preemption
+        from tfdist import ownership, preemption
 
+        if model_dir:
+            ownership.claim(self, model_dir)  # one run, a folder every rank sees (once)
         return preemption.load_loop_state(model_dir, **objects)
 
     def exit_preempted(self) -> NoReturn:

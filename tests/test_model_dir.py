@@ -1,0 +1,375 @@
+"""A ``model_dir`` a user can trust: every resume exact (one process too, and with another
+global batch), one run per folder, a folder every rank sees, and storage faults named in one line
+with the last complete state kept.
+
+Pure tables first (the lock's verdict, the ranks that cannot see the folder, a foreign model's
+difference, a position moved to another batch size, the fix for an errno), then real processes:
+two processes holding one folder (no framework needed), and real training in one process and on
+2 workers (MWMS on loopback). Faults are real where this machine allows: a read-only and a full
+file system are tmpfs mounts (root; the tests skip where mounting is not allowed), and node-local
+scratch is a tmpfs mounted at the same path in each rank's own mount namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import ROOT, WORKERS, clean_env
+
+from tfdist import keras_input, ownership, preemption
+from tfdist import model_dir as layout
+from tfdist.backends.single import SingleDistributed
+from tfdist.env import ClusterEnvironment
+from tfdist.errors import StorageError
+from tfdist.keras_input import Resume
+
+WORKER = str(WORKERS / "preempt_worker.py")
+TOTAL_STEPS = 48  # 3 epochs of 512 rows in batches of 32
+
+
+# --- pure ------------------------------------------------------------------------------------
+
+def _holder(host: str = "n9", pid: int = 100, job: str | None = None) -> ownership.Holder:
+    return ownership.Holder(host, pid, None, job, 1.0e9, 7)
+
+
+ME = _holder("n9", 200, "42")
+VERDICTS = {
+    # name: (the lock found, pid alive, job running, age, expected action, words in the why)
+    "none": (None, None, None, 0.0, "take", ""),
+    "this process": (_holder("n9", 200, "42"), True, None, 0.0, "own", "own"),
+    "live pid here": (_holder("n9", 100), True, None, 0.0, "refuse", "running on this host"),
+    "live pid here, same job": (_holder("n9", 100, "42"), True, None, 0.0, "refuse",
+                                "running on this host"),
+    "dead pid here": (_holder("n9", 100), False, None, 0.0, "take over", "has ended"),
+    "requeued job, another node": (_holder("n10", 100, "42"), None, True, 0.0, "own",
+                                   "earlier run of Slurm job 42"),
+    "another job running": (_holder("n10", 100, "41"), None, True, 0.0, "refuse",
+                            "job 41 is running"),
+    "another job ended": (_holder("n10", 100, "41"), None, False, 0.0, "take over",
+                          "job 41 is no longer running"),
+    "another host, renewed": (_holder("n10", 100), None, None, 30.0, "refuse", "renewed 30 s"),
+    "another host, abandoned": (_holder("n10", 100), None, None, 600.0, "take over",
+                                "not renewed for 600 s"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VERDICTS))
+def test_the_lock_verdict(case):
+    held, alive, running, age, action, why = VERDICTS[case]
+    found = ownership.verdict(held, ME, pid_alive=alive, job_running=running, age_s=age)
+    assert found.action == action and why in found.why, found
+
+
+def test_the_ranks_that_cannot_see_the_folder_are_named_with_their_host():
+    rows = [[0, 0, 0], [1, 0, 0], [2, 1, 1], [3, 1, 1]]  # ranks 2 and 3 on the second node
+    line = ownership.not_seen(rows, ("n9", "n10"), "/scratch/run", "n9")
+    assert line is not None and line.startswith(
+        "model_dir /scratch/run is not one folder that every rank sees: rank 2 on n10 (and 1 "
+        "more rank(s)) cannot read /scratch/run/tfdist.lock, which rank 0 wrote on n9")
+    assert "$TMPDIR" in line
+    assert ownership.not_seen([[0, 0, 0], [1, 1, 0]], ("n9", "n10"), "/d", "n9") is None
+    assert "rank 1 on node 3" in (ownership.not_seen([[1, 3, 1]], (), "/d", "n9") or "")
+
+
+SAVED = {"weights": [[8, 16], [16], [16, 2], [2]], "dtypes": ["float32"] * 4, "optimizer": "Adam"}
+DIFFERENCES = {
+    "the same": (SAVED, None),
+    "wider": ({**SAVED, "weights": [[8, 32], [32], [32, 2], [2]]},
+              "weight 0 is 8x32, the saved model's 8x16"),
+    "a layer more": ({**SAVED, "weights": [*SAVED["weights"], [2]],
+                      "dtypes": ["float32"] * 5}, "it has 5 weights, the saved model 4"),
+    "another type": ({**SAVED, "dtypes": ["float32", "float16", "float32", "float32"]},
+                     "weight 1 is float16, the saved model's float32"),
+    "another optimizer": ({**SAVED, "optimizer": "SGD"},
+                          "its optimizer is SGD, the saved model's Adam"),
+    "a scalar": ({**SAVED, "weights": [[8, 16], [], [16, 2], [2]]},
+                 "weight 1 is a scalar, the saved model's 16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DIFFERENCES))
+def test_a_foreign_model_is_told_from_the_saved_one(case):
+    now, expected = DIFFERENCES[case]
+    assert layout.difference(SAVED, now) == expected
+
+
+REBATCH = {
+    # name: (planned resume, saved global batch, this run's, expected or None: not exact)
+    "the same batch": (Resume(0, 3, 1, 3), 64, 64, Resume(0, 3, 1, 3)),
+    "64 to 128 after 4 steps": (Resume(0, 4, 1, 4), 64, 128, Resume(0, 2, 1, 2)),
+    "64 to 128 after 3 steps": (Resume(0, 3, 1, 3), 64, 128, None),
+    "128 to 64": (Resume(1, 3, 2, 3), 128, 64, Resume(1, 6, 2, 6)),
+    "an epoch's end, nothing to skip": (Resume(2, 0, 3, 0), 64, 96, Resume(2, 0, 3, 0)),
+    "one iterator over epochs": (Resume(1, 2, 1, 14), 32, 64, Resume(1, 1, 1, 7)),
+    "unknown before": (Resume(0, 3, 1, 3), None, 128, Resume(0, 3, 1, 3)),
+    "unknown now": (Resume(0, 3, 1, 3), 64, None, Resume(0, 3, 1, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REBATCH))
+def test_a_position_in_rows_moves_to_another_global_batch(case):
+    at, before, now, expected = REBATCH[case]
+    assert keras_input.rebatch(at, before, now) == expected
+
+
+@pytest.mark.parametrize(("code", "words"), [
+    (28, "Free space there"), (122, "Free space there"), (30, "folder this job can write"),
+    (13, "folder this job can write"), (5, "Check the file system")])
+def test_each_storage_fault_names_its_fix(code, words):
+    assert words in layout.storage_fix(code)
+
+
+# --- one run per folder: real processes, no framework ------------------------------------------
+
+HOLDER = """
+import sys, time
+from types import SimpleNamespace
+from tfdist import ownership
+from tfdist.backends.single import SingleDistributed
+from tfdist.env import ClusterEnvironment
+dist = SingleDistributed(ClusterEnvironment("single", job_id=sys.argv[2] or None),
+                         SimpleNamespace(num_replicas_in_sync=1), "none", 0)
+ownership.claim(dist, sys.argv[1])
+print("held", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def _hold(folder: Path, seconds: float, job: str = "") -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), job, str(seconds)],
+                            cwd=ROOT, env=clean_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def test_a_second_live_run_is_refused_and_a_dead_runs_folder_taken_over(tmp_path):
+    folder = tmp_path / "run"
+    first = _hold(folder, 120)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "held\n"
+        lock = json.loads((folder / layout.LOCK).read_text())
+        assert (lock["pid"], lock["host"]) == (first.pid, socket.gethostname())
+        second = _hold(folder, 0)
+        out, err = second.communicate(timeout=60)
+        assert second.returncode == 1 and out == "", err[-2000:]
+        line = err.strip().splitlines()[-1]
+        assert line.startswith(f"tfdist.errors.StorageError: model_dir {folder} is in use by "
+                               f"another run (pid {first.pid} on {socket.gethostname()}"), line
+        assert f"(if it is gone: rm {folder / layout.LOCK})" in line
+    finally:
+        first.kill()
+        first.wait()
+    # Killed: its lock stays, naming a process that has ended. The next run takes it over.
+    third = _hold(folder, 0)
+    out, err = third.communicate(timeout=60)
+    assert (third.returncode, out) == (0, "held\n"), err[-2000:]
+    assert (f"tfdist: model_dir {folder} was held by a run that is gone (pid {first.pid} on "
+            f"{socket.gethostname()}") in err
+    assert "its process has ended): this run takes it over" in err
+    assert not (folder / layout.LOCK).exists()  # given up at its exit
+
+
+def _one_process(job: str | None = None) -> SingleDistributed:
+    return SingleDistributed(ClusterEnvironment("single", job_id=job),
+                             SimpleNamespace(num_replicas_in_sync=1), "none", 0)
+
+
+def test_a_requeued_job_takes_over_its_own_folder_quietly(tmp_path, caplog):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    # What the job's first run left on another node (its chief there is gone).
+    gone = ownership.Holder("another-node", 1, None, "42", 1.0e9, 5)
+    (folder / layout.LOCK).write_text(json.dumps(gone.__dict__))
+    ownership.claim(_one_process("42"), folder)
+    try:
+        assert json.loads((folder / layout.LOCK).read_text())["pid"] == os.getpid()
+        assert "was held by a run that is gone" not in caplog.text
+    finally:
+        ownership.release_all()
+    assert not (folder / layout.LOCK).exists()
+
+
+def _mount(where: Path, options: str) -> None:
+    """A tmpfs at ``where`` (root, and mounts allowed), else the test skips."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+
+def _unmount(where: Path) -> None:
+    subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+def test_a_read_only_model_dir_is_named_before_the_first_step(tmp_path):
+    folder = tmp_path / "ro"
+    _mount(folder, "ro,size=64k")
+    try:
+        with pytest.raises(StorageError) as raised:
+            ownership.claim(_one_process(), folder)
+    finally:
+        _unmount(folder)
+    assert str(raised.value) == (
+        f"cannot write in model_dir {folder} on rank 0 ({socket.gethostname()}): Read-only "
+        "file system. Point model_dir at a folder this job can write, on a file system every "
+        "node mounts")
+
+
+# --- real training ---------------------------------------------------------------------------
+
+def _train(out: Path, model_dir: Path, run: int, rank: str = "-1", step: str = "0",
+           **env: str) -> subprocess.CompletedProcess[str]:
+    """One plain process (no launcher: TensorFlow's default strategy), run number ``run``."""
+    out.mkdir(exist_ok=True)
+    return subprocess.run(
+        [sys.executable, WORKER, str(out), str(model_dir), "auto", rank, step], cwd=ROOT,
+        env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TFDIST_RESTART_COUNT=str(run),
+                      TFDIST_PREEMPT_CHECK_SECONDS="0.00001", PREEMPT_TEST_DROPOUT="1", **env),
+        capture_output=True, text=True, timeout=300, check=False)
+
+
+def _result(out: Path, run: int) -> dict:
+    return json.loads((out / f"result-0-{run}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted one-process run the resumes are compared with."""
+    folder = tmp_path_factory.mktemp("straight")
+    done = _train(folder / "out", folder / "m", 0)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = _result(folder / "out", 0)
+    assert found["iterations"] == found["steps"] == TOTAL_STEPS, found
+    return found
+
+
+@pytest.mark.multiprocess
+def test_one_process_resumes_with_its_optimizer_state_bit_identical(tmp_path, straight):
+    # Keras 3 without a strategy builds the optimizer at its first step: the resume used to
+    # load the model before that, and Keras skipped the optimizer's state ("Skipping variable
+    # loading for optimizer"): 40 iterations at the end instead of 48, other weights.
+    stopped = _train(tmp_path / "out", tmp_path / "m", 0, "0", "8")
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    resumed = _train(tmp_path / "out", tmp_path / "m", 1)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "resuming at step 8 of epoch 1" in output and "Skipping variable" not in output
+    before, after = _result(tmp_path / "out", 0), _result(tmp_path / "out", 1)
+    assert (before["steps"], after["steps"]) == (8, TOTAL_STEPS - 8)  # every step once
+    assert after["iterations"] == TOTAL_STEPS and after["digest"] == straight["digest"]
+    assert not (tmp_path / "m" / layout.LOCK).exists()  # each run gave the folder up
+
+
+@pytest.mark.multiprocess
+def test_a_foreign_or_damaged_save_is_named_and_the_one_before_resumes_exactly(
+        tmp_path, straight):
+    # Stopped after step 4 of epoch 2: preempted/ holds it, preempted.old/ epoch 1's end.
+    stopped = _train(tmp_path / "out", tmp_path / "m", 0, "0", "20")
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    newest = tmp_path / "m" / layout.PREEMPTED
+    assert json.loads((newest / "state.json").read_text())["step"] == 4
+    assert json.loads((tmp_path / "m" / "preempted.old" / "state.json").read_text())[
+        "epoch_done"]
+    # Another model (a wider hidden layer) is refused in one line, nothing loaded.
+    wider = _train(tmp_path / "other", tmp_path / "m", 1, PREEMPT_TEST_WIDTH="32")
+    assert wider.returncode == 1
+    line = [x for x in wider.stderr.splitlines() if "StorageError" in x]
+    assert line and line[-1].endswith(
+        f"{newest} holds the state of another model (weight 0 is 8x32, the saved model's "
+        f"8x16): resume with the model and optimizer that saved it, or start afresh with "
+        f"another model_dir or rm -r {newest}*"), wider.stderr[-3000:]
+    # A truncated model file (a disk that filled, a copy cut short): the state before it.
+    model_file = newest / "model.keras"
+    model_file.write_bytes(model_file.read_bytes()[:1000])
+    resumed = _train(tmp_path / "out", tmp_path / "m", 1)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert (f"tfdist: {newest} cannot be read (" in output and
+            f"resuming from the complete state before it, {newest}.old" in output), output[-3000:]
+    after = _result(tmp_path / "out", 1)
+    assert after["steps"] == 2 * 16 and after["iterations"] == TOTAL_STEPS
+    assert after["digest"] == straight["digest"]
+
+
+@pytest.mark.multiprocess
+def test_a_resume_with_another_global_batch_trains_every_row_once(tmp_path):
+    rows = {"PREEMPT_TEST_COUNT_ROWS": "1"}
+    # Stopped after 4 steps of 64 (256 rows); resumed at 128: 2 steps of 128 skipped, not 4.
+    stopped = _train(tmp_path / "out", tmp_path / "m", 0, "0", "4", PREEMPT_TEST_BATCH="64",
+                     **rows)
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    resumed = _train(tmp_path / "out", tmp_path / "m", 1, PREEMPT_TEST_BATCH="128", **rows)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "its global batch was 64, now 128: it goes on after the same 256 rows" in output
+    after = _result(tmp_path / "out", 1)
+    assert after["steps"] == 2 + 2 * 4  # the rest of epoch 1, then two epochs of 4
+    alone = _train(tmp_path / "alone", tmp_path / "m2", 0, PREEMPT_TEST_BATCH="128", **rows)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    count, squares = after["rows"]
+    want_count, want_squares = _result(tmp_path / "alone", 0)["rows"]
+    assert count == want_count == 3 * 512  # every row of three epochs, once
+    assert squares == pytest.approx(want_squares, rel=1e-5)  # the same rows
+    # After 3 steps of 64 (192 rows), 128 cannot continue exactly: refused in one line.
+    again = _train(tmp_path / "out2", tmp_path / "m3", 0, "0", "3", PREEMPT_TEST_BATCH="64")
+    assert again.returncode == 75
+    refused = _train(tmp_path / "out2", tmp_path / "m3", 1, PREEMPT_TEST_BATCH="128")
+    assert refused.returncode == 1 and (
+        "stopped after 192 rows in batches of 64, which is not a whole number of this run's "
+        "global batch 128: no exact resume") in refused.stderr, refused.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_model_dir_on_node_local_scratch_stops_every_rank_before_the_first_step(tmp_path):
+    # The same path on both ranks, a different folder on each: rank 1 cannot read the lock
+    # rank 0 wrote there. Before tfdist checked, rank 1 died at the first epoch's end with
+    # FileNotFoundError: .../.preempted.partial/rank-1.npz.
+    folder = tmp_path / "scratch"
+    run = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "-n", "2",
+         str(WORKERS / "scratch_dir_worker.py"), str(folder)], cwd=ROOT,
+        env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"), capture_output=True,
+        text=True, timeout=240, check=False)
+    output = run.stdout + run.stderr
+    if "cannot mount a scratch folder" in output:
+        pytest.skip("this machine cannot give a process a mount of its own (root, unshare)")
+    assert run.returncode == 1, output[-3000:]
+    assert "tfdist-test: rank" not in output  # no step trained
+    # tfdist launch names its hosts by address: both ranks are on 127.0.0.1.
+    expected = (f"model_dir {folder} is not one folder that every rank sees: rank 1 on "
+                f"127.0.0.1 cannot read {folder / layout.LOCK}, which rank 0 wrote on 127.0.0.1."
+                " Put model_dir on a file system every node mounts (not node-local scratch "
+                "such as $TMPDIR), at the same path on every rank")
+    for rank in (0, 1):
+        assert f"[{rank}] tfdist.errors.StorageError: {expected}\n" in run.stdout, output[-3000:]
+
+
+def test_a_full_file_system_is_named_and_the_last_complete_state_kept(tmp_path):
+    folder = tmp_path / "full"
+    _mount(folder, "size=64k")
+    dist = _one_process()
+
+    def write(size: int):
+        return lambda partial: Path(partial, "model.keras").write_bytes(b"x" * size)
+
+    try:
+        preemption.save_state(dist, str(folder), write(1000), {"step": 1})
+        with pytest.raises(StorageError) as raised:
+            preemption.save_state(dist, str(folder), write(200_000), {"step": 2})
+        assert preemption.read_state(str(folder))["step"] == 1  # the last complete one
+        assert sorted(os.listdir(folder)) == [layout.PREEMPTED]  # nothing half-written left
+    finally:
+        _unmount(folder)
+    assert str(raised.value) == (
+        f"could not save the training state in {folder / layout.PREEMPTED} (1 rank(s) failed: "
+        "No space left on device). Free space there (or raise the quota), or point model_dir at "
+        "a file system with room for two saves; the last complete state, "
+        f"{folder / layout.PREEMPTED}, is kept and the next run resumes from it")
