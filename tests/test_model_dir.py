@@ -372,3 +372,26 @@ def test_a_full_file_system_is_named_and_the_last_complete_state_kept(tmp_path):
         "No space left on device). Free space there (or raise the quota), or point model_dir at "
         "a file system with room for two saves; the last complete state, "
         f"{folder / layout.PREEMPTED}, is kept and the next run resumes from it")
+
+
+def test_a_custom_loops_damaged_state_resumes_from_the_one_before(tmp_path, caplog):
+    tf = pytest.importorskip("tensorflow")
+    dist = _one_process()
+    weight = tf.Variable([1.0, 2.0])
+    preemption.save_loop_state(dist, str(tmp_path), {"epoch": 0, "step": 5}, weight=weight)
+    weight.assign([3.0, 4.0])
+    preemption.save_loop_state(dist, str(tmp_path), {"epoch": 0, "step": 9}, weight=weight)
+    newest = tmp_path / layout.PREEMPTED
+    for data in newest.glob("loop.data-*"):  # cut short, as by a full disk
+        data.write_bytes(data.read_bytes()[:3])
+    weight.assign([0.0, 0.0])
+    assert preemption.load_loop_state(str(tmp_path), weight=weight) == {"epoch": 0, "step": 5}
+    assert weight.numpy().tolist() == [1.0, 2.0]
+    assert f"{newest} cannot be read (" in caplog.text
+    assert f"resuming from the complete state before it, {newest}.old" in caplog.text
+    # Both damaged: one line, and the fix.
+    for data in (tmp_path / "preempted.old").glob("loop.data-*"):
+        data.write_bytes(data.read_bytes()[:3])
+    with pytest.raises(StorageError, match=r"cannot be read .* no earlier complete one: start "
+                                           r"afresh with rm -r .*preempted\*"):
+        preemption.load_loop_state(str(tmp_path), weight=weight)

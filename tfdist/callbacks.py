@@ -244,12 +244,17 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
 
     Call it on every rank: where a save runs collectives (MultiWorkerMirroredStrategy) the
     other ranks save into a scratch directory that is removed at once, so that every rank runs
-    the same collectives; elsewhere they return at once (:func:`tfdist.scratch.save_once`).
+    the same collectives (:func:`tfdist.scratch.save_once`); then every rank waits until the
+    chief's file is in place (one small collective), so that a load right after it finds the
+    file on every rank of a shared file system.
 
     Returns:
         Whether this process wrote ``path``.
     """
-    return save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, model, path)
+    wrote = save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, model, path)
+    if dist.world_size > 1:
+        dist.sum_over_ranks([0.0])  # the chief's file is complete before any rank returns
+    return wrote
 
 
 class PreemptionCheckpoint(fit_preemption.PreemptionCallback, keras.callbacks.Callback):

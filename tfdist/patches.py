@@ -273,7 +273,9 @@ INVENTORY: tuple[Patch, ...] = (
           "model.save, save_weights or tf.saved_model.save on every rank would write one path "
           "from every rank at once (an h5 lock, MergeV2Checkpoints errors); the chief writes "
           "it (a file or SavedModel folder atomically), the others a scratch copy that is "
-          "removed (MWMS: the save runs collectives) or nothing (Horovod)",
+          "removed (MWMS: the save runs collectives) or nothing (Horovod). MWMS, outside fit: "
+          "the ranks' paths compared first (a path per rank is written by its rank) and no "
+          "rank returns before every file is written",
           lambda w: w.several_processes and w.backend.framework == TF),
     Patch("jax-rank0-values", "keras.src.backend.jax.distribution_lib.distribute_tensor, "
           "keras.src.backend.jax.core.should_shard_at_init", "tfdist.jax_patches",

@@ -674,18 +674,34 @@ def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | N
     """
     import tensorflow as tf
 
-    state = read_state(model_dir) if model_dir else None
-    if state is None or not state.get("loop"):
+    states = [s for s in read_states(model_dir) if s.get("loop")] if model_dir else []
+    damaged: list[str] = []
+    for state in states:
+        try:
+            restored = tf.train.Checkpoint(**_with_random_states(objects)).read(
+                os.path.join(state["path"], "loop"))
+            restored.assert_existing_objects_matched()
+        except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
+                IndexError) as error:  # damaged ("Read less bytes"): the state before it
+            damaged.append(f"{state['path']}: {type(error).__name__}: {error}"[:300])
+            continue
+        except (AssertionError, ValueError, tf.errors.OpError) as error:
+            raise ConfigError(f"{state['path']} holds a loop state that does not fit the "
+                              f"objects given ({', '.join(objects)}): {error}. Remove it to "
+                              "start afresh, or build the same model and optimizer as the run "
+                              "that saved it") from None
+        break
+    else:
+        if damaged:
+            newest = os.path.join(model_dir or "", CHECKPOINT_DIR)
+            raise StorageError(f"the saved loop state in {model_dir} cannot be read "
+                               f"({'; '.join(damaged)}), and there is no earlier complete one: "
+                               f"start afresh with rm -r {newest}*")
         return None
-    try:
-        restored = tf.train.Checkpoint(**_with_random_states(objects)).read(
-            os.path.join(state["path"], "loop"))
-        restored.assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as error:
-        raise ConfigError(f"{state['path']} holds a loop state that does not fit the objects "
-                          f"given ({', '.join(objects)}): {error}. Remove it to start afresh, "
-                          "or build the same model and optimizer as the run that saved it"
-                          ) from None
+    if damaged:
+        logger.warning("tfdist: %s cannot be read (%s): resuming from the complete state before "
+                       "it, %s", states[0]["path"], damaged[0], state["path"])
+    walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
     # Kept: variables made after this (an optimizer's, at its first step) are restored then,
     # through this status; once it is garbage collected, their values are dropped.
     _restores.append(restored)

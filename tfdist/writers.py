@@ -1,4 +1,5 @@
-"""Keras writers wherever the user puts them: every file written once, by the chief.
+"""Keras writers wherever the user puts them: every file written once, complete when the save
+returns.
 
 A Keras script ported to several workers keeps its own writers: ``ModelCheckpoint``,
 ``BackupAndRestore``, ``CSVLogger`` or ``TensorBoard`` passed straight to ``fit``, and
@@ -13,30 +14,51 @@ two patches (:mod:`tfdist.patches`) route them the way ``dist.callbacks()`` rout
   folder per rank. Where a save runs collectives, a checkpoint that one rank passes and another
   does not (Horovod's habit, ``if rank == 0: callbacks.append(...)``) would leave the ranks a
   collective apart: :class:`~tfdist.errors.ConfigError` before the first step, with the fix.
-- ``model.save``, ``save_weights`` and ``tf.saved_model.save``: the chief writes the file
-  (``.keras``, ``.h5`` and SavedModel folders atomically, under a temporary name that is
-  renamed), the other ranks write a scratch copy that is removed (MultiWorkerMirroredStrategy:
-  the save runs collectives) or nothing (Horovod). Called on the chief alone, a save under
-  MultiWorkerMirroredStrategy leaves the others a collective behind: call it on every rank.
-  Files that differ per rank are written as given inside :func:`tfdist.scratch.as_given`
-  (``tfdist.per_rank_files()``).
+- ``model.save``, ``save_weights`` and ``tf.saved_model.save`` (:func:`_save`). ``.keras``,
+  ``.h5`` and SavedModel folders are written atomically, under a temporary name that is renamed
+  (a tf_keras checkpoint prefix, several files, as given).
 
-Imported only by :func:`install`, after the backend exists.
+  - MultiWorkerMirroredStrategy (a save runs collectives: every rank must run it). One small
+    collective compares the ranks' paths first: each path is written once, by the first rank
+    that gave it, and a rank whose path another rank writes saves a scratch copy that is
+    removed. One path on every rank is the chief's file; a path per rank
+    (``f"model-{rank}.keras"``) is each rank's own. A second collective after the writes holds
+    every rank until all are renamed into place, so ``load_model`` right after ``save`` finds
+    the file on every rank. Called on the chief alone, such a save stops with a
+    :class:`~tfdist.errors.TfdistError` naming the fix when the others end or run another
+    collective, at the latest after :data:`_ARRIVAL_S`.
+  - During ``fit`` (a callback's save) no collective is added: the chief writes the path, the
+    others a scratch copy, and they return at once. tfdist's routed checkpoints
+    (:class:`tfdist.callbacks.ChiefWrites`) save through here on the chief only (the others
+    write their scratch copy as given), so a collective here would run on the chief alone.
+  - Horovod: a save runs no collective, and scripts commonly save on rank 0 alone
+    (``if hvd.rank() == 0: model.save(...)``), so tfdist adds none. The chief writes the path;
+    the other ranks skip the save and return at once, before the chief's file may be complete
+    (a script that reads it on every rank waits first, e.g. ``dist.sum_over_ranks([0.0])``);
+    a path that differs per rank is written by the chief only (files per rank: save them
+    inside ``tfdist.per_rank_files()``).
+  - Inside :func:`tfdist.scratch.as_given` (``tfdist.per_rank_files()``, and tfdist's own
+    writers) a save writes its path as given, on the rank that calls it, with no collective.
+
+Keras 3 on JAX installs none of this (:mod:`tfdist.backends.keras_jax`). Imported only by
+:func:`install`, after the backend exists.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist import callbacks, patches
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, TfdistError
 from tfdist.scratch import as_given, atomic_path, throwaway, writes_as_given
 
 if TYPE_CHECKING:
@@ -59,6 +81,14 @@ def install(dist: Distributed) -> None:
         _save, dist=dist, name="tf.saved_model.save", keyword="export_dir"))
 
 
+# How long a save under MultiWorkerMirroredStrategy waits for every rank to arrive at it: a
+# bound for a save called on some ranks only, not a working time (the ranks arrive together).
+_ARRIVAL_S = 600.0
+# fit calls under way in this process (any thread: Keras may run callbacks on a pool). Their
+# callbacks' saves run no collective here (see the module's docstring).
+_fitting = 0
+
+
 def _fit(original: Any, dist: Distributed) -> Any:
     def route(bound: inspect.BoundArguments) -> None:
         given = bound.arguments.get("callbacks")
@@ -68,7 +98,18 @@ def _fit(original: Any, dist: Distributed) -> Any:
             if dist.save_on_every_rank:
                 check_same_savers(dist, routed)
 
-    return patches.rebinding(original, route)
+    routed_fit = patches.rebinding(original, route)
+
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _fitting
+        _fitting += 1
+        try:
+            return routed_fit(self, *args, **kwargs)
+        finally:
+            _fitting -= 1
+
+    return fit
 
 
 def check_same_savers(dist: Distributed, given: Sequence[Any]) -> None:
@@ -93,12 +134,12 @@ def check_same_savers(dist: Distributed, given: Sequence[Any]) -> None:
         "every rank (drop `if rank == 0:`): tfdist writes their files from the chief only")
 
 
-_announced: set[str] = set()
+_announced: set[tuple[str, str]] = set()
 
 
 def _save(original: Any, dist: Distributed, name: str, keyword: str = "filepath") -> Any:
     """``original(self, path, ...)``, a save of ``self`` to the path given first or as
-    ``keyword``, written once from the chief."""
+    ``keyword``, routed as the module's docstring says."""
     @functools.wraps(original)
     def save(self: Any, *args: Any, **kwargs: Any) -> Any:
         where = keyword if keyword in kwargs else 0
@@ -112,20 +153,86 @@ def _save(original: Any, dist: Distributed, name: str, keyword: str = "filepath"
             return original(self, target, *args[1:], **kwargs)
 
         path = os.fspath(path)
-        _announce(dist, name, path)
+        write = functools.partial(_write, to, overwrite=kwargs.get("overwrite", True),
+                                  folder=name != "save_weights")
         with as_given():
-            if dist.is_chief:
-                return _chief_writes(to, path, kwargs.get("overwrite", True),
-                                     folder=name != "save_weights")
-            if dist.save_on_every_rank:  # the same collectives as the chief's save
-                with throwaway(dist.rank, path) as copy:
-                    return to(copy)
-            return None
+            if dist.save_on_every_rank and not _fitting:
+                return _written_before_return(dist, name, path, to, write)
+            return _from_the_chief(dist, name, path, to, write)
 
     return save
 
 
-def _chief_writes(to: Any, path: str, overwrite: Any, *, folder: bool) -> Any:
+def _written_before_return(dist: Distributed, name: str, path: str,
+                           to: Callable[[str], Any], write: Callable[[str], Any]) -> Any:
+    """Where a save runs collectives (every rank runs it): each path written once, by the first
+    rank that gave it, the others' copies thrown away; no rank returns before every path is
+    complete. Two collectives: the paths compared, then a barrier after the writes."""
+    writer, paths = _writer_of(dist, name, path)
+    _announce_agreed(dist, name, path, writer, paths)
+    if writer == dist.rank:
+        result = write(path)
+    else:  # the same collectives as the writer's save
+        with throwaway(dist.rank, path) as copy:
+            result = to(copy)
+    dist.sum_over_ranks([0.0])  # every rank's file renamed into place before any returns
+    return result
+
+
+def _writer_of(dist: Distributed, name: str, path: str) -> tuple[int, int]:
+    """The rank that writes ``path`` (the lowest that gave it) and how many different paths the
+    ranks gave: one gather of each replica's ``(rank, hash of the absolute path)``.
+
+    Raises:
+        TfdistError: not every rank arrived within :data:`_ARRIVAL_S`, or a rank ended or ran
+            another collective instead (a save on the chief alone).
+    """
+    mine = _fingerprint(path)
+    rows = np.array([[dist.rank, mine]] * dist.local_replicas, dtype=np.int64)
+    try:
+        table = dist.gather_rows(rows, _ARRIVAL_S)
+    except (TfdistError, tf.errors.OpError) as error:
+        said = (str(error) if isinstance(error, TfdistError)
+                else f"the comparison of the paths failed: {type(error).__name__}, above")
+        raise TfdistError(
+            f"{_label(name)}({path!r}) on rank {dist.rank}: not every rank reached this save "
+            f"({said}). Under MultiWorkerMirroredStrategy a save runs collectives: call it on "
+            "every rank at the same point, not under `if rank == 0:` or `if dist.is_chief:` "
+            "(tfdist writes the file once, and every rank returns once it is written)"
+        ) from error
+    first: dict[int, int] = {}
+    for rank, digest in table.tolist():
+        first[digest] = min(first.get(digest, rank), rank)
+    return first[mine], len(first)
+
+
+def _fingerprint(path: str) -> int:
+    """A signed 64-bit hash of the absolute ``path`` (a collective carries int64)."""
+    absolute = os.path.abspath(path.rstrip("/") or path)
+    return int.from_bytes(hashlib.blake2b(absolute.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+def _from_the_chief(dist: Distributed, name: str, path: str, to: Callable[[str], Any],
+                    write: Callable[[str], Any]) -> Any:
+    """The routing without a collective of its own: the chief writes ``path``; the others write
+    a scratch copy (where a save runs collectives) or nothing, and return at once."""
+    if dist.is_chief and (name, "chief") not in _announced:
+        _announced.add((name, "chief"))
+        logger.info(
+            "tfdist: %s(%r)%s writes from the chief only; the other ranks %s (for files that "
+            "differ per rank: `with tfdist.per_rank_files():`)", _label(name), path,
+            " during fit" if dist.save_on_every_rank else "",
+            "write a scratch copy that is removed" if dist.save_on_every_rank else "skip it")
+    if dist.is_chief:
+        return write(path)
+    if dist.save_on_every_rank:  # the same collectives as the chief's save
+        with throwaway(dist.rank, path) as copy:
+            return to(copy)
+    return None
+
+
+def _write(to: Callable[[str], Any], path: str, *, overwrite: Any, folder: bool) -> Any:
     """Writes ``path`` under a temporary name, renamed when complete: a file (``.keras``,
     ``.h5``) or, with ``folder``, a SavedModel folder (which replaces the old one). A checkpoint
     prefix (several files) is written as given; so is a file Keras asks before overwriting."""
@@ -136,10 +243,26 @@ def _chief_writes(to: Any, path: str, overwrite: Any, *, folder: bool) -> Any:
         return to(partial)
 
 
-def _announce(dist: Distributed, name: str, path: str) -> None:
-    if dist.is_chief and name not in _announced:
-        _announced.add(name)
-        logger.info(
-            "tfdist: model.%s(%r) writes from the chief only; the other ranks %s (for files "
-            "that differ per rank: `with tfdist.per_rank_files():`)", name, path,
-            "write a scratch copy that is removed" if dist.save_on_every_rank else "skip it")
+def _announce_agreed(dist: Distributed, name: str, path: str, writer: int, paths: int) -> None:
+    """One line per kind of save: with one path, on the chief; with paths that differ, on every
+    rank (INFO, which the chief shows), what happens to that rank's own path."""
+    if paths == 1:
+        if dist.is_chief and (name, "one path") not in _announced:
+            _announced.add((name, "one path"))
+            logger.info("tfdist: %s(%r) on every rank: the chief writes it, the other ranks a "
+                        "scratch copy that is removed; every rank returns once it is written",
+                        _label(name), path)
+        return
+    if (name, "paths") in _announced:
+        return
+    _announced.add((name, "paths"))
+    logger.info("tfdist: %s(%r): the ranks gave %d different paths; each is written once, by "
+                "the first rank that gave it (this one by rank %d%s), and every rank returns "
+                "once all are written", _label(name), path, paths, writer,
+                ", this rank" if writer == dist.rank
+                else f"; rank {dist.rank} writes a scratch copy")
+
+
+def _label(name: str) -> str:
+    """``model.save``, ``model.save_weights``, ``tf.saved_model.save``."""
+    return name if "." in name else f"model.{name}"
