@@ -328,10 +328,18 @@ def _doctor(*args: str, n: int = 2, python: str = sys.executable, timeout: float
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("framework", ["tf", "torch"])
-def test_a_good_plan_passes(framework):
+def test_a_good_plan_passes(framework, tmp_path):
+    # The TensorFlow plan also checks a model_dir every rank shares (tests/test_model_dir.py
+    # checks one that is node-local scratch).
+    folder = tmp_path / "model"
+    more = ("--model-dir", str(folder)) if framework == "tf" else ()
     code, out, _ = _doctor("-m", "tfdist", "doctor", "--framework", framework,
-                           "--bandwidth", "1")
+                           "--bandwidth", "1", *more)
     assert code == 0, out[-3000:]
+    if more:
+        assert f"tfdist doctor: model_dir {folder}: every rank writes it and sees the same " \
+            "folder" in out, out[-3000:]
+        assert os.listdir(folder) == []  # the marks are removed
     host = socket.gethostname()
     for rank in (0, 1):
         assert f"[0] {rank}     {host}" in out, out

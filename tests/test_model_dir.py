@@ -395,3 +395,32 @@ def test_a_custom_loops_damaged_state_resumes_from_the_one_before(tmp_path, capl
     with pytest.raises(StorageError, match=r"cannot be read .* no earlier complete one: start "
                                            r"afresh with rm -r .*preempted\*"):
         preemption.load_loop_state(str(tmp_path), weight=weight)
+
+
+def test_the_doctor_names_a_rank_whose_model_dir_is_another_folder(tmp_path):
+    from tfdist.doctor.report import RankReport, model_dir_problems
+
+    reports = [RankReport(rank=0, host="n9"), RankReport(rank=1, host="n10"),
+               RankReport(rank=2, host="n10")]
+    found = model_dir_problems(reports, {0: True, 1: False, 2: True}, "/scratch/run")
+    assert [p.line() for p in found] == [
+        "error: rank 1 (host n10): model_dir /scratch/run is not the folder rank 0 sees: rank 0 "
+        "cannot read the file this rank wrote there. Fix: put model_dir on a file system every "
+        "node mounts (not node-local scratch such as $TMPDIR), at the same path on every rank."]
+
+
+@pytest.mark.multiprocess
+def test_the_doctor_finds_node_local_scratch_before_training_starts(tmp_path):
+    folder = tmp_path / "scratch"
+    run = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "-n", "2",
+         str(WORKERS / "scratch_dir_worker.py"), "--doctor", str(folder)], cwd=ROOT,
+        env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"), capture_output=True,
+        text=True, timeout=240, check=False)
+    output = run.stdout + run.stderr
+    if "cannot mount a scratch folder" in output:
+        pytest.skip("this machine cannot give a process a mount of its own (root, unshare)")
+    assert run.returncode == 1, output[-3000:]
+    assert (f"[0] tfdist doctor: error: rank 1 (host {socket.gethostname()}): model_dir "
+            f"{folder} is not the folder rank 0 sees") in run.stdout, output[-3000:]
+    assert "all-reduce" not in output  # stopped at the meeting, before the engine started

@@ -321,6 +321,10 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--hosts", metavar="HOSTLIST",
                         help="with --dry-run: also resolve these nodes' names through "
                         "TFDIST_HOST_TEMPLATE, e.g. 'gpu[01-04]'")
+    parser.add_argument("--model-dir", metavar="DIR",
+                        help="also check the training's model_dir: every rank can write it "
+                        "and sees the same folder (not node-local scratch), and no live run "
+                        "holds it")
     parser.set_defaults(handler=_run_doctor)
 
 
@@ -330,7 +334,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return doctor.run(doctor.Options(
         timeout_s=args.timeout, bandwidth_mb=args.bandwidth, expect_gbps=args.expect_gbps,
         framework=args.framework, backend=args.backend, dry_run=args.dry_run,
-        hosts=args.hosts))
+        hosts=args.hosts, model_dir=args.model_dir))
 
 
 def _add_settings(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -41,7 +41,8 @@ from typing import Any, NamedTuple
 from tfdist import model_dir as layout
 from tfdist.errors import StorageError
 
-__all__ = ["LEASE_S", "Holder", "Verdict", "claim", "not_seen", "release_all", "verdict"]
+__all__ = ["LEASE_S", "Holder", "Verdict", "claim", "held_by_another", "not_seen", "release_all",
+           "verdict"]
 
 logger = logging.getLogger("tfdist")
 
@@ -188,6 +189,21 @@ def claim(dist: Any, model_dir: str | os.PathLike[str]) -> None:
         raise StorageError(line)
     if dist.is_chief:
         _start_renewing()
+
+
+def held_by_another(folder: str, environment: Any) -> str | None:
+    """Why a run started here now would be refused ``folder`` (a live run holds it), or None;
+    reads the lock, takes nothing (``tfdist doctor --model-dir``)."""
+    lock = layout.path(folder, layout.LOCK)
+    held, me = _read(lock), _me(environment)
+    if held is None:
+        return None
+    decided = verdict(
+        held, me, pid_alive=_pid_alive(held) if held.host == me.host else None,
+        job_running=_job_running(held.job_id) if held.job_id else None, age_s=_age(lock))
+    if decided.action != "refuse":
+        return None
+    return f"model_dir {folder} is in use by another run ({held.describe()}; {decided.why})"
 
 
 def _sees(folder: str, token: int) -> bool:

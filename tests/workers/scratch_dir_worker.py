@@ -3,6 +3,7 @@ a mount namespace of its own, so the path is the same on every rank and the fold
 ``$TMPDIR`` on most clusters, one per node). Needs root and mounts.
 
     python scratch_dir_worker.py MODEL_DIR
+    python scratch_dir_worker.py --doctor MODEL_DIR     (tfdist doctor --model-dir instead)
 
 Prints ``tfdist-test: rank R step S`` after each training step; exits 3 where this machine
 cannot give a rank its own mount.
@@ -30,10 +31,15 @@ def own_scratch(path: str) -> bool:
     return private.returncode == 0 and mounted.returncode == 0
 
 
-def main(model_dir: str) -> None:
+def main(*args: str) -> None:
+    model_dir = args[-1]
     if not own_scratch(model_dir):  # before TensorFlow starts its threads
         print("tfdist-test: cannot mount a scratch folder of this rank's own", flush=True)
         sys.exit(3)
+    if args[0] == "--doctor":
+        from tfdist.cli import main as tfdist
+
+        sys.exit(tfdist(["doctor", "--model-dir", model_dir]))
     import numpy as np
 
     import tfdist

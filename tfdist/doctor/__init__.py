@@ -12,6 +12,11 @@ Run it with the same launcher as the training, as its own step (the rendered job
    it, and a tiny all-reduce across every rank must finish within the deadline; optionally a
    bandwidth probe of N MB.
 
+With ``--model-dir D`` (:mod:`~tfdist.doctor.marks`) every rank writes a small mark into ``D``
+before the meeting (a rank that cannot write there is an error), rank 0 reads every rank's mark
+at the meeting (a mark it cannot read: that rank's ``D`` is another folder, node-local
+scratch), and says whether a live training holds ``D`` (its lock, :mod:`tfdist.ownership`).
+
 Every problem names the rank, its host and the fix; any error fails the launch: rank 0 exits 1
 (after the ranks it stopped at the meeting have exited 0, so that a launcher that ends the
 others at the first failure cuts no output), and a rank that fails by itself exits 1.
@@ -30,7 +35,7 @@ from typing import Any
 
 from tfdist import hostlist, settings
 from tfdist.backends import KERAS_BACKENDS, facts, keras_backend
-from tfdist.doctor import meet, probe
+from tfdist.doctor import marks, meet, probe
 from tfdist.doctor.report import Problem, RankReport, check, table
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.env.base import local_ranks
@@ -54,6 +59,7 @@ class Options:
     backend: str | None = None
     dry_run: bool = False
     hosts: str | None = None
+    model_dir: str | None = None
 
 
 def run(options: Options) -> int:
@@ -63,9 +69,11 @@ def run(options: Options) -> int:
     mine = probe.report(environment, framework=framework, backend=options.backend)
     if options.dry_run:
         return _dry_run(environment, mine, options)
+    if options.model_dir:
+        mine = marks.leave(mine, environment, options.model_dir)
     met = bool(environment.worker_addresses) and environment.is_distributed
     if met:  # rank 0 printed the table and the problems as soon as it had them
-        problems = _meet(environment, mine, options.timeout_s)
+        problems = _meet(environment, mine, options.timeout_s, options.model_dir)
         if isinstance(problems, int):  # another rank: it could not connect, or rank 0 said no
             return problems
         if any(p.severity == "error" for p in problems):
@@ -80,6 +88,9 @@ def run(options: Options) -> int:
         print(line, flush=True)
     if any(p.severity == "error" for p in problems):
         return 1
+    if environment.is_chief and options.model_dir:
+        print(f"tfdist doctor: model_dir {options.model_dir}: every rank writes it and sees the "
+              "same folder", flush=True)
     if environment.is_chief:
         print(f"tfdist doctor: ready: {environment.world_size} rank(s) on "
               f"{max(1, environment.num_nodes)} host(s)", flush=True)
@@ -118,7 +129,7 @@ def _stopped(rank: int, verdict: dict[str, Any]) -> bool:
 
 
 def _meet(environment: ClusterEnvironment, mine: RankReport,
-          timeout_s: float) -> list[Problem] | int:
+          timeout_s: float, model_dir: str | None = None) -> list[Problem] | int:
     """Phase 1. Rank 0 gets every report, prints the table and returns the problems; the others
     get ``[]`` to go on, else (after saying why) their exit code: 1 when they could not reach
     rank 0; 0 when rank 0 stops them, so that rank 0, which exits 1 once every rank has hung up,
@@ -146,6 +157,8 @@ def _meet(environment: ClusterEnvironment, mine: RankReport,
         found = sorted((RankReport.from_dict(r) for r in meeting.reports.values()),
                        key=lambda report: report.rank)
         meeting.problems += check(found)
+        if model_dir:  # every rank's mark, read before any rank hears the verdict
+            meeting.problems += marks.problems(found, environment, model_dir)
         # Printed before any rank hears the verdict and hangs up.
         _report(environment, found, meeting.problems)
         errors = sum(p.severity == "error" for p in meeting.problems)
@@ -205,6 +218,8 @@ def _all_reduce(environment: ClusterEnvironment, mine: RankReport, framework: st
         rate = engine.bandwidth(options.bandwidth_mb) if options.bandwidth_mb > 0 else None
     # Met ranks were checked at the meeting; otherwise the engine's gather, or this one rank.
     problems = [] if met else check(reports or [mine])
+    if not met and options.model_dir:
+        problems += marks.problems(reports or [mine], environment, options.model_dir)
     if not correct:
         problems.append(Problem(environment.rank, mine.host, "the all-reduce summed wrong",
                                 "report this with the output of every rank"))
@@ -239,8 +254,12 @@ def _dry_run(environment: ClusterEnvironment, mine: RankReport, options: Options
         names = [template.format(host=host) for host in hostlist.expand_hostlist(options.hosts)]
         mine = RankReport.from_dict({**mine.to_dict(),
                                      "resolved": {**mine.resolved, **probe.resolve(names)}})
+    if options.model_dir:  # this process alone: can it write there, does a live run hold it
+        mine = marks.leave(mine, environment, options.model_dir)
     reports = [mine, *_planned(environment, mine)]
     problems = check([mine])
+    if options.model_dir:
+        problems += marks.problems([mine], environment, options.model_dir)
     print(f"tfdist doctor --dry-run: {environment.world_size} rank(s), {environment.reason}\n"
           + table(reports))
     for problem in problems:

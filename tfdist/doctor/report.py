@@ -19,7 +19,7 @@ from tfdist.backends.facts import Backend
 from tfdist.devices import one_gpu_per_process
 
 __all__ = ["INTERFACE_VARIABLES", "TESTED_TENSORFLOW", "Problem", "RankReport", "check",
-           "interface_problem", "untested_tensorflow",
+           "interface_problem", "model_dir_problems", "untested_tensorflow",
            "ranges", "table", "version_problems"]
 
 # Variables naming network interfaces, and how each reads them: NCCL's and Gloo's take a list of
@@ -127,6 +127,18 @@ def check(reports: Sequence[RankReport]) -> list[Problem]:
     problems += _plan_problems(reports)
     problems += _shared_gpus(reports)
     return problems
+
+
+def model_dir_problems(reports: Sequence[RankReport], visible: Mapping[int, bool],
+                       model_dir: str) -> list[Problem]:
+    """The ranks whose mark in ``model_dir`` rank 0 could not read (``visible``: rank -> whether
+    rank 0 read that rank's mark): their ``model_dir`` is not rank 0's folder (pure)."""
+    return [Problem(report.rank, report.host,
+                    f"model_dir {model_dir} is not the folder rank 0 sees: rank 0 cannot read "
+                    "the file this rank wrote there",
+                    "put model_dir on a file system every node mounts (not node-local scratch "
+                    "such as $TMPDIR), at the same path on every rank")
+            for report in reports if not visible.get(report.rank, True)]
 
 
 def interface_problem(variable: str, value: str, interfaces: Iterable[str]) -> str | None:
