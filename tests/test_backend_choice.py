@@ -334,6 +334,9 @@ def test_horovod_refuses_launches_it_cannot_join(monkeypatch, environ, message):
             monkeypatch.delenv(name)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
+    # tfdist.init quiets TensorFlow in this process's environment: undone after the test.
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+    monkeypatch.setenv("TFDIST_VERBOSE", os.environ.get("TFDIST_VERBOSE", "0"))
     strategy.reset()
     with pytest.raises(LaunchError, match=message):
         tfdist.init(backend="horovod")

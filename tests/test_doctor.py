@@ -302,9 +302,11 @@ def test_the_doctor_is_quiet_unless_asked():
     # TensorFlow 2.21 prints its start-up lines whatever TF_CPP_MIN_LOG_LEVEL says; the doctor
     # imports TensorFlow as training does, through tfdist's filter. Which lines come depends on
     # the CPU (oneDNN's notice only where oneDNN is on by default), so any of them counts.
+    # TF_CPP_* dropped: a test's in-process tfdist.init leaves TF_CPP_MIN_LOG_LEVEL=1 in the
+    # test process's environment, which hides the control's lines too (seen under xdist).
     runs = {verbose: subprocess.run([sys.executable, "-m", "tfdist", "doctor"], cwd=ROOT,
-                                    env=clean_env(TFDIST_VERBOSE=verbose), capture_output=True,
-                                    text=True, timeout=120, check=False)
+                                    env=clean_env("TF_CPP", TFDIST_VERBOSE=verbose),
+                                    capture_output=True, text=True, timeout=120, check=False)
             for verbose in ("0", "1")}
     for run in runs.values():
         assert run.returncode == 0 and "tfdist doctor: ready" in run.stdout, run.stderr

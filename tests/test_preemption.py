@@ -420,17 +420,18 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
                                   "jax-keras3-steps_per_epoch"])
 def test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes(
         tmp_path_factory, case):
-    # No signal at all: `tfdist launch --time-limit 50s` gives the workers their end, and the
-    # margin (25 s) is reached 25 s after the launch, while the slowed steps (0.75 s each, 36 s
-    # of training; 27 s with steps_per_epoch) run. The guard stops both ranks at one step,
-    # saves and exits 75 before the launch's own stop at 50 s; the next launch (the requeued
-    # job) resumes there. (A start-up slower than 25 s would be refused at the first step: the
-    # margin would then stop every run there, a restart loop.)
+    # No signal at all: `tfdist launch --time-limit 60s` gives the workers their end, and the
+    # margin (25 s) is reached 35 s after the launch, while the slowed steps (1 s each, 48 s of
+    # training; 36 s with steps_per_epoch) run. The guard stops both ranks at one step, saves
+    # and exits 75 before the launch's own stop at 60 s; the next launch (the requeued job)
+    # resumes there. A start-up and first step slower than 35 s would be refused at the first
+    # step, the margin stopping every run there (a restart loop): JAX's on CI's loaded 2 cores
+    # took 28 s.
     total = RESUME[case][-1]
     python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
     first = _run(python, backend, tmp_path / "out", tmp_path / "m2", "-1", "0",
-                 "--time-limit", "50s", TFDIST_WALLTIME_MARGIN="25",
-                 PREEMPT_TEST_STEP_SLEEP="0.75", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
+                 "--time-limit", "60s", TFDIST_WALLTIME_MARGIN="25",
+                 PREEMPT_TEST_STEP_SLEEP="1", TFDIST_PREEMPT_CHECK_SECONDS="0.00001", **env)
     assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
     assert "[0] tfdist: walltime: " in first.stdout and "margin is 25 s" in first.stdout
     assert "--time-limit) is reached" not in first.stderr  # the guard stopped them, in time
