@@ -323,20 +323,27 @@ def test_a_resume_with_another_global_batch_trains_every_row_once(tmp_path):
     assert squares == pytest.approx(3 * float(np.sum(first * first)), rel=1e-5)  # ... the same
 
 
+def _on_scratch(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """tests/workers/scratch_dir_worker.py on 2 workers (``--doctor``: tfdist doctor), each with
+    its own tmpfs at ``folder``; the run and its output. Skips where mounts are not allowed."""
+    run = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "-n", "2",
+         str(WORKERS / "scratch_dir_worker.py"), *args, str(folder)], cwd=ROOT,
+        env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"), capture_output=True,
+        text=True, timeout=240, check=False)
+    output = run.stdout + run.stderr
+    if "cannot mount a scratch folder" in output:
+        pytest.skip("this machine cannot give a process a mount of its own (root, unshare)")
+    return run, output
+
+
 @pytest.mark.multiprocess
 def test_a_model_dir_on_node_local_scratch_stops_every_rank_before_the_first_step(tmp_path):
     # The same path on both ranks, a different folder on each: rank 1 cannot read the lock
     # rank 0 wrote there. Before tfdist checked, rank 1 died at the first epoch's end with
     # FileNotFoundError: .../.preempted.partial/rank-1.npz.
     folder = tmp_path / "scratch"
-    run = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "-n", "2",
-         str(WORKERS / "scratch_dir_worker.py"), str(folder)], cwd=ROOT,
-        env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"), capture_output=True,
-        text=True, timeout=240, check=False)
-    output = run.stdout + run.stderr
-    if "cannot mount a scratch folder" in output:
-        pytest.skip("this machine cannot give a process a mount of its own (root, unshare)")
+    run, output = _on_scratch(folder)
     assert run.returncode == 1, output[-3000:]
     assert "tfdist-test: rank" not in output  # no step trained
     # tfdist launch names its hosts by address: both ranks are on 127.0.0.1.
@@ -410,14 +417,7 @@ def test_the_doctor_names_a_rank_whose_model_dir_is_another_folder(tmp_path):
 @pytest.mark.multiprocess
 def test_the_doctor_finds_node_local_scratch_before_training_starts(tmp_path):
     folder = tmp_path / "scratch"
-    run = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "-n", "2",
-         str(WORKERS / "scratch_dir_worker.py"), "--doctor", str(folder)], cwd=ROOT,
-        env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"), capture_output=True,
-        text=True, timeout=240, check=False)
-    output = run.stdout + run.stderr
-    if "cannot mount a scratch folder" in output:
-        pytest.skip("this machine cannot give a process a mount of its own (root, unshare)")
+    run, output = _on_scratch(folder, "--doctor")
     assert run.returncode == 1, output[-3000:]
     assert (f"[0] tfdist doctor: error: rank 1 (host {socket.gethostname()}): model_dir "
             f"{folder} is not the folder rank 0 sees") in run.stdout, output[-3000:]

@@ -230,8 +230,6 @@ class PreemptionCallback:
 
     def _resume(self, states: list[dict[str, Any]]) -> None:
         state = states[0]
-        epoch, step = int(state["epoch"]), int(state["step"])
-        where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
         saved, found = state.get("input"), self._input
         if found is None or saved is None or saved["recreates"] != found.recreates:
             why = ("needs a Keras whose fit tfdist can follow" if found is None
@@ -241,13 +239,12 @@ class PreemptionCallback:
                        "resuming from the last epoch's backup instead")
             if self.dist.is_chief:
                 logger.warning("tfdist: %s holds the state at %s, but resuming there %s: %s",
-                               state["path"], where, why, instead)
+                               state["path"], _where(state), why, instead)
             return
         self._build_for_loading()
         state = self._load(states)
         walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
         epoch, step, saved = int(state["epoch"]), int(state["step"]), state["input"]
-        where = f"step {step} of epoch {epoch + 1}" + (" (its end)" if state["epoch_done"] else "")
         at = keras_input.plan(keras_input.Position(saved["iterator"], saved["drawn"]), epoch,
                               step, epoch_done=bool(state["epoch_done"]),
                               recreates=found.recreates)
@@ -269,7 +266,8 @@ class PreemptionCallback:
             if before and now and before != now:
                 changed += (f"; its global batch was {before}, now {now}: it goes on after "
                             f"the same {at.skip * before} rows")
-            logger.warning("tfdist: resuming at %s from %s%s", where, state["path"], changed)
+            logger.warning("tfdist: resuming at %s from %s%s", _where(state), state["path"],
+                           changed)
 
     def _build_for_loading(self) -> None:
         """Builds the optimizer (and a model not built yet) the way the first step would, so
@@ -345,6 +343,12 @@ class PreemptionCallback:
             for i, variable in enumerate(_unsaved(self.model)):
                 if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
                     variable.assign(saved[f"v{i}"])
+
+
+def _where(state: dict[str, Any]) -> str:
+    """``step 4 of epoch 2``: where a saved state stopped."""
+    return (f"step {int(state['step'])} of epoch {int(state['epoch']) + 1}"
+            + (" (its end)" if state["epoch_done"] else ""))
 
 
 def fingerprint(model: Any) -> dict[str, Any]:
