@@ -13,7 +13,7 @@ the same seed and global batch in every variant:
 - ``mwms-free-tensorflow``: the same with each dropped iterator freed where TensorFlow frees
   it, on the training thread (``TFDIST_ITERATOR_FREE=tensorflow``): there the free can wait for
   tf.data's autotuning to wake (a race in TensorFlow, up to as long as the epoch; tfdist frees
-  it on a thread of its own, ``tfdist.iterators``);
+  it on a thread of its own, ``tfdist.keras.iterators``);
 - ``mwms-tf-iterator``: ``mwms`` with TensorFlow's multi-device iterator on each worker
   (``TFDIST_INPUT_ITERATOR=tensorflow``), the control;
 - ``mwms-tf-no-autotune``: the control with tf.data's autotuning off
@@ -21,7 +21,7 @@ the same seed and global batch in every variant:
   (part of its cost, measured; not a recommendation: autotuning sizes parallel maps and
   prefetches);
 - ``mwms-keras``: ``mwms`` with every iterator Keras 3 asks for made (tfdist's stand-in for
-  the one Keras makes at an epoch's end and drops unread taken out: ``keras_input.seeds_only``);
+  the one Keras makes at an epoch's end and drops unread taken out: ``input_position.seeds_only``);
 - ``mwms-repeat``: the same as ``mwms``, the dataset repeated with ``steps_per_epoch``: one
   iterator for every epoch.
 
@@ -63,9 +63,9 @@ def worker(variant: str, args: argparse.Namespace) -> None:
 
     dist = tfdist.init()
     if variant == "mwms-keras":
-        from tfdist import keras_input
+        from tfdist.keras import input_position
 
-        keras_input.seeds_only = lambda data: None  # Keras's own two iterators an epoch
+        input_position.seeds_only = lambda data: None  # Keras's own two iterators an epoch
     import numpy as np
     import tensorflow as tf
 

@@ -7,7 +7,8 @@ and so shows the cost most): an MLP on in-memory rows, ``--steps`` steps of ``--
 epoch, ``--epochs`` epochs, Keras 3 ``fit`` through ``tfdist.init()``:
 
 - ``timed``: as tfdist runs it (patch ``fit-input-wait``: two clock reads and one add a step);
-- ``untimed``: the same with that patch left out (``tfdist.input_wait.install`` replaced before
+- ``untimed``: the same with that patch left out (``tfdist.keras.input_wait.install``
+  replaced before
   ``tfdist.init()``).
 
 The median step time of the epochs after the first (which traces) is each run's figure; the
@@ -32,7 +33,7 @@ VARIANTS = ("timed", "untimed")
 
 
 def worker(variant: str, args: argparse.Namespace) -> None:
-    from tfdist import input_wait
+    from tfdist.keras import input_wait
 
     if variant == "untimed":
         input_wait.install = lambda keras2: False  # type: ignore[assignment]

@@ -93,9 +93,9 @@ def _plain_strategy():  # type: ignore[no-untyped-def]
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING))
-    from tfdist import keras_compat
+    from tfdist.keras import keras3
 
-    keras_compat.apply()  # Keras 3 multi-worker fit does not run without it (keras#20585)
+    keras3.apply()  # Keras 3 multi-worker fit does not run without it (keras#20585)
     return strategy, json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
 

@@ -122,9 +122,9 @@ def _hand_written():  # type: ignore[no-untyped-def]
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    from tfdist import keras_compat
+    from tfdist.keras import keras3
 
-    keras_compat.apply()  # Keras 3 multi-worker fit does not run without it (keras#20585)
+    keras3.apply()  # Keras 3 multi-worker fit does not run without it (keras#20585)
     config = json.loads(os.environ["TF_CONFIG"])
     return strategy, config["task"]["index"], len(config["cluster"]["worker"])
 

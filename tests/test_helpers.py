@@ -25,7 +25,7 @@ import json, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 from tfdist import ConfigError, ClusterEnvironment
-from tfdist.callbacks import LearningRateWarmup
+from tfdist.keras.callbacks import LearningRateWarmup
 from tfdist.backends.mwms import MultiWorkerDistributed
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 dist = MultiWorkerDistributed(
@@ -137,7 +137,7 @@ ONE_CPU_REPLICA = {
 
 @pytest.mark.parametrize("case", sorted(ONE_CPU_REPLICA))
 def test_only_a_worker_whose_one_replica_is_a_cpu_reads_a_plain_iterator(case):
-    from tfdist.sharding import _one_cpu_replica
+    from tfdist.backends.mwms_input import _one_cpu_replica
 
     devices, plain = ONE_CPU_REPLICA[case]
     assert _one_cpu_replica(devices) is plain
@@ -178,7 +178,7 @@ def _end_check_cases():
     "DATA, not batched", "AUTO (may shard by file)", "FILE", "OFF",
     "no dataset (distribute_datasets_from_function)"])
 def test_the_end_of_data_check_is_dropped_only_where_every_worker_gets_as_many_batches(case):
-    from tfdist.sharding import _same_steps_on_every_worker
+    from tfdist.backends.mwms_input import _same_steps_on_every_worker
 
     dataset, expected = _end_check_cases()[case]
     assert _same_steps_on_every_worker(dataset) is expected
@@ -243,7 +243,7 @@ ARRAYS_ROWS_LEFT = {
 
 @pytest.mark.parametrize("case", sorted(ARRAYS_ROWS_LEFT))
 def test_the_last_batch_of_fits_arrays_is_counted(case):
-    from tfdist.sharding import arrays_rows_left
+    from tfdist.keras.fit_inputs import arrays_rows_left
 
     arguments, expected = ARRAYS_ROWS_LEFT[case]
     assert arrays_rows_left({"x": np.zeros((100, 3)), **arguments}) == expected
@@ -342,7 +342,7 @@ OWN_COPIES = {
 def test_a_generators_arrays_reach_tensorflow_as_copies(case):
     """TensorFlow may write a step's result into a split batch's memory in place: a generator's
     arrays must not be views of the user's (patch generator-copies)."""
-    from tfdist.sharding import copying
+    from tfdist.keras.fit_inputs import copying
 
     users = np.arange(12.0).reshape(6, 2)
     element = OWN_COPIES[case](users)

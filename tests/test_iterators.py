@@ -1,4 +1,5 @@
-"""tf.data iterators freed on tfdist's thread (tfdist.iterators): the freeing thread and its exit
+"""tf.data iterators freed on tfdist's thread (tfdist.keras.iterators): the freeing thread
+and its exit
 wait on plain Python objects, the per-device rule as a table, and one real process each way
 (tests/workers/iterator_free_worker.py). That Keras's epochs on 2 MWMS workers are freed there
 and train the same weights: tests/test_multiworker.py. What it saves:
@@ -17,7 +18,7 @@ import weakref
 import pytest
 from helpers import ROOT, WORKERS, clean_env
 
-from tfdist import iterators
+from tfdist.keras import iterators
 
 
 class Held:

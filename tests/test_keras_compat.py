@@ -1,7 +1,7 @@
 """Guards for the Keras 3 multi-worker fix (keras-team/keras#20585).
 
 If one of these fails after a Keras upgrade, Keras changed underneath tfdist: check whether
-upstream fixed the defects (then narrow ``tfdist.keras_compat.AFFECTED``) or moved the patched
+upstream fixed the defects (then narrow ``tfdist.keras.versions.AFFECTED``) or moved the patched
 functions (then update the wrappers).
 """
 
@@ -15,24 +15,24 @@ import sys
 import pytest
 from helpers import WORKERS, clean_env, launch
 
-from tfdist import keras_compat
+from tfdist.keras import checks, keras3, versions
 
 keras = pytest.importorskip("keras")
-KERAS3 = keras_compat.is_keras3(keras)
+KERAS3 = versions.is_keras3(keras)
 # The TensorFlow 2.15 lane's `keras` is Keras 2.15: there is nothing of Keras 3's to patch.
 keras3_only = pytest.mark.skipif(not KERAS3, reason=f"keras {keras.__version__} is Keras 2")
 
 
 @pytest.mark.skipif(KERAS3, reason="Keras 3: the next test checks its range")
 def test_keras2_gets_no_fix():
-    assert not keras_compat.needs_fix()
-    assert not keras_compat.apply()
+    assert not versions.needs_fix()
+    assert not keras3.apply()
 
 
 @keras3_only
 def test_pinned_keras_is_in_the_affected_range():
-    assert keras_compat.needs_fix(), (
-        f"Keras {keras.__version__} is outside tfdist.keras_compat.AFFECTED={keras_compat.AFFECTED}"
+    assert versions.needs_fix(), (
+        f"Keras {keras.__version__} is outside tfdist.keras.versions.AFFECTED={versions.AFFECTED}"
         ": re-run tests/test_multiworker.py with TFDIST_KERAS_FIX=0 and adjust the range")
 
 
@@ -63,12 +63,12 @@ def test_patched_functions_still_have_the_upstream_defects():
     (30, None, 3),  # unknown length: always full chunks
 ])
 def test_an_execution_runs_what_the_epoch_has_left(begin, epoch_steps, expected):
-    assert keras_compat.steps_in_chunk(begin, epoch_steps, 3) == expected
+    assert keras3.steps_in_chunk(begin, epoch_steps, 3) == expected
 
 
 def test_legacy_keras_needs_no_fix(monkeypatch):
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
-    assert not keras_compat.needs_fix()
+    assert not versions.needs_fix()
 
 
 @keras3_only
@@ -79,13 +79,13 @@ def test_without_the_fix_two_worker_fit_still_fails_upstream(tmp_path):
     assert run.returncode != 0
     assert "Attempt to convert a value (PerReplica" in run.stdout + run.stderr, (
         "Keras 3 multi-worker fit no longer fails without tfdist's fix: keras#20585 may be "
-        "fixed upstream; narrow tfdist.keras_compat.AFFECTED")
+        "fixed upstream; narrow tfdist.keras.versions.AFFECTED")
 
 
 def _callbacks() -> dict[str, object]:
     import keras
 
-    from tfdist.callbacks import AtomicCheckpoint, ChiefOnly, ChiefWrites
+    from tfdist.keras.callbacks import AtomicCheckpoint, ChiefOnly, ChiefWrites
 
     class StopOnLoss(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):  # type: ignore[no-untyped-def]
@@ -143,7 +143,7 @@ STEP_LOGS = {  # callbacks -> (global under "auto", the callback named in the re
 @pytest.mark.parametrize("case", sorted(STEP_LOGS))
 def test_step_logs_are_global_only_when_a_callback_reads_them(case):
     expected, named = STEP_LOGS[case]
-    is_global, why = keras_compat.step_logs_global("auto", _callbacks()[case])
+    is_global, why = keras3.step_logs_global("auto", _callbacks()[case])
     assert is_global is expected, why
     if named:
         assert f"the callback {named} reads each step's logs" == why
@@ -165,18 +165,18 @@ def test_a_model_with_its_own_step_has_global_step_logs():
     class Plain(keras.Sequential):
         pass
 
-    assert keras_compat.step_logs_global("auto", None, OwnTrain()) == (
+    assert keras3.step_logs_global("auto", None, OwnTrain()) == (
         True, "OwnTrain has its own train_step, whose results Keras logs")
-    assert keras_compat.own_step(OwnTest()) == "test_step"
-    assert keras_compat.own_step(Plain()) is None
-    assert keras_compat.step_logs_global("auto", None, Plain())[0] is False
-    assert keras_compat.step_logs_global("local", None, OwnTrain())[0] is False
+    assert checks.own_step(OwnTest()) == "test_step"
+    assert checks.own_step(Plain()) is None
+    assert keras3.step_logs_global("auto", None, Plain())[0] is False
+    assert keras3.step_logs_global("local", None, OwnTrain())[0] is False
 
 
 @pytest.mark.parametrize("mode", ["global", "local"])
 def test_step_logs_setting_overrides_the_callbacks(mode):
     for callbacks in _callbacks().values():
-        assert keras_compat.step_logs_global(mode, callbacks) == (
+        assert keras3.step_logs_global(mode, callbacks) == (
             mode == "global", f"TFDIST_STEP_LOGS={mode}")
 
 
@@ -211,8 +211,8 @@ def test_keras2_internals_are_found_with_or_without_src(tmp_path, monkeypatch, l
         (tmp_path / package / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / package / name).write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(keras_compat, "keras2_package", lambda: package)
-    assert keras_compat.keras2_module("engine.training").where == found
+    monkeypatch.setattr(versions, "keras2_package", lambda: package)
+    assert versions.keras2_module("engine.training").where == found
 
 
 def test_a_keras2_module_that_fails_inside_is_not_hidden(tmp_path, monkeypatch):
@@ -221,6 +221,6 @@ def test_a_keras2_module_that_fails_inside_is_not_hidden(tmp_path, monkeypatch):
         (tmp_path / "brokenkeras" / name).write_text("")
     (tmp_path / "brokenkeras" / "src" / "backend.py").write_text("import no_such_module_here\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(keras_compat, "keras2_package", lambda: "brokenkeras")
+    monkeypatch.setattr(versions, "keras2_package", lambda: "brokenkeras")
     with pytest.raises(ModuleNotFoundError, match="no_such_module_here"):
-        keras_compat.keras2_module("backend")
+        versions.keras2_module("backend")

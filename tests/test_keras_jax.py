@@ -165,7 +165,8 @@ def test_two_ranks_seeded_apart_end_bit_identical_and_as_one_process(runs):
                                   "jax-inputs-by-rank", "jax-predict-every-row",
                                   "iterator-free-thread"]
     assert one["patches"] == ["jax-input-position", "iterator-free-thread"]
-    # The tf.data dataset's epoch iterators were freed off the training thread (tfdist.iterators)
+    # The tf.data dataset's epoch iterators were freed off the training thread
+    # (tfdist.keras.iterators)
     assert min(dist[0]["freed_elsewhere"], dist[1]["freed_elsewhere"], one["freed_elsewhere"]) >= 1
 
 

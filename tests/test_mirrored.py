@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, WORKERS, clean_env
 
-from tfdist.keras_compat import keras2_package
+from tfdist.keras.versions import keras2_package
 
 WORKER = WORKERS / "mirrored_worker.py"
 

@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 from helpers import ROOT, WORKERS, clean_env
 
-from tfdist import keras_input, ownership, preemption
 from tfdist import model_dir as layout
+from tfdist import ownership, preemption
 from tfdist.backends.single import SingleDistributed
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import StorageError
-from tfdist.keras_input import Resume
+from tfdist.keras import input_position
+from tfdist.keras.input_position import Resume
 
 WORKER = str(WORKERS / "preempt_worker.py")
 TOTAL_STEPS = 48  # 3 epochs of 512 rows in batches of 32
@@ -119,7 +120,7 @@ REBATCH = {
 @pytest.mark.parametrize("case", sorted(REBATCH))
 def test_a_position_in_rows_moves_to_another_global_batch(case):
     at, before, now, expected = REBATCH[case]
-    assert keras_input.rebatch(at, before, now) == expected
+    assert input_position.rebatch(at, before, now) == expected
 
 
 @pytest.mark.parametrize(("code", "words"), [

@@ -41,7 +41,7 @@ def _one_iterator_an_epoch_and_keras_own_orders(results):
     """Each rank fitted 3 epochs of a reshuffled dataset from the same weights three ways
     (train_worker._three_ways): tfdist's way trains the very batches of Keras's own, makes one
     distributed iterator an epoch instead of two, and frees every one it made, on tfdist's
-    thread (tfdist.iterators). Each CPU worker reads a plain tf.data iterator (no multi-device
+    thread (tfdist.keras.iterators). Each CPU worker reads a plain tf.data iterator (no multi-device
     iterator to make and free every epoch), while the same strategy keeps TensorFlow's for a
     dataset distributed with options of one's own (the control)."""
     for result in results:

@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
 
-from tfdist import keras_input, preemption
+from tfdist import preemption
 from tfdist.backends.single import SingleDistributed
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError
-from tfdist.keras_compat import keras2_package
-from tfdist.keras_input import Position, Resume
+from tfdist.keras import input_position
+from tfdist.keras.input_position import Position, Resume
+from tfdist.keras.versions import keras2_package
 
 WORKER = str(WORKERS / "preempt_worker.py")
 HVD_PY = HOROVOD_PYTHON
@@ -215,7 +216,7 @@ PLANS = {
 @pytest.mark.parametrize("case", sorted(PLANS))
 def test_resume_plan(case):
     saved, epoch, step, done, recreates, expected = PLANS[case]
-    assert keras_input.plan(saved, epoch, step, epoch_done=done, recreates=recreates) == expected
+    assert input_position.plan(saved, epoch, step, epoch_done=done, recreates=recreates) == expected
 
 
 # --- real processes --------------------------------------------------------------------------
@@ -678,7 +679,8 @@ def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path, stop):
 
 KILLED_WRITER = """
 import json, os, signal, sys
-from tfdist import keras_input, preemption
+from tfdist import preemption
+from tfdist.keras import input_position
 model_dir, when = sys.argv[1], sys.argv[2]
 
 def state(name, step):

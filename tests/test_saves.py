@@ -1,6 +1,6 @@
 """A save exists when it returns, on every rank: one real 2-worker MWMS launch (Keras 3) of
 tests/workers/saves_worker.py, whose ranks load what they just saved without a wait of their
-own (tfdist.writers).
+own (tfdist.keras.writers).
 
 Before the fix rank 1 returned from ``model.save`` while the chief was still writing (a load
 there found no file, or the round before's), and a path per rank was never written on rank 1

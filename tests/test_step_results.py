@@ -1,4 +1,4 @@
-"""The pure parts of tfdist.step_results: which metrics are the user's, and the warning for a
+"""The pure parts of tfdist.keras.step_results: which metrics are the user's, and the warning for a
 model whose own step returns values that are not its metrics' results. The patches themselves
 are tested on 2 real workers against one process (tests/test_keras_traps.py)."""
 
@@ -45,7 +45,7 @@ def _metrics():
 @pytest.mark.parametrize("case", ["Keras's own", "yours", "yours, in a container, twice",
                                   "yours without a state", "none"])
 def test_the_users_metrics_with_a_state_are_found(case):
-    from tfdist.step_results import own_metrics
+    from tfdist.keras.step_results import own_metrics
 
     metrics, names = _metrics()[case]
     assert [m.name for m in own_metrics(metrics)] == names
@@ -60,7 +60,7 @@ def test_the_users_metrics_with_a_state_are_found(case):
             "other value is not, so any other value reads replicas times one process's."),
 ])
 def test_a_custom_steps_own_values_are_explained_with_the_fix(keras3, says):
-    from tfdist.step_results import own_step_line
+    from tfdist.keras.step_results import own_step_line
 
     line = own_step_line("Net", "train_step", keras3)
     assert line.startswith("Net's own train_step returns values that are not its metrics' "

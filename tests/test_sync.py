@@ -22,7 +22,7 @@ from tfdist import ClusterEnvironment, sync
 from tfdist.backends.mwms import MultiWorkerDistributed
 from tfdist.backends.single import SingleDistributed
 from tfdist.errors import ConfigError, ReplicaMismatchError
-from tfdist.keras_compat import keras2_package
+from tfdist.keras.versions import keras2_package
 from tfdist.sync import ReplicaSyncCheck, fingerprint, mismatch_error, sync_check_callback
 
 SYNC = str(WORKERS / "sync_worker.py")
@@ -223,7 +223,7 @@ def test_one_process_has_nothing_to_compare():
 def test_dist_callbacks_add_the_check_after_yours_unless_turned_off(monkeypatch):
     monkeypatch.delenv("TFDIST_SYNC_CHECK", raising=False)
     monkeypatch.delenv("TFDIST_SYNC_CHECK_EVERY", raising=False)
-    from tfdist.callbacks import build
+    from tfdist.keras.callbacks import build
 
     mine = object()
     callbacks = build(MWMS, mine, sync_check_every=4)

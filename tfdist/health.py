@@ -11,8 +11,8 @@ step clock the throughput meter already keeps, two of its own counters:
   another process on its cores (Linux's ``/proc/self/task/*/schedstat``; None elsewhere);
 - ``input_s``: seconds per step spent waiting for the next batch, where tfdist sees the input
   being read (``StepMeter.batches``; TensorFlow ``fit``'s steps time their own reads,
-  :mod:`tfdist.input_wait`; Keras 3 on JAX's ``fit`` times each batch it draws,
-  :meth:`tfdist.keras_input.JaxInput.waited`; None where tfdist does not see the input).
+  :mod:`tfdist.keras.input_wait`; Keras 3 on JAX's ``fit`` times each batch it draws,
+  :meth:`tfdist.keras.input_position.JaxInput.waited`; None where tfdist does not see the input).
 
 The figures travel in one small sum at the epoch's end (:func:`pack`, :func:`unpack`); the chief
 judges them (:func:`slowest`). A rank is named when what it alone spends exceeds the median of

@@ -1,6 +1,6 @@
 """What tfdist writes into a training's ``model_dir``, named in one place (pure).
 
-``dist.callbacks(model_dir=...)`` (:func:`tfdist.callbacks.build`) and the preemption
+``dist.callbacks(model_dir=...)`` (:func:`tfdist.keras.callbacks.build`) and the preemption
 checkpoint (:mod:`tfdist.preemption`) write these; a user's own files (``final.keras`` in the
 examples) sit beside them::
 

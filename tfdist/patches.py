@@ -77,7 +77,7 @@ def _jax_processes(w: Where) -> bool:
     return w.several_processes and w.backend.framework == JAX
 
 
-# When tfdist.keras_compat's fixes of Keras 3's multi-worker fit are installed.
+# When tfdist.keras.keras3's fixes of Keras 3's multi-worker fit are installed.
 _KERAS3_FIX = "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)"
 
 
@@ -93,27 +93,27 @@ _TRAINER = "keras.src.backend.tensorflow.trainer"
 
 INVENTORY: tuple[Patch, ...] = (
     Patch("keras3-symbolic-build", f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build",
-          "tfdist.keras_compat", _KERAS3_FIX,
+          "tfdist.keras.keras3", _KERAS3_FIX,
           "keras#20585: Keras averages the first batch over the replicas to learn its shapes, "
           "which the collective all-reduce cannot do for a nested batch; one local replica's "
           "batch gives the same shapes", _keras3_fix),
-    Patch("keras3-reduce-per-replica", f"{_TRAINER}.reduce_per_replica", "tfdist.keras_compat",
+    Patch("keras3-reduce-per-replica", f"{_TRAINER}.reduce_per_replica", "tfdist.keras.keras3",
           _KERAS3_FIX,
           "keras#20585: Keras reduces scalar losses and metrics over axis 0, which fails on "
           "several workers; means them over the replicas as one worker does (and, unless a "
           "callback reads them, keeps each step's logs each worker's own: TFDIST_STEP_LOGS)",
           _keras3_fix),
     Patch("keras3-steps-per-execution", f"{_TRAINER}.TensorFlowTrainer._make_function",
-          "tfdist.keras_compat", _KERAS3_FIX,
+          "tfdist.keras.keras3", _KERAS3_FIX,
           "compile(steps_per_execution=N) draws batches inside a tf.cond that a multi-worker "
           "iterator's end-of-data collective cannot run in; runs the N steps unrolled",
           _keras3_fix),
     Patch("keras3-epoch-chunks", f"{_TRAINER}.TFEpochIterator._enumerate_iterator",
-          "tfdist.keras_compat", _KERAS3_FIX,
+          "tfdist.keras.keras3", _KERAS3_FIX,
           "tells the unrolled steps how many steps the epoch has left (its last, shorter chunk)",
           _keras3_fix),
     Patch("keras3-step-logs", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate",
-          "tfdist.keras_compat", _KERAS3_FIX,
+          "tfdist.keras.keras3", _KERAS3_FIX,
           "decides per fit/evaluate whether each step's logs are averaged over the workers (a "
           "collective per step) or each worker's own, from the callbacks that read them; "
           "before fit's first step, refuses gradient_accumulation_steps (it fails upstream) "
@@ -121,34 +121,34 @@ INVENTORY: tuple[Patch, ...] = (
           "metric object made outside the scope (its state would stay each worker's own)",
           _keras3_fix),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
-          "tfdist.keras_compat", "TF_USE_LEGACY_KERAS=1 and Keras 3 imported, several workers",
+          "tfdist.keras.checks", "TF_USE_LEGACY_KERAS=1 and Keras 3 imported, several workers",
           "a Keras 3 model under a tf_keras strategy fails deep inside TensorFlow (or under "
           "Horovod trains without averaging); raises one error naming the fix instead",
           lambda w: w.legacy_keras and w.several_processes and w.backend.framework == TF),
     Patch("compile-without-xla", "keras.Model.compile (where it is defined: Keras 3's Trainer)",
-          "tfdist.keras_compat",
+          "tfdist.keras.checks",
           "MWMS on several CPU workers; Horovod",
           "XLA cannot compile the step's all-reduce there (no XLA collectives for CPU devices, "
           "b/194942685; Horovod's ops are not XLA ops): compile(jit_compile=True) trains "
           "without XLA, with one warning",
           lambda w: (_mwms(w) and not w.gpus) or _horovod(w)),
     Patch("eager-record", "tensorflow.python.eager.context.Context._context_switches",
-          "tfdist.keras_compat", "TensorFlow 2.14 and older, imported inside absl's app.run",
+          "tfdist.keras.keras2", "TensorFlow 2.14 and older, imported inside absl's app.run",
           "TensorFlow <= 2.14 loses its record of being eager when imported inside app.run, "
           "and Keras 2 then builds graph placeholders instead of KerasTensors; the record the "
           "context would have made is put back",
           lambda w: w.backend.framework == TF and (0, 0) < w.tensorflow < (2, 15)),
     Patch("keras3-input-position", f"{_TRAINER}.TFEpochIterator.__init__/_get_iterator",
-          "tfdist.keras_input", "Keras 3, every TensorFlow backend",
+          "tfdist.keras.input_position", "Keras 3, every TensorFlow backend",
           "counts the iterators fit makes, so a preempted fit resumes at the batch it stopped "
           "at instead of the epoch's start; the distributed iterator Keras makes at an epoch's "
           "end only to drop it unread at the next epoch's start is a stand-in that draws the "
-          "same shuffle seeds without a multi-device iterator (keras_input.SeedsOnly)",
+          "same shuffle seeds without a multi-device iterator (input_position.SeedsOnly)",
           lambda w: w.backend.framework == TF and w.keras3),
     Patch("keras2-input-position",
           "tf_keras.src.engine.data_adapter.DataHandler.__init__/enumerate_epochs, "
           "tf_keras.src.engine.training.Model._maybe_load_initial_counters_from_ckpt",
-          "tfdist.keras_input", "tf_keras (Keras 2), every TensorFlow backend",
+          "tfdist.keras.input_position", "tf_keras (Keras 2), every TensorFlow backend",
           "the same for tf_keras: where the stopped fit's input stood, and the step counters "
           "it resumes with", lambda w: w.backend.framework == TF and not w.keras3),
     Patch("fit-input-wait",
@@ -158,7 +158,7 @@ INVENTORY: tuple[Patch, ...] = (
           "get_next_as_list/get_next_as_optional_list, "
           "tensorflow.python.data.ops.iterator_ops.OwnedIterator._next_internal/"
           "get_next_as_optional",
-          "tfdist.input_wait", "every TensorFlow backend",
+          "tfdist.keras.input_wait", "every TensorFlow backend",
           "fit reads each step's batch inside the step's graph, where no callback can time it; "
           "while Keras traces its train function, this worker's read of the batch gets a clock "
           "read before and after, added to one variable the throughput meter reads at each "
@@ -166,7 +166,7 @@ INVENTORY: tuple[Patch, ...] = (
           lambda w: w.backend.framework == TF),
     Patch("iterator-free-thread",
           "tensorflow.python.data.ops.iterator_ops.OwnedIterator._create_iterator",
-          "tfdist.iterators", "every TensorFlow backend; Keras 3 on JAX once an epoch's "
+          "tfdist.keras.iterators", "every TensorFlow backend; Keras 3 on JAX once an epoch's "
           "input is made with TensorFlow loaded (TFDIST_ITERATOR_FREE=thread)",
           "freeing an autotuned tf.data iterator can wait for its autotuning thread's next "
           "pass (a race in TensorFlow: the cancellation wakes it before the iterator is marked "
@@ -176,21 +176,21 @@ INVENTORY: tuple[Patch, ...] = (
           lambda w: w.backend.framework in (TF, JAX) and w.iterator_free),
     Patch("input-end-check",
           "tensorflow.python.distribute.input_lib.DistributedDataset.build",
-          "tfdist.sharding", "MWMS on several workers (TFDIST_INPUT_END_CHECK=auto)",
+          "tfdist.backends.mwms_input", "MWMS on several workers (TFDIST_INPUT_END_CHECK=auto)",
           "drops the per-step collective that asks whether every worker still has a batch, "
           "only for a dataset split by DATA with a constant batch (every worker gets as many "
           "batches); every other dataset keeps it", _mwms),
     Patch("host-input-iterator",
           "tensorflow.python.distribute.collective_all_reduce_strategy."
           "CollectiveAllReduceExtended._experimental_distribute_dataset",
-          "tfdist.sharding", "MWMS on several CPU workers, one replica each "
+          "tfdist.backends.mwms_input", "MWMS on several CPU workers, one replica each "
           "(TFDIST_INPUT_ITERATOR=auto)",
           "a worker whose one replica is its CPU reads a distributed dataset through a plain "
           "tf.data iterator, as TensorFlow's host-placed per-replica input does, instead of a "
           "multi-device iterator that copies to no device and costs 0.1-1 s an epoch to make "
           "and free", lambda w: _mwms(w) and not w.gpus and w.cpu_replicas == 1
           and w.host_iterator),
-    Patch("arrays-one-order", "keras.Model.fit", "tfdist.sharding",
+    Patch("arrays-one-order", "keras.Model.fit", "tfdist.keras.fit_inputs",
           "MWMS on several workers",
           "Keras shuffles fit's arrays with each worker's own random state, so the workers split "
           "different permutations (rows trained twice an epoch, others never); with shuffle on, "
@@ -198,20 +198,21 @@ INVENTORY: tuple[Patch, ...] = (
           "split by DATA; an uneven last batch of arrays and a generator are named once, and "
           "use_multiprocessing's forked loaders become threads", _mwms),
     Patch("arrays-shuffle-seed", "tensorflow.python.data.util.random_seed.get_seed",
-          "tfdist.sharding", "while fit's shuffled arrays become one dataset (MWMS, Horovod)",
+          "tfdist.keras.fit_inputs",
+          "while fit's shuffled arrays become one dataset (MWMS, Horovod)",
           "a shuffle's seed is paired with the process's global seed, which scripts often set "
           "per rank; the two seeds of that one shuffle are fixed, so every rank draws the same "
           "permutation each epoch", lambda w: _mwms(w) or _horovod(w)),
     Patch("sequence-one-order",
           "keras.src.trainers.data_adapters.py_dataset_adapter.random, "
           "tf_keras.src.engine.data_adapter.random, tf_keras.src.utils.data_utils.random",
-          "tfdist.sharding", "several processes: MWMS, Horovod, Keras 3 on JAX",
+          "tfdist.keras.fit_inputs", "several processes: MWMS, Horovod, Keras 3 on JAX",
           "Keras shuffles a PyDataset's (Sequence's) batches with Python's random, which each "
           "rank seeds its own way, so the ranks split different batches at one step (rows "
           "trained three times an epoch, others once); the shuffle draws from one seeded "
           "stream, the same on every rank",
           lambda w: _mwms(w) or (_horovod(w) and w.several_processes) or _jax_processes(w)),
-    Patch("generator-copies", "tensorflow.data.Dataset.from_generator", "tfdist.sharding",
+    Patch("generator-copies", "tensorflow.data.Dataset.from_generator", "tfdist.keras.fit_inputs",
           "MWMS on several workers",
           "TensorFlow takes a generator's numpy arrays without copying them, and once MWMS has "
           "split a global batch, an op of the step may write its result into a replica's part "
@@ -243,25 +244,25 @@ INVENTORY: tuple[Patch, ...] = (
           "on a dataset dist.shard split returns every row in order, and Keras 3 builds the "
           "model before the first step", _horovod),
     Patch("keras2-step-results", "tf_keras.src.engine.training.reduce_per_replica",
-          "tfdist.step_results", "MWMS on several workers, tf_keras (Keras 2)",
+          "tfdist.keras.step_results", "MWMS on several workers, tf_keras (Keras 2)",
           "tf_keras sums what each replica's step returns over the replicas ('auto' is 'sum' "
           "off TPUs): per-step logs, a custom step's values and train_on_batch/test_on_batch "
           "results are the replicas' sum; means them, as Keras 3 does",
           lambda w: _mwms(w) and not w.keras3),
-    Patch("predict-on-batch", "keras.Model.predict_on_batch", "tfdist.step_results",
+    Patch("predict-on-batch", "keras.Model.predict_on_batch", "tfdist.keras.step_results",
           "MWMS on several workers, Keras 3",
           "Keras 3 gives every replica the whole batch and concatenates them all (each row "
           "once per replica); runs the batch through the model once, on this worker",
           lambda w: _mwms(w) and w.keras3),
     Patch("epoch-results", "keras.Model._get_metrics_result_or_logs "
-          "(tf_keras: _validate_and_get_metrics_result)", "tfdist.step_results",
+          "(tf_keras: _validate_and_get_metrics_result)", "tfdist.keras.step_results",
           "several processes, every TensorFlow backend",
           "under Horovod each rank's metrics hold its own examples: the epoch's, validation's "
           "and evaluate's results are read from the metrics' states summed over the ranks, a "
           "custom step's own values averaged over them; on both backends, a metric of yours "
           "(whose state is added over the workers) is named once on the chief",
           lambda w: w.several_processes and w.backend.framework == TF),
-    Patch("user-writers", "keras.Model.fit", "tfdist.writers",
+    Patch("user-writers", "keras.Model.fit", "tfdist.keras.writers",
           "several processes, every TensorFlow backend",
           "the ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard a script passes "
           "straight to fit would all write one path from every rank; routes them as "
@@ -269,7 +270,7 @@ INVENTORY: tuple[Patch, ...] = (
           "checkpoints passed on some ranks only where a save runs collectives",
           lambda w: w.several_processes and w.backend.framework == TF),
     Patch("save-once", "keras.Model.save/save_weights, tensorflow.saved_model.save",
-          "tfdist.writers", "several processes, every TensorFlow backend",
+          "tfdist.keras.writers", "several processes, every TensorFlow backend",
           "model.save, save_weights or tf.saved_model.save on every rank would write one path "
           "from every rank at once (an h5 lock, MergeV2Checkpoints errors); the chief writes "
           "it (a file or SavedModel folder atomically), the others a scratch copy that is "
@@ -278,14 +279,14 @@ INVENTORY: tuple[Patch, ...] = (
           "rank returns before every file is written",
           lambda w: w.several_processes and w.backend.framework == TF),
     Patch("jax-rank0-values", "keras.src.backend.jax.distribution_lib.distribute_tensor, "
-          "keras.src.backend.jax.core.should_shard_at_init", "tfdist.jax_patches",
+          "keras.src.backend.jax.core.should_shard_at_init", "tfdist.jax.patches",
           "Keras 3 on JAX, several processes",
           "JAX stops with a raw AssertionError when a variable's value differs between "
           "processes (a model seeded per rank), and a large variable is made by a jitted "
           "initializer with each process's own seed; an eager placement takes rank 0's value "
           "(one broadcast), and every variable is made that way",
           _jax_processes),
-    Patch("jax-inputs-by-rank", "keras.Model.fit/evaluate/predict", "tfdist.jax_patches",
+    Patch("jax-inputs-by-rank", "keras.Model.fit/evaluate/predict", "tfdist.jax.patches",
           "Keras 3 on JAX, several processes",
           "Keras refuses in-memory arrays on several processes (or, without its auto-shard, "
           "would read every row on every rank); arrays become one dataset of global batches, "
@@ -295,13 +296,13 @@ INVENTORY: tuple[Patch, ...] = (
           "batch, and its loader processes become threads",
           _jax_processes),
     Patch("jax-input-position", "keras.src.backend.jax.trainer.JAXEpochIterator.__init__/"
-          "_get_iterator", "tfdist.keras_input", "Keras 3 on JAX",
+          "_get_iterator", "tfdist.keras.input_position", "Keras 3 on JAX",
           "counts the iterators fit draws from, so a preempted fit resumes at the batch it "
           "stopped at, with the order the stopped run saw, instead of the epoch's start; "
           "times each batch's arrival (the throughput meter's input wait)",
           lambda w: w.backend.framework == JAX),
     Patch("jax-predict-every-row", "keras.src.backend.jax.trainer.JAXTrainer."
-          "make_predict_function", "tfdist.jax_patches", "Keras 3 on JAX, several processes",
+          "make_predict_function", "tfdist.jax.patches", "Keras 3 on JAX, several processes",
           "predict cannot read a batch whose rows lie on several processes (a RuntimeError); "
           "each batch's outputs are gathered from every process in rank order, so every rank "
           "gets every row, as from one process",

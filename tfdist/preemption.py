@@ -655,9 +655,9 @@ def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
 
 def _with_random_states(objects: dict[str, Any]) -> dict[str, Any]:
     """``objects`` plus the random generators' states of the Keras 2 models among them, which
-    a ``tf.train.Checkpoint`` of the model leaves out (:func:`tfdist.keras_compat.random_states`):
+    a ``tf.train.Checkpoint`` of the model leaves out (:func:`tfdist.keras.keras2.random_states`):
     Dropout then draws the same masks after a resume."""
-    from tfdist.keras_compat import random_states
+    from tfdist.keras.keras2 import random_states
 
     extra = {f"{name}_random_generators": states for name, value in objects.items()
              if (states := random_states(value))}

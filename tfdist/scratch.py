@@ -5,7 +5,7 @@ chief's copy is kept: the others write into a private scratch folder that is thr
 
 Also the two rules every writer of tfdist's follows: a file is written under a temporary name
 beside it and renamed (:func:`atomic_path`), and inside :func:`as_given` a save writes where it
-is told, on every rank (:mod:`tfdist.writers` routes the others to the chief).
+is told, on every rank (:mod:`tfdist.keras.writers` routes the others to the chief).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ _as_given = threading.local()
 def as_given() -> Iterator[None]:
     """Inside, ``model.save`` and ``save_weights`` write exactly where they are told, on every
     rank: for files that differ per rank, and for tfdist's own writers, which route themselves.
-    Outside, under several workers, :mod:`tfdist.writers` writes them once, from the chief."""
+    Outside, under several workers, :mod:`tfdist.keras.writers` writes them once, from the chief."""
     _as_given.depth = getattr(_as_given, "depth", 0) + 1
     try:
         yield

@@ -14,7 +14,7 @@ per-variable digests, to name the variables. Every rank gathers the same table a
 same decision, so all ranks raise together and none waits on another.
 
 Use :class:`ReplicaSyncCheck` (added by ``dist.callbacks()``) with ``fit``, or :func:`check` in
-a custom loop. Imported only after :func:`tfdist.init`, like :mod:`tfdist.callbacks`.
+a custom loop. Imported only after :func:`tfdist.init`, like :mod:`tfdist.keras.callbacks`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist.batch_statistics import as_tf_variable, batch_statistics, to_numpy
 from tfdist.errors import ConfigError, ReplicaMismatchError, TfdistError
+from tfdist.keras.batch_statistics import as_tf_variable, batch_statistics, to_numpy
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def model_variables(model: Any, *, include_optimizer: bool = False,
     These are ``model.weights`` (trainable and non-trainable) without the moving statistics of
     BatchNormalization layers that are not ``synchronized``: Keras updates those from each
     replica's own batches, so they differ between replicas until
-    :func:`tfdist.batch_statistics.average_batch_statistics` evens them out at an epoch's end.
+    :func:`tfdist.keras.batch_statistics.average_batch_statistics` evens them out at an epoch's end.
 
     Args:
         model: a Keras model (Keras 3 or tf_keras).

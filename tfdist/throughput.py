@@ -1,6 +1,6 @@
 """Throughput meter: examples per second per worker and in total, and step time with spread.
 
-``dist.callbacks()`` includes :class:`tfdist.callbacks.ThroughputMeter`; custom loops use
+``dist.callbacks()`` includes :class:`tfdist.keras.callbacks.ThroughputMeter`; custom loops use
 :class:`StepMeter`. This module imports no framework.
 Each epoch the chief logs one line and, when a file is set, appends one JSON object to it:
 
@@ -172,7 +172,7 @@ class StepMeter:
 
     def waited(self, seconds: float) -> None:
         """Adds ``seconds`` of input wait timed elsewhere (``fit``'s steps time their reads in
-        their graph: :mod:`tfdist.input_wait`)."""
+        their graph: :mod:`tfdist.keras.input_wait`)."""
         self._input_s = (self._input_s or 0.0) + seconds
 
     def step(self, steps: int = 1) -> None:

@@ -1,5 +1,5 @@
 """Keras 2 in the state TensorFlow 2.14 and older start in inside absl's ``app.run``, before and
-after ``tfdist.init`` (tests/test_keras_compat.py; ``tfdist.keras_compat.repair_eager_record``).
+after ``tfdist.init`` (tests/test_keras_compat.py; ``tfdist.keras.keras2.repair_eager_record``).
 
 TensorFlow 2.15 and newer never start so, so this worker makes the state by hand: the eager
 context's record of context switches without its first, eager entry, which is what TensorFlow
@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import tfdist
-from tfdist import keras_compat
+from tfdist.keras import keras2
 
 
 def build() -> int:
@@ -27,7 +27,7 @@ def build() -> int:
 
 
 def main() -> None:
-    result: dict[str, object] = {"whole_record_repaired": keras_compat.repair_eager_record()}
+    result: dict[str, object] = {"whole_record_repaired": keras2.repair_eager_record()}
     eager = context.context()
     eager._context_switches = type(eager._context_switches)(False)  # as TF <= 2.14 leaves it
     try:

@@ -1,5 +1,5 @@
 """One process, tfdist's one-process backend: which tf.data iterators are freed on tfdist's
-thread (tfdist.iterators). Prints one JSON line: the count of iterators freed there after each
+thread (tfdist.keras.iterators). Prints one JSON line: the count of iterators freed there after each
 case, then, from an exit handler that runs after tfdist's, how many were still pending.
 
     python iterator_free_worker.py
@@ -13,7 +13,7 @@ import sys
 import time
 
 import tfdist
-from tfdist import iterators
+from tfdist.keras import iterators
 
 # Registered before tfdist's own exit handler, so it runs after it: what was left to free.
 atexit.register(lambda: print(json.dumps({"pending_at_exit": iterators.pending()}), flush=True))

@@ -27,7 +27,8 @@ import time
 import numpy as np
 
 import tfdist
-from tfdist import iterators, patches
+from tfdist import patches
+from tfdist.keras import iterators
 
 ROWS, GLOBAL_BATCH = 256, 32
 DECODE_S = 0.15  # each batch of the dataset epoch: far slower than a step, even under load

@@ -291,7 +291,7 @@ def _py_dataset(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
                   **options)
         found["steps_processes"] = _batch_of_each_step(seen, x, dist.world_size)
     if dist.world_size > 1:  # the control: Keras's own random, below tfdist's patch
-        from tfdist.sharding import _sequence_modules
+        from tfdist.keras.fit_inputs import _sequence_modules
 
         modules = [m for m in _sequence_modules() if hasattr(m.random, "_module")]
         agreed = [m.random for m in modules]
@@ -326,7 +326,7 @@ def _saving(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
     replaces the first): each lands once, from the chief, and loads with the final weights."""
     import os
 
-    from tfdist.keras_compat import is_keras3
+    from tfdist.keras.versions import is_keras3
     from tfdist.sync import digest, model_variables
 
     folder = os.path.join(out_dir, "saving")

@@ -102,10 +102,10 @@ def main(out_dir: str, backend: str) -> None:
     dist = tfdist.init(backend=backend)
     import tensorflow as tf
 
-    from tfdist import keras_compat
+    from tfdist.keras import versions
 
     keras = tf.keras
-    result: dict[str, Any] = {"rank": dist.rank, "keras3": keras_compat.is_keras3(keras)}
+    result: dict[str, Any] = {"rank": dist.rank, "keras3": versions.is_keras3(keras)}
     cases: dict[str, Callable[[], dict[str, Any]]] = {
         "model_dir": lambda: _model_dir(dist, keras, tf, out_dir, inside_scope=False),
         "inside_scope": lambda: _model_dir(dist, keras, tf, out_dir, inside_scope=True),
@@ -340,11 +340,11 @@ def _control_unrouted(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str,
 def _optimizer_options(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     """Keras 3's ``gradient_accumulation_steps`` (refused on MWMS, where it fails upstream;
     trains elsewhere) and ``clipnorm`` (trains everywhere; warned on Keras 3 MWMS)."""
-    from tfdist import keras_compat
+    from tfdist.keras import versions
 
     result: dict[str, Any] = {}
     dataset = dist.shard(_data(tf)[0].batch(GLOBAL_BATCH))
-    if keras_compat.is_keras3(keras):
+    if versions.is_keras3(keras):
         keras.utils.set_random_seed(1)
         with dist.scope():
             model = _model(keras)
@@ -445,7 +445,7 @@ def _trained(dist: Any, keras: Any, tf: Any, **options: Any) -> str:
 
 
 def _batch_norm(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
-    from tfdist.batch_statistics import averages_batch_statistics
+    from tfdist.keras.batch_statistics import averages_batch_statistics
     from tfdist.sync import digest, model_variables
 
     found: dict[str, Any] = {"averaged": averages_batch_statistics(dist)}
@@ -635,7 +635,7 @@ def _jit_compile(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
 
 
 def _mixed_keras(dist: Any, keras3: Any) -> dict[str, Any]:
-    from tfdist.keras_compat import is_keras3
+    from tfdist.keras.versions import is_keras3
 
     if keras3 is None:
         return {"skipped": "tf.keras is Keras 3 here: nothing to mix"}
@@ -653,7 +653,7 @@ def _mixed_keras(dist: Any, keras3: Any) -> dict[str, Any]:
 def _control(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
     if dist.backend != "mwms":
         return {"skipped": "a save runs no collective under Horovod"}
-    from tfdist.callbacks import AtomicCheckpoint, ChiefOnly
+    from tfdist.keras.callbacks import AtomicCheckpoint, ChiefOnly
 
     with dist.scope():
         model = _model(keras)

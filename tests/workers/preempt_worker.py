@@ -87,7 +87,7 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     dist = tfdist.init(backend=backend)
     import tensorflow as tf
 
-    from tfdist.fit_preemption import PreemptionCallback
+    from tfdist.keras.fit_preemption import PreemptionCallback
 
     if backend == "jax":  # Keras 3 on JAX (KERAS_BACKEND=jax); the input is tf.data's all the same
         import keras
@@ -171,7 +171,7 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     callbacks = dist.callbacks(Announce(), model_dir=model_dir, tensorboard=False)
     watcher = next(c for c in callbacks if isinstance(c, PreemptionCallback))
     if moment["kind"] == "save":  # the signal comes while the epoch's save is being written
-        from tfdist import fit_preemption
+        from tfdist.keras import fit_preemption
 
         saving_model = fit_preemption.save_model
 

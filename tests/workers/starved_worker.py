@@ -6,7 +6,7 @@
 torch: each sample takes 3 ms to load (no loader processes), a step on 8 samples about 1 ms to
 train: the ranks wait for their input most of the step, equally. ``StepMeter.batches`` times
 the waits. fit: each batch takes 60 ms to make (a map that cannot run in parallel), a step a
-few ms; fit's steps time their own reads (tfdist.input_wait). The chief writes
+few ms; fit's steps time their own reads (tfdist.keras.input_wait). The chief writes
 ``OUT/throughput.jsonl``; every rank writes ``OUT/waited-RANK.json``, the input wait its fit's
 steps measured (fit only).
 """
@@ -59,8 +59,8 @@ def keras_fit(out: str) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from tfdist import input_wait
-    from tfdist.callbacks import ThroughputMeter
+    from tfdist.keras import input_wait
+    from tfdist.keras.callbacks import ThroughputMeter
 
     keras = tf.keras
     x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
@@ -90,7 +90,7 @@ def _fed(dist: Any) -> dict[str, float]:
     import numpy as np
     import tensorflow as tf
 
-    from tfdist import input_wait
+    from tfdist.keras import input_wait
 
     keras = tf.keras
     x = np.random.default_rng(0).normal(size=(64 * 16, 32, 32, 3)).astype("float32")

@@ -26,7 +26,7 @@ import traceback
 import numpy as np
 
 import tfdist
-from tfdist import iterators, keras_compat
+from tfdist.keras import iterators, versions
 
 
 def main(out_dir: str, loop: str, mode: str, backend: str = "mwms") -> None:
@@ -78,23 +78,23 @@ def train(out_dir: str, loop: str, mode: str, backend: str, rank: int) -> dict:
         freed = _three_ways(dist, model, x, y, global_batch, watched)
     return {"rank": rank, "size": dist.world_size, "backend": dist.backend,
             "collective": dist.collective, "launcher": dist.environment.launcher,
-            "keras3": keras_compat.is_keras3(keras), "losses": losses, "iterators": freed}
+            "keras3": versions.is_keras3(keras), "losses": losses, "iterators": freed}
 
 
 def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: ignore[no-untyped-def]
     """Fits 3 epochs over a dataset reshuffled every epoch, from the same weights, three ways:
     ``tfdist`` as installed (the iterator Keras 3 makes at an epoch's end and drops unread is
-    a stand-in: tfdist.keras_input.SeedsOnly), ``keras`` with every iterator Keras asks for
+    a stand-in: tfdist.keras.input_position.SeedsOnly), ``keras`` with every iterator Keras asks for
     made, and the control ``no-seeds``, whose stand-in draws no seeds (other orders). Each way:
     its weights' digest, the distributed iterators made and the threads that freed them (each
     one freed is named once: one made and not freed after fit would be a leak), the kinds
     of iterator each worker read through, and how many tf.data iterators were freed on
-    tfdist's thread (tfdist.iterators). Then ``your-options``: the kinds of a distributed
+    tfdist's thread (tfdist.keras.iterators). Then ``your-options``: the kinds of a distributed
     iterator of the same strategy for the same batches distributed with options of one's own
     (the control: TensorFlow's multi-device iterator)."""
     import tensorflow as tf
 
-    from tfdist import keras_input
+    from tfdist.keras import input_position
     from tfdist.sync import digest, model_variables
 
     start = model.get_weights()
@@ -111,14 +111,14 @@ def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: igno
                 "freed_elsewhere": iterators.freed(wait_s=10) - before}
 
     ways = {"tfdist": fit()}
-    seeds_only = keras_input.seeds_only
+    seeds_only = input_position.seeds_only
     try:
-        keras_input.seeds_only = lambda data: None
+        input_position.seeds_only = lambda data: None
         ways["keras"] = fit()
-        keras_input.seeds_only = lambda data: iter(())
+        input_position.seeds_only = lambda data: iter(())
         ways["no-seeds"] = fit()
     finally:
-        keras_input.seeds_only = seeds_only
+        input_position.seeds_only = seeds_only
     batches = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
     own = iter(dist.strategy.experimental_distribute_dataset(batches, tf.distribute.InputOptions()))
     ways["your-options"] = {"kinds": sorted({type(w._iterator).__name__ for w in own._iterators})}

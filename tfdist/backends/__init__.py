@@ -154,20 +154,20 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     if handle.facts.framework == JAX:  # its own patches (tfdist.backends.keras_jax)
         preemption.default_signals_in_children()
         return handle
-    from tfdist import input_wait, iterators, keras_compat, keras_input
+    from tfdist.keras import input_position, input_wait, iterators, keras2, versions
 
     # Before the script builds its model: Keras 2 makes KerasTensors again where an early
     # start of TensorFlow <= 2.14 lost the record of eager execution; its random layers keep
     # their state in a variable that a preempted run saves, so a resumed run draws the same
     # masks.
-    keras_compat.repair_eager_record()
-    keras_compat.keras2_random_generator()
-    keras_input.track()  # where fit's input stands, so a preempted fit resumes at its batch
-    input_wait.install(keras2=bool(keras_compat.keras2_package()))  # fit's steps time it
+    keras2.repair_eager_record()
+    keras2.keras2_random_generator()
+    input_position.track()  # where fit's input stands, so a preempted fit resumes at its batch
+    input_wait.install(keras2=bool(versions.keras2_package()))  # fit's steps time it
     iterators.install()  # an epoch's iterator freed off the training thread: no autotuning wait
     preemption.default_signals_in_children()  # a PyDataset's process pool ends at exit
     if handle.world_size > 1:
-        from tfdist import writers
+        from tfdist.keras import writers
 
         writers.install(handle)  # the user's own writers and saves: once, from the chief
     return handle

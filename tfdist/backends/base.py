@@ -55,7 +55,7 @@ class Distributed(ReplicaMath):
 
     backend = "?"
     # Whether saving a model may run collectives, so that every rank must save (the chief's
-    # file is kept, the others' thrown away): see tfdist.callbacks.
+    # file is kept, the others' thrown away): see tfdist.keras.callbacks.
     save_on_every_rank = False
 
     def __init__(self, environment: ClusterEnvironment, strategy: Any, collective: str,
@@ -163,8 +163,8 @@ class Distributed(ReplicaMath):
         return sharding.shard_files(files, self.rank, self.world_size)
 
     def callbacks(self, *extra: Any, **options: Any) -> list[Any]:
-        """Keras callbacks for distributed training; see :func:`tfdist.callbacks.build`."""
-        from tfdist import callbacks
+        """Keras callbacks for distributed training; see :func:`tfdist.keras.callbacks.build`."""
+        from tfdist.keras import callbacks
 
         return callbacks.build(self, *extra, **options)
 
@@ -174,12 +174,12 @@ class Distributed(ReplicaMath):
 
         Call it on every rank, e.g. after ``fit``: ``if dist.is_chief: model.save(...)`` can
         leave the other ranks a collective behind under MultiWorkerMirroredStrategy. See
-        :func:`tfdist.callbacks.save`.
+        :func:`tfdist.keras.callbacks.save`.
 
         Returns:
             Whether this process wrote ``path``.
         """
-        from tfdist import callbacks
+        from tfdist.keras import callbacks
 
         return callbacks.save(self, model, path)
 
@@ -264,7 +264,7 @@ class Distributed(ReplicaMath):
         """This process's copy of ``variable`` on each of its ``local_replicas`` replicas, for
         the replica sync check (:mod:`tfdist.sync`): the strategy's local results, or the one
         variable repeated where the process holds one copy for all."""
-        from tfdist.batch_statistics import as_tf_variable
+        from tfdist.keras.batch_statistics import as_tf_variable
 
         count = self.local_replicas
         if self.strategy is None:

@@ -124,12 +124,12 @@ class JaxDistributed(Distributed):
         return lambda value=1.0: self.sum_over_ranks([float(value)] * max(n, 1))[0]
 
     def callbacks(self, *extra: Any, **options: Any) -> list[Any]:
-        """Keras callbacks for Keras 3 on JAX (:mod:`tfdist.jax_callbacks`): your ``extra``
+        """Keras callbacks for Keras 3 on JAX (:mod:`tfdist.jax.callbacks`): your ``extra``
         callbacks; with ``model_dir`` the chief's checkpoint and TensorBoard logs, the
         preemption and walltime stop with an exact resume and the exact state at each epoch's
         end; the throughput meter (``throughput=False`` turns it off) and, on ranks other than
         the chief, a silent progress bar."""
-        from tfdist import jax_callbacks
+        from tfdist.jax import callbacks as jax_callbacks
 
         return jax_callbacks.build(self, *extra, **options)
 
@@ -183,9 +183,9 @@ def create(environment: ClusterEnvironment, settings: Settings) -> JaxDistribute
                                                        auto_shard_dataset=False)
         keras.distribution.set_distribution(distribution)
     handle = JaxDistributed(environment, distribution, collective, gpus, jax)
-    from tfdist import keras_input
+    from tfdist.keras import input_position
 
-    keras_input.track(jax=True)  # where fit's input stands, for an exact resume
+    input_position.track(jax=True)  # where fit's input stands, for an exact resume
     if environment.is_distributed:
         _install_patches(handle)
     if environment.is_chief:
@@ -223,10 +223,11 @@ def _start_runtime(jax: Any, environment: ClusterEnvironment, settings: Settings
 
 def _install_patches(handle: JaxDistributed) -> None:
     """The patches of several processes (rows ``jax-*`` of :data:`tfdist.patches.INVENTORY`)."""
-    from tfdist import jax_patches, sharding
+    from tfdist.jax import patches as jax_patches
+    from tfdist.keras import fit_inputs
 
     jax_patches.rank0_values()
-    sharding.agree_on_sequences()  # a PyDataset's shuffled batches: one order on every rank
+    fit_inputs.agree_on_sequences()  # a PyDataset's shuffled batches: one order on every rank
     jax_patches.inputs_by_rank(handle.rank, handle.world_size, handle.is_chief,
                                handle.num_replicas)
     jax_patches.predict_every_row()

@@ -215,23 +215,25 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
 def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
                      timeout: float | None, num_replicas: int) -> None:
     """What MWMS needs of Keras and TensorFlow once the strategy exists (tfdist.patches)."""
-    from tfdist import failures, keras_compat, sharding, step_results, timeouts
+    from tfdist import failures, timeouts
+    from tfdist.backends import mwms_input
+    from tfdist.keras import checks, fit_inputs, keras3, step_results, versions
 
-    keras_compat.apply()
+    keras3.apply()
     if environment.is_distributed:
-        keras_compat.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
+        checks.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
         # What steps, predict_on_batch and the epoch return: one process's numbers.
-        step_results.install_mwms(tf.keras.Model, keras_compat.is_keras3(tf.keras),
+        step_results.install_mwms(tf.keras.Model, versions.is_keras3(tf.keras),
                                   environment.rank == 0)
-        sharding.skip_end_checks()  # one collective fewer per step where it cannot matter
+        mwms_input.skip_end_checks()  # one collective fewer per step where it cannot matter
         if not num_gpus:  # a CPU replica reads a plain iterator: no per-epoch thread to free
-            sharding.host_iterators()
+            mwms_input.host_iterators()
         # fit's shuffled arrays: one order; an uneven last batch named
-        sharding.agree_on_arrays(environment.rank == 0, num_replicas)
-        sharding.agree_on_sequences()  # a PyDataset's shuffled batches: one order
-        sharding.own_generator_batches()  # a split batch never writes into a view
+        fit_inputs.agree_on_arrays(environment.rank == 0, num_replicas)
+        fit_inputs.agree_on_sequences()  # a PyDataset's shuffled batches: one order
+        fit_inputs.own_generator_batches()  # a split batch never writes into a view
     if not num_gpus and environment.is_distributed:
-        keras_compat.compile_without_xla(tf.keras.Model, (
+        checks.compile_without_xla(tf.keras.Model, (
             "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
             "all-reduce cannot be compiled; with NCCL on GPUs it can"))
     failures.install(environment)  # a peer's failure named in one line, after TF's error

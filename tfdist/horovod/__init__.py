@@ -5,7 +5,7 @@ per local rank, and from then on ``Model.compile`` averages gradients across ran
 shards data by rank (``dist.shard``), scales the learning rate (``dist.scale_lr``), and
 ``dist.callbacks()`` broadcasts the initial state from rank 0 and checkpoints and logs on rank 0
 only; the epoch's and ``evaluate``'s metrics are over every rank's examples
-(:mod:`tfdist.step_results`). tf_keras (Keras 2) starts from Horovod's own broadcast callback;
+(:mod:`tfdist.keras.step_results`). tf_keras (Keras 2) starts from Horovod's own broadcast callback;
 Keras 3, which Horovod's Keras helpers do not support, uses tfdist's on Horovod's core ops.
 
 For custom loops: ``dist.gradient_tape()``, ``dist.broadcast_initial_state(model, optimizer)``

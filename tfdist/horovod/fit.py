@@ -13,7 +13,7 @@ metrics then count rank 0's first batch twice and the others' not at all).
 plain Horovod would not: arrays passed to ``fit`` are split by rank (:func:`shard_arrays`), a
 model Keras 3 would build lazily in the first step is built before the initial broadcast, so
 that every rank starts from rank 0's weights, and the epoch's, validation's and ``evaluate``'s
-results are over every rank's examples (:mod:`tfdist.step_results`). ``jit_compile=True``
+results are over every rank's examples (:mod:`tfdist.keras.step_results`). ``jit_compile=True``
 trains without XLA, with a warning: Horovod's ops cannot be compiled by XLA.
 """
 
@@ -29,8 +29,8 @@ import tensorflow as tf
 
 from tfdist import patches
 from tfdist.horovod import ops
-from tfdist.keras_compat import compile_owner, compile_without_xla
-from tfdist.sharding import (
+from tfdist.keras.checks import compile_owner, compile_without_xla
+from tfdist.keras.fit_inputs import (
     GENERATOR,
     is_arrays,
     is_generator,
@@ -49,7 +49,7 @@ _MARK = "_tfdist_averages_gradients"
 
 def is_keras3() -> bool:
     """Whether ``tf.keras`` is Keras 3 (not tf_keras)."""
-    from tfdist.keras_compat import is_keras3 as check
+    from tfdist.keras.versions import is_keras3 as check
 
     return check(keras)
 
@@ -115,9 +115,9 @@ def install_hooks(rank: int, world_size: int) -> None:
                   lambda original: _fit_hook(original, rank, world_size))
     if world_size > 1:
         patches.apply("horovod-fit", model_class, "predict", _predict_hook)
-        from tfdist import sharding, step_results
+        from tfdist.keras import fit_inputs, step_results
 
-        sharding.agree_on_sequences()  # every rank reads the same batch of a PyDataset
+        fit_inputs.agree_on_sequences()  # every rank reads the same batch of a PyDataset
 
         # The epoch's, evaluate's and validation's results over every rank's examples.
         step_results.install_horovod(
@@ -195,7 +195,7 @@ def _build_hook(original: Any) -> Any:
     @functools.wraps(original)
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         if self._distribute_strategy is None and (iterator is not None or data_batch is not None):
-            from tfdist.keras_compat import peeked_batch
+            from tfdist.keras.keras3 import peeked_batch
 
             peeked = peeked_batch(iterator) if data_batch is None else None
             if peeked is not None:  # a PyDataset's or generator's: not drawn from the iterator
@@ -208,15 +208,16 @@ def _build_hook(original: Any) -> Any:
 
 def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """The ``fit`` arguments that make this rank train on its part of in-memory arrays: the
-    dataset of :func:`tfdist.sharding.arrays_as_dataset`, of which each rank keeps its slice of
+    dataset of :func:`tfdist.keras.fit_inputs.arrays_as_dataset`, of which each rank keeps its
+    slice of
     every global batch (:func:`tfdist.horovod.sharding.shard`), as MultiWorkerMirroredStrategy
     splits arrays.
 
     Raises:
-        ConfigError: see :func:`tfdist.sharding.arrays_as_dataset`.
+        ConfigError: see :func:`tfdist.keras.fit_inputs.arrays_as_dataset`.
     """
     from tfdist.horovod.sharding import shard
-    from tfdist.sharding import arrays_as_dataset
+    from tfdist.keras.fit_inputs import arrays_as_dataset
 
     changed = arrays_as_dataset(arguments, world_size)
     changed["x"] = shard(changed["x"], rank, world_size)
@@ -225,7 +226,7 @@ def shard_arrays(arguments: Mapping[str, Any], rank: int, world_size: int) -> di
 
 def callbacks() -> list[Any]:
     """Broadcast of the initial state from rank 0; put it first. (The epoch's and evaluate's
-    results are over every rank's examples without a callback: :mod:`tfdist.step_results`.)"""
+    results are over every rank's examples without a callback: :mod:`tfdist.keras.step_results`.)"""
     return [BroadcastInitialState()]
 
 
@@ -234,7 +235,7 @@ def broadcast_initial_state(model: Any, optimizer: Any = None, root_rank: int = 
     ``root_rank``, so that every rank starts the first step from the same state."""
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     # tf_keras counts a subclassed model's metrics among its variables: their states stay each
-    # rank's own (tfdist.step_results adds them over the ranks).
+    # rank's own (tfdist.keras.step_results adds them over the ranks).
     metrics = {id(v) for metric in getattr(model, "metrics", ()) for v in metric.variables}
     variables = [v for v in model.variables if id(v) not in metrics]
     if optimizer is not None:

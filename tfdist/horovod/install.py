@@ -98,7 +98,7 @@ def import_horovod_keras() -> Any:
         ConfigError: as :func:`import_horovod`, or tf_keras is not installed.
     """
     import_horovod()
-    from tfdist.keras_compat import keras2_package
+    from tfdist.keras.versions import keras2_package
 
     if keras2_package() == "keras":  # TensorFlow 2.15: `keras` is Keras 2 already
         import horovod.tensorflow.keras as hvd_keras

@@ -130,7 +130,7 @@ def install(keras2: bool) -> bool:
         from tensorflow.python.distribute import input_lib
 
         if keras2:
-            from tfdist.keras_compat import keras2_module
+            from tfdist.keras.versions import keras2_module
 
             model = keras2_module("engine.training").Model
         else:

@@ -7,7 +7,7 @@ under a tf.distribute strategy keeps them as sync-on-read means; everywhere else
 Horovod) tfdist replaces them by their mean at each epoch's end
 (:class:`BatchStatisticsAverage`, added by ``dist.callbacks()``), before anything saves or
 compares the weights. The replica sync check (:mod:`tfdist.sync`) leaves them out until then.
-Imported only after :func:`tfdist.init`, like :mod:`tfdist.callbacks`.
+Imported only after :func:`tfdist.init`, like :mod:`tfdist.keras.callbacks`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def averages_batch_statistics(dist: Distributed) -> bool:
     tf_keras under a tf.distribute strategy, whose statistics are sync-on-read means already."""
     if dist.num_replicas == 1:
         return False
-    from tfdist.keras_compat import is_keras3
+    from tfdist.keras.versions import is_keras3
 
     return not dist.facts.keras2_synced_batch_norm or is_keras3(keras)
 

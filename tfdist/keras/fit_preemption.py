@@ -1,12 +1,12 @@
 """The preemption callback of ``fit``, for every Keras tfdist drives: the body of
-:class:`tfdist.callbacks.PreemptionCheckpoint` (``tf.keras``: Keras 3 on TensorFlow, or tf_keras)
-and of Keras 3 on JAX's (:mod:`tfdist.jax_callbacks`), each of which adds its Keras's
+:class:`tfdist.keras.callbacks.PreemptionCheckpoint` (``tf.keras``: Keras 3 on TensorFlow, or
+tf_keras) and of Keras 3 on JAX's (:mod:`tfdist.jax.callbacks`), each of which adds its Keras's
 ``Callback`` as the second base. It imports neither TensorFlow nor Keras.
 
 What it does, on each rank: the agreement of :mod:`tfdist.preemption` at agreed steps, the
 exact state saved at the agreed step (the model with its optimizer, each rank's random
-generators, the input's position from :mod:`tfdist.keras_input`), and a resumed ``fit`` that
-continues there.
+generators, the input's position from :mod:`tfdist.keras.input_position`), and a resumed
+``fit`` that continues there.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfdist import keras_compat, keras_input, ownership, preemption, walltime
 from tfdist import model_dir as layout
+from tfdist import ownership, preemption, walltime
 from tfdist.errors import StorageError
+from tfdist.keras import input_position, keras2
 from tfdist.scratch import save_once
 from tfdist.settings import resolve
 
@@ -47,7 +48,7 @@ class PreemptionCallback:
     model with its optimizer (``model.keras``, saved by every rank as :func:`save_model` does,
     written by the chief), per rank the random generators' states the model file leaves out
     (``rank-N.npz``), and ``state.json``: the epoch, the steps done in it, where the input was
-    (:mod:`tfdist.keras_input`), world size and signal. A signal during validation inside
+    (:mod:`tfdist.keras.input_position`), world size and signal. A signal during validation inside
     ``fit`` stops there too; the resumed run then starts with the next epoch.
 
     Resuming (Keras 3 on TensorFlow or JAX, and tf_keras): the model and optimizer are loaded,
@@ -68,7 +69,7 @@ class PreemptionCallback:
             going on; each epoch's end is one too); env ``TFDIST_CHECKPOINT_EVERY``, default
             none. A fit that ends normally removes its last one.
         epoch_saves: save the state at each epoch's end (as ``every`` does), so that a run
-            killed without warning resumes there exactly; :func:`tfdist.callbacks.build` sets
+            killed without warning resumes there exactly; :func:`tfdist.keras.callbacks.build` sets
             it in place of Keras's BackupAndRestore.
     """
 
@@ -87,7 +88,7 @@ class PreemptionCallback:
         self.resumed_from: dict[str, Any] | None = None  # the state this fit resumed from
         self._state_found = False
         self._epochs_begun = 0  # in this fit: none, and no collective ran either
-        self._input: keras_input.Keras3Input | keras_input.TfKerasInput | None = None
+        self._input: input_position.Keras3Input | input_position.TfKerasInput | None = None
         self._resumed_epoch: int | None = None
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -97,7 +98,7 @@ class PreemptionCallback:
         late = preemption.take_late_signal()  # came between two fits: this one stops at once
         if late is not None and self.watch.signal is None:
             self.watch.signal, self.watch.received_at = late, time.monotonic()
-        self._input = keras_input.current(self.model) if keras_input.tracked() else None
+        self._input = input_position.current(self.model) if input_position.tracked() else None
         self._epochs_begun = 0
         states = preemption.read_states(self.model_dir)
         if states:
@@ -245,11 +246,11 @@ class PreemptionCallback:
         state = self._load(states)
         walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
         epoch, step, saved = int(state["epoch"]), int(state["step"]), state["input"]
-        at = keras_input.plan(keras_input.Position(saved["iterator"], saved["drawn"]), epoch,
+        at = input_position.plan(input_position.Position(saved["iterator"], saved["drawn"]), epoch,
                               step, epoch_done=bool(state["epoch_done"]),
                               recreates=found.recreates)
         before, now = saved.get("global_batch"), self._global_batch()
-        rebatched = keras_input.rebatch(at, before, now)
+        rebatched = input_position.rebatch(at, before, now)
         if rebatched is None:
             raise StorageError(
                 f"{state['path']} stopped after {at.skip * before} rows in batches of {before}, "
@@ -371,4 +372,4 @@ def _built(model: Any) -> bool:
 
 def _unsaved(model: Any) -> list[Any]:
     """The model's variables that ``model.save`` leaves out: its random generators' states."""
-    return keras_compat.random_states(model)
+    return keras2.random_states(model)

@@ -13,7 +13,7 @@ global batch; each is a patch of :mod:`tfdist.patches`, installed for several pr
 - A custom ``train_step``/``test_step`` that returns values other than its metrics' results:
   Keras combines them over the replicas (Keras 3 averages, tf_keras sums), and the last step's
   are the epoch's. Keras 3 on MWMS keeps each worker's own unless they are averaged
-  (:func:`tfdist.keras_compat.step_logs_global` averages them for such a model). Either way a
+  (:func:`tfdist.keras.keras3.step_logs_global` averages them for such a model). Either way a
   loss from ``compute_loss`` is divided by the number of replicas under tf.distribute, and any
   other value is not: one warning on the chief (:func:`own_step_line`) says so and names the
   exact way (metrics, which Keras reads over all workers).
@@ -58,7 +58,7 @@ def install_mwms(model_class: Any, keras3: bool, is_chief: bool) -> None:
     if keras3:
         patches.apply("predict-on-batch", model_class, "predict_on_batch", _predict_on_batch)
     else:
-        from tfdist.keras_compat import keras2_module
+        from tfdist.keras.versions import keras2_module
 
         training = keras2_module("engine.training")
         patches.apply("keras2-step-results", training, "reduce_per_replica", _mean_of_replicas)
@@ -106,7 +106,7 @@ def _read_as_given(original: Any, model: Any, logs: Any, *, keras3: bool,
     custom step's own values."""
     result = original(model, logs)
     if result is logs and isinstance(logs, dict) and is_chief and type(model) not in _named:
-        from tfdist.keras_compat import own_step
+        from tfdist.keras.checks import own_step
 
         step = own_step(model)
         if step:

@@ -6,10 +6,10 @@ from the chief (every rank runs the save: :func:`tfdist.scratch.save_once`), Ten
 in ``model_dir/logs`` from the chief (where tensorboard and TensorFlow are installed: Keras
 writes them through ``tf.summary``), the preemption and walltime stop with the exact state saved
 at one agreed step and resumed there, the same state saved at each epoch's end and every
-``checkpoint_every`` (:class:`tfdist.fit_preemption.PreemptionCallback`, as on the TensorFlow
+``checkpoint_every`` (:class:`tfdist.keras.fit_preemption.PreemptionCallback`, as on the TensorFlow
 backends), the replica sync check (where TensorFlow is installed), the throughput meter with
 every rank's profile (:class:`tfdist.throughput.StepMeter`; the input wait timed where ``fit``
-draws its batches, :func:`tfdist.keras_input._counted`), the chief's progress bar alone.
+draws its batches, :func:`tfdist.keras.input_position._counted`), the chief's progress bar alone.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import logging
 import os
 from typing import Any
 
-from tfdist import fit_preemption, keras_input, ownership
 from tfdist import model_dir as layout
+from tfdist import ownership
+from tfdist.keras import fit_preemption, input_position
 from tfdist.scratch import save_once
 from tfdist.throughput import StepMeter, throughput_file
 
@@ -35,10 +36,10 @@ _OPTIONS = ("model_dir", "checkpoint", "throughput", "global_batch", "preempt", 
 
 def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
     """The callbacks for ``fit`` (see the module docstring); ``options`` are those of
-    :class:`tfdist.callbacks.CallbackOptions`.
+    :class:`tfdist.keras.callbacks.CallbackOptions`.
 
     Raises:
-        TypeError: an option :class:`~tfdist.callbacks.CallbackOptions` does not have.
+        TypeError: an option :class:`~tfdist.keras.callbacks.CallbackOptions` does not have.
     """
     import keras
 
@@ -59,7 +60,7 @@ def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
     callbacks += _sync_check(dist, options)  # after `extra`: it sees their changes
     if model_dir and options.get("preempt", True):  # last: a stop at an epoch's end comes
         # after its checkpoint; each epoch's end saves the exact state (a kill resumes there)
-        epoch_saves = bool(options.get("backup", True)) and keras_input.tracked()
+        epoch_saves = bool(options.get("backup", True)) and input_position.tracked()
         callbacks.append(_preemption(keras)(dist, model_dir, logs=logs,
                                             every=options.get("checkpoint_every"),
                                             epoch_saves=epoch_saves))
@@ -97,19 +98,19 @@ def _sync_check(dist: Any, options: dict[str, Any]) -> list[Any]:
 
 def _preemption(keras: Any) -> Any:
     class PreemptionCheckpoint(fit_preemption.PreemptionCallback, keras.callbacks.Callback):
-        """:class:`tfdist.fit_preemption.PreemptionCallback` as a Keras 3 callback on JAX."""
+        """:class:`tfdist.keras.fit_preemption.PreemptionCallback` as a Keras 3 callback on JAX."""
 
     return PreemptionCheckpoint
 
 
 def _meter(keras: Any, meter: StepMeter) -> Any:
     """The meter as a callback; an epoch's input wait is what the ``fit``'s own batches took to
-    arrive (:meth:`tfdist.keras_input.JaxInput.waited`), where tfdist follows its input."""
+    arrive (:meth:`tfdist.keras.input_position.JaxInput.waited`), where tfdist follows its input."""
 
     class ThroughputMeter(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
-            found = keras_input.current(self.model)  # this fit's, not its evaluation's
-            self._input = found if isinstance(found, keras_input.JaxInput) else None
+            found = input_position.current(self.model)  # this fit's, not its evaluation's
+            self._input = found if isinstance(found, input_position.JaxInput) else None
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             meter.begin_epoch()

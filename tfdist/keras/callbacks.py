@@ -26,19 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from tfdist import (
-    batch_statistics,
-    failures,
-    fit_preemption,
-    input_wait,
-    keras_compat,
-    keras_input,
-    ownership,
-    sync,
-    walltime,
-)
+from tfdist import failures, ownership, sync, walltime
 from tfdist import model_dir as layout
 from tfdist.errors import StorageError
+from tfdist.keras import batch_statistics, fit_preemption, input_position, input_wait, versions
 from tfdist.scratch import as_given, save_atomically, save_once, scratch_dir
 from tfdist.settings import resolve
 from tfdist.throughput import StepMeter, throughput_file
@@ -52,7 +43,7 @@ __all__ = ["AtomicCheckpoint", "CallbackOptions", "ChiefOnly", "ChiefWrites", "L
 
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 logger = logging.getLogger("tfdist")
-_KERAS3 = keras_compat.is_keras3(keras)
+_KERAS3 = versions.is_keras3(keras)
 
 
 class ChiefOnly(keras.callbacks.Callback):
@@ -155,7 +146,7 @@ class ChiefWrites(_Forwarding):
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("on_") and name not in ("on_epoch_end", "on_train_end"):
             hook = getattr(object.__getattribute__(self, "callback"), name)
-            # The chief's saves go through tfdist.writers (atomic); the others' already point
+            # The chief's saves go through tfdist.keras.writers (atomic); the others' already point
             # into their scratch folder, where they are written as given.
             return _as_given(hook) if object.__getattribute__(self, "scratch") else hook
         return object.__getattribute__(self, name)
@@ -258,7 +249,7 @@ def save(dist: Distributed, model: Any, path: str) -> bool:
 
 
 class PreemptionCheckpoint(fit_preemption.PreemptionCallback, keras.callbacks.Callback):
-    """:class:`tfdist.fit_preemption.PreemptionCallback` as a ``tf.keras`` callback: after a
+    """:class:`tfdist.keras.fit_preemption.PreemptionCallback` as a ``tf.keras`` callback: after a
     preemption signal or at the walltime, every rank stops at one agreed step, the exact state
     is saved in ``model_dir/preempted``, the process exits with 75, and the next ``fit`` with
     the same ``model_dir`` resumes there."""
@@ -509,7 +500,7 @@ class CallbackOptions:
             with code 75 (:class:`PreemptionCheckpoint`).
         average_batch_statistics: at each epoch's end, replace each rank's BatchNormalization
             moving statistics by their mean over the ranks, before anything saves or compares
-            (:class:`tfdist.batch_statistics.BatchStatisticsAverage`); env
+            (:class:`tfdist.keras.batch_statistics.BatchStatisticsAverage`); env
             ``TFDIST_AVERAGE_BATCH_STATISTICS``, default on.
         throughput: measure examples per second and step time
             (:class:`tfdist.throughput.ThroughputMeter`): one log line per epoch on the chief,
@@ -562,7 +553,7 @@ def build(dist: Distributed, *extra: Any, **options: Any) -> list[Any]:
     if averaged:  # first at an epoch's end: backups, checkpoints and checks see the mean
         callbacks.append(batch_statistics.BatchStatisticsAverage(dist))
     # The exact state replaces Keras's backup at each epoch's end where tfdist can resume it.
-    exact = bool(model_dir and o.preempt and keras_input.tracked())
+    exact = bool(model_dir and o.preempt and input_position.tracked())
     if model_dir and o.backup and not exact:
         callbacks.append(WorkerBackupAndRestore(
             layout.path(model_dir, layout.BACKUP), dist.rank,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist import patches, sharding
+from tfdist import patches
+from tfdist.keras import fit_inputs
 
 __all__ = ["inputs_by_rank", "predict_every_row", "rank0_values"]
 
@@ -46,29 +47,30 @@ def rank0_values() -> None:
 
 def inputs_by_rank(rank: int, size: int, is_chief: bool, num_replicas: int) -> None:
     """``fit``/``evaluate``/``predict`` on arrays: one dataset of global batches (``fit``'s
-    shuffled the same way on every rank: :func:`tfdist.sharding.arrays_as_dataset`), of which
-    each rank reads its part; ``fit``'s ``validation_data`` arrays likewise. A ``PyDataset``
-    (its batches shuffled in one order on every rank: :func:`tfdist.sharding.agree_on_sequences`)
-    or a generator: each rank its part of every batch; loader processes become threads."""
+    shuffled the same way on every rank: :func:`tfdist.keras.fit_inputs.arrays_as_dataset`),
+    of which each rank reads its part; ``fit``'s ``validation_data`` arrays likewise. A
+    ``PyDataset`` (its batches shuffled in one order on every rank:
+    :func:`tfdist.keras.fit_inputs.agree_on_sequences`) or a generator: each rank its part of
+    every batch; loader processes become threads."""
     import keras
 
     from tfdist.horovod import sharding as by_rank
 
     def split(arguments: dict[str, Any], *, shuffle: bool) -> None:
         x = arguments.get("x")
-        sharding.loader_threads(arguments, is_chief)  # a fork beside JAX's threads can hang
-        if sharding.is_sequence(x):  # each rank its part of every batch, in one agreed order
+        fit_inputs.loader_threads(arguments, is_chief)  # a fork beside JAX's threads can hang
+        if fit_inputs.is_sequence(x):  # each rank its part of every batch, in one agreed order
             arguments["x"] = by_rank.sequence_slices(x, rank, size)
-        elif sharding.is_generator(x):
+        elif fit_inputs.is_generator(x):
             if is_chief:
-                sharding.warn_once(GENERATOR)
+                fit_inputs.warn_once(GENERATOR)
             arguments["x"] = by_rank.generator_slices(x, rank, size)
-        if not sharding.is_arrays(x):
+        if not fit_inputs.is_arrays(x):
             return
         if is_chief:
-            sharding.warn_about_arrays(arguments, num_replicas)
+            fit_inputs.warn_about_arrays(arguments, num_replicas)
         given = {**arguments, "shuffle": shuffle and arguments.get("shuffle", True)}
-        changed = sharding.arrays_as_dataset(given, size)  # validation_split: arrays again
+        changed = fit_inputs.arrays_as_dataset(given, size)  # validation_split: arrays again
         changed["x"] = by_rank.shard(changed["x"], rank, size)
         arguments.update(changed)
 
@@ -76,10 +78,10 @@ def inputs_by_rank(rank: int, size: int, is_chief: bool, num_replicas: int) -> N
         def change(bound: Any) -> None:
             split(bound.arguments, shuffle=True)
             validation = bound.arguments.get("validation_data")
-            if isinstance(validation, tuple) and sharding.is_arrays(validation[0]):
+            if isinstance(validation, tuple) and fit_inputs.is_arrays(validation[0]):
                 bound.arguments["validation_data"] = _validation(
                     validation, bound.arguments, rank, size)
-            elif sharding.is_sequence(validation):
+            elif fit_inputs.is_sequence(validation):
                 bound.arguments["validation_data"] = by_rank.sequence_slices(validation, rank,
                                                                              size)
         return patches.rebinding(original, change)

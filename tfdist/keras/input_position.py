@@ -22,8 +22,9 @@ import time
 import weakref
 from typing import Any, NamedTuple
 
-from tfdist import iterators, patches
-from tfdist.keras_compat import keras2_module, keras2_package
+from tfdist import patches
+from tfdist.keras import iterators
+from tfdist.keras.versions import keras2_module, keras2_package
 from tfdist.throughput import arrivals
 
 __all__ = ["JaxInput", "Keras3Input", "Position", "Resume", "SeedsOnly", "TfKerasInput", "current",

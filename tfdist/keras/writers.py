@@ -8,7 +8,7 @@ writes the same path at once (a corrupt ``.keras`` file, h5py's lock error, a ra
 file system). Installed when a TensorFlow backend spans several processes (:func:`install`),
 two patches (:mod:`tfdist.patches`) route them the way ``dist.callbacks()`` routes its own:
 
-- ``fit``'s callbacks go through :func:`tfdist.callbacks.route_writer`: the chief writes, the
+- ``fit``'s callbacks go through :func:`tfdist.keras.callbacks.route_writer`: the chief writes, the
   other ranks write to a scratch folder that is removed (where a save runs collectives, under
   MultiWorkerMirroredStrategy) or skip the writer (Horovod); a ``BackupAndRestore`` gets one
   folder per rank. Where a save runs collectives, a checkpoint that one rank passes and another
@@ -29,7 +29,7 @@ two patches (:mod:`tfdist.patches`) route them the way ``dist.callbacks()`` rout
     collective, at the latest after :data:`_ARRIVAL_S`.
   - During ``fit`` (a callback's save) no collective is added: the chief writes the path, the
     others a scratch copy, and they return at once. tfdist's routed checkpoints
-    (:class:`tfdist.callbacks.ChiefWrites`) save through here on the chief only (the others
+    (:class:`tfdist.keras.callbacks.ChiefWrites`) save through here on the chief only (the others
     write their scratch copy as given), so a collective here would run on the chief alone.
   - Horovod: a save runs no collective, and scripts commonly save on rank 0 alone
     (``if hvd.rank() == 0: model.save(...)``), so tfdist adds none. The chief writes the path;
@@ -57,8 +57,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist import callbacks, patches
+from tfdist import patches
 from tfdist.errors import ConfigError, TfdistError
+from tfdist.keras import callbacks
 from tfdist.scratch import as_given, atomic_path, throwaway, writes_as_given
 
 if TYPE_CHECKING:

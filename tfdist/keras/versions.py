@@ -1,0 +1,84 @@
+"""Which Keras drives ``tf.keras`` (pure but for reading installed versions).
+
+Keras 3 (``import keras``), or Keras 2: the tf_keras package (``TF_USE_LEGACY_KERAS=1``) or the
+keras 2.x package of TensorFlow 2.15 and older. Every room of the wing asks here, and so does
+the Horovod wing; :data:`AFFECTED` is the range of Keras 3 releases :mod:`tfdist.keras.keras3`
+fixes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from typing import Any
+
+__all__ = ["AFFECTED", "is_keras3", "keras2_module", "keras2_package", "legacy_keras_requested",
+           "needs_fix"]
+
+
+# Half-open range of Keras versions with the defects. Raise the upper bound only after the
+# upstream issue is fixed in a release and the tests pass without the fix there.
+AFFECTED = ((3, 0), (4, 0))
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def is_keras3(keras_module: Any) -> bool:
+    """Whether ``keras_module`` (usually ``tf.keras``) is Keras 3 rather than Keras 2.
+
+    Keras 2 is tf_keras, or on TensorFlow 2.15 the ``keras`` 2.15 package itself. Their
+    ``tf.keras`` (``tf_keras.api._v2.keras``, ``keras.api._v2.keras``) has no ``__version__``;
+    its package has.
+    """
+    package = keras_module.__name__.split(".")[0]
+    if package == "tf_keras":
+        return False
+    version = (getattr(keras_module, "__version__", None)
+               or getattr(sys.modules.get(package), "__version__", "3"))
+    return not str(version).startswith("2.")
+
+
+def legacy_keras_requested() -> bool:
+    """Whether ``tf.keras`` is tf_keras, read the way TensorFlow itself reads the variable."""
+    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+
+
+def keras2_package() -> str | None:
+    """The package whose Keras 2 is ``tf.keras``: ``"tf_keras"`` (``TF_USE_LEGACY_KERAS=1``),
+    ``"keras"`` (a keras 2.x: TensorFlow 2.15, where ``tf.keras`` is Keras 2 without the
+    variable), or None for Keras 3. Both Keras 2 packages have the same ``src.engine``."""
+    if legacy_keras_requested():
+        return "tf_keras"
+    version = getattr(sys.modules.get("keras"), "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version("keras")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return "keras" if str(version).startswith("2.") else None
+
+
+def keras2_module(name: str) -> Any:
+    """Keras 2's internal module ``name`` (``"backend"``, ``"engine.training"``) in the package
+    that is ``tf.keras`` (:func:`keras2_package`; tf_keras where none is): under ``src`` from
+    Keras 2.13 on, at the package's top in Keras 2.12 (TensorFlow 2.12's)."""
+    package = keras2_package() or "tf_keras"
+    try:
+        return importlib.import_module(f"{package}.src.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{package}.src":
+            raise
+        return importlib.import_module(f"{package}.{name}")
+
+
+def needs_fix() -> bool:
+    """True when Keras 3 drives ``tf.keras`` and its version is in ``AFFECTED``."""
+    if legacy_keras_requested():
+        return False  # tf_keras (Keras 2) has its own multi-worker code, which works
+    import keras
+
+    return AFFECTED[0] <= _version_tuple(keras.__version__) < AFFECTED[1]
