@@ -11,11 +11,11 @@ the same seed and global batch in every variant:
   through ``dist.shard``: a new distributed iterator every epoch, as Keras makes it, each
   worker reading a plain tf.data iterator (tfdist's ``host-input-iterator``);
 - ``mwms-free-tensorflow``: the same with each dropped iterator freed where TensorFlow frees
-  it, on the training thread (``TFDIST_ITERATOR_FREE=tensorflow``): there the free can wait for
-  tf.data's autotuning to wake (a race in TensorFlow, up to as long as the epoch; tfdist frees
-  it on a thread of its own, ``tfdist.keras.iterators``);
+  it, on the training thread (``TFDIST_SKIP_PATCHES=iterator-free-thread``): there the free can
+  wait for tf.data's autotuning to wake (a race in TensorFlow, up to as long as the epoch;
+  tfdist frees it on a thread of its own, ``tfdist.keras.iterators``);
 - ``mwms-tf-iterator``: ``mwms`` with TensorFlow's multi-device iterator on each worker
-  (``TFDIST_INPUT_ITERATOR=tensorflow``), the control;
+  (``TFDIST_SKIP_PATCHES=host-input-iterator``), the control;
 - ``mwms-tf-no-autotune``: the control with tf.data's autotuning off
   (``options.autotune.enabled = False``): freeing a multi-device iterator then waits less
   (part of its cost, measured; not a recommendation: autotuning sizes parallel maps and
@@ -126,10 +126,11 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, float]:
               "--batch", str(args.batch), "--epochs", str(args.epochs)]
         workers = 1 if variant == "one" else 2
         launch = ["-m", "tfdist", "launch", "-n", "2"] if workers == 2 else []
+        skipped = [key for key, skip in (("host-input-iterator", "-tf-" in variant),
+                                         ("iterator-free-thread", "free-tensorflow" in variant))
+                   if skip]
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "0",
-               "TFDIST_INPUT_ITERATOR": "tensorflow" if "-tf-" in variant else "auto",
-               "TFDIST_ITERATOR_FREE": "tensorflow" if "free-tensorflow" in variant
-               else "thread"}
+               "TFDIST_SKIP_PATCHES": ",".join(skipped)}
         results = run_workers([sys.executable, *launch, *me], env, out, workers, variant)
     if workers == 2 and results[0]["weights"] != results[1]["weights"]:
         raise SystemExit(f"{variant}: the two workers ended with different weights")

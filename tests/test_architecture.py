@@ -10,7 +10,7 @@ import re
 import pytest
 from helpers import ROOT
 
-from tfdist.backends import facts
+from tfdist import backend_facts as facts
 from tfdist.backends.base import Distributed
 
 DOC = ROOT / "docs" / "architecture.md"
@@ -47,7 +47,7 @@ def test_every_backend_of_the_table_appears():
 
 
 def test_the_recipe_for_a_backend_names_the_handles_methods():
-    recipe = TEXT[TEXT.index("**A backend.**"):TEXT.index("**A launcher.**")]
+    recipe = TEXT[TEXT.index("**A backend.**"):TEXT.index("**A job launcher.**")]
     methods = set(re.findall(r"`(\w+)`", recipe.split("overriding what differs:")[1]
                              .split("; and `create")[0]))
     assert methods and {m for m in methods if not hasattr(Distributed, m)} == set(), methods

@@ -1,4 +1,4 @@
-"""The backend table (tfdist/backends/facts.py): the rooms that behave differently per backend
+"""The backend table (tfdist/backend_facts.py): the rooms that behave differently per backend
 read its columns, and backend names are compared in the backend rooms only (the count outside
 them is held to a bound)."""
 
@@ -10,8 +10,9 @@ import importlib
 import pytest
 from helpers import ROOT
 
+from tfdist import backend_facts as facts
 from tfdist import settings
-from tfdist.backends import MODULES, TORCH_BACKENDS, facts
+from tfdist.backends import MODULES, TORCH_BACKENDS
 from tfdist.errors import ConfigError
 from tfdist.jobs import choices
 
@@ -145,4 +146,4 @@ def test_backend_names_are_compared_in_the_backend_rooms_only():
     assert len(found) <= MOST_OUTSIDE, (
         f"{len(found)} comparisons with a backend's name outside tfdist/backends/ and the torch "
         f"backends' modules (at most {MOST_OUTSIDE}): {found}. Read a column of "
-        "tfdist.backends.facts instead, or add one")
+        "tfdist.backend_facts instead, or add one")

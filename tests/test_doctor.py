@@ -20,8 +20,8 @@ import time
 import pytest
 from helpers import HOROVOD_PYTHON, ROOT, clean_env, needs
 
+from tfdist import backend_facts as facts
 from tfdist import doctor, quiet
-from tfdist.backends import facts
 from tfdist.devices import node_gpus
 from tfdist.doctor.collective import bus_bandwidth
 from tfdist.doctor.probe import replicas

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, ROOT, WORKERS, clean_env, load_weights, needs
+from patch_plan import assert_installed_as_planned
 
 HVD_PY = HOROVOD_PYTHON
 HVD_BIN = HVD_PY.parent
@@ -158,6 +159,10 @@ def test_two_ranks_end_bit_identical(tmp_path, launcher, loop, keras):
     # Losses are averaged over the ranks: both log the same numbers, and training learns.
     assert results[0]["losses"] == results[1]["losses"]
     assert results[0]["losses"][-1] < results[0]["losses"][0]
+    for result in results:  # the patches of the inventory's plan, in its order
+        assert_installed_as_planned(result["patches"], not_reached=["arrays-shuffle-seed"])
+        assert {"horovod-fit", "compile-without-xla", "epoch-results", "failure-line"} <= set(
+            result["patches"]["planned"]["start"]), result["patches"]
 
 
 @pytest.mark.parametrize("loop", ["fit", "custom"])

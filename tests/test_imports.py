@@ -2,8 +2,10 @@
 
 Read from the source with ``ast``, never by importing: an import inside a function runs later,
 but a cycle through it still ties two rooms together, and the order they load in then depends on
-who calls first. Imports under ``if TYPE_CHECKING:`` never run and are not counted. As tools
-like import-linter do, a module is not taken to import its parent packages.
+who calls first. Imports under ``if TYPE_CHECKING:`` never run: the light rooms' check leaves them
+out, and the cycle check is made twice, at run time (without them) and at type time (with them:
+a room typed by another that imports it is tied to it all the same). As tools like import-linter
+do, a module is not taken to import its parent packages.
 """
 
 from __future__ import annotations
@@ -54,18 +56,22 @@ def _is_import_module(node: ast.AST) -> bool:
             and isinstance(node.args[0], ast.Constant))
 
 
-def _imports(tree: ast.AST, top: bool = True) -> Iterator[tuple[ast.AST, bool]]:
+def _imports(tree: ast.AST, top: bool = True,
+             type_checking: bool = False) -> Iterator[tuple[ast.AST, bool]]:
     """Import nodes (and ``importlib.import_module`` calls) with whether they run at import
-    time; skips ``if TYPE_CHECKING:`` bodies."""
+    time; skips ``if TYPE_CHECKING:`` bodies unless ``type_checking`` (then they count as not
+    run at import time)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                yield from _imports(ast.Module(body=[child], type_ignores=[]), top)
+            branches = [*node.body, *node.orelse] if type_checking else node.orelse
+            for child in branches:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]),
+                                    top and child in node.orelse, type_checking)
             continue
         if isinstance(node, ast.Import | ast.ImportFrom) or _is_import_module(node):
             yield node, top
         inner = top and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-        yield from _imports(node, inner)
+        yield from _imports(node, inner, type_checking)
 
 
 def _targets(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
@@ -83,13 +89,15 @@ def _targets(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
         yield node.args[0].value  # type: ignore[attr-defined]
 
 
-def import_graph(root: Path, package: str) -> list[Edge]:
-    """Every import of a module of ``package`` by a module of ``package``."""
+def import_graph(root: Path, package: str, type_checking: bool = False) -> list[Edge]:
+    """Every import of a module of ``package`` by a module of ``package`` (with those under
+    ``if TYPE_CHECKING:`` when ``type_checking``)."""
     names = module_names(root, package)
     edges = []
     for module, path in names.items():
         is_package = path.name == "__init__.py"
-        for node, top in _imports(ast.parse(path.read_text(), str(path))):
+        for node, top in _imports(ast.parse(path.read_text(), str(path)),
+                                  type_checking=type_checking):
             found = [t for t in _targets(node, module, is_package) if t in names]
             # `from pkg import sub, other` names each submodule (the package is imported first
             # all the same, as its parent); `from pkg import name` the package.
@@ -131,13 +139,56 @@ def _cycle_from(start: str, graph: dict[str, list[Edge]]) -> list[Edge] | None:
     return None
 
 
+def strongly_connected(edges: list[Edge]) -> list[list[str]]:
+    """The groups of two modules or more that import each other, through any path (Tarjan's
+    strongly connected components), each sorted; a graph without cycles has none."""
+    graph: dict[str, list[str]] = {}
+    for edge in edges:
+        graph.setdefault(edge.source, []).append(edge.target)
+        graph.setdefault(edge.target, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = stack[stack.index(node):]
+                    del stack[stack.index(node):]
+                    if len(group) > 1:
+                        groups.append(sorted(group))
+            elif target not in index:
+                index[target] = low[target] = len(index)
+                stack.append(target)
+                work.append((target, iter(graph[target])))
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+    return sorted(groups)
+
+
 def _describe(cycle: list[Edge]) -> str:
     return " -> ".join([cycle[0].source, *(f"{e.target} ({e.path}:{e.line})" for e in cycle)])
 
 
-def test_no_import_cycles():
-    found = cycles(import_graph(ROOT, "tfdist"))
-    assert not found, "import cycles:\n" + "\n".join(_describe(c) for c in found)
+@pytest.mark.parametrize("type_checking", [False, True], ids=["run time", "type time"])
+def test_no_import_cycles(type_checking):
+    edges = import_graph(ROOT, "tfdist", type_checking)
+    groups = strongly_connected(edges)
+    assert not groups, "import cycles:\n" + "\n".join(
+        f"{', '.join(group)}: " + _describe(cycles([e for e in edges if e.source in group
+                                                    and e.target in group])[0])
+        for group in groups)
 
 
 def test_the_graph_counts_imports_inside_functions_but_not_type_checking(tmp_path):
@@ -155,6 +206,23 @@ def test_the_graph_counts_imports_inside_functions_but_not_type_checking(tmp_pat
         ("pkg.d", "pkg.c", True)}
     assert [_describe(c) for c in cycles(edges)] == [
         "pkg.a -> pkg.b (pkg/a.py:2) -> pkg.a (pkg/b.py:1)"]
+    assert strongly_connected(edges) == [["pkg.a", "pkg.b"]]
+    typed = import_graph(tmp_path, "pkg", type_checking=True)
+    assert {(e.source, e.target, e.top) for e in typed} - {(e.source, e.target, e.top)
+                                                           for e in edges} == {
+        ("pkg.c", "pkg.a", False)}
+
+
+@pytest.mark.parametrize(("pairs", "groups"), [
+    ([("a", "b"), ("b", "c")], []),
+    ([("a", "b"), ("b", "a"), ("b", "c")], [["a", "b"]]),
+    ([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("d", "e"), ("e", "d")],
+     [["a", "b", "c"], ["d", "e"]]),
+    ([("a", "b"), ("b", "c"), ("c", "b"), ("c", "a")], [["a", "b", "c"]]),
+])
+def test_the_strongly_connected_groups(pairs, groups):
+    edges = [Edge(source, target, "", 0, True) for source, target in pairs]
+    assert strongly_connected(edges) == groups
 
 
 def _light_modules() -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT, WORKERS, clean_env, require
+from patch_plan import assert_installed_as_planned
 
 from tfdist import health
 from tfdist.backends import choose, keras_backend
@@ -161,10 +162,16 @@ def test_two_ranks_seeded_apart_end_bit_identical_and_as_one_process(runs):
     y = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")[224:, :2] * 3 + 1
     assert last == pytest.approx(float(y.max() - y.min()), rel=1e-6)
     assert last > float(y[:16].max() - y[:16].min())  # a rank's half alone would differ
-    assert dist[0]["patches"] == ["jax-input-position", "jax-rank0-values", "sequence-one-order",
-                                  "jax-inputs-by-rank", "jax-predict-every-row",
-                                  "iterator-free-thread"]
-    assert one["patches"] == ["jax-input-position", "iterator-free-thread"]
+    # The patches of the inventory's plan, in its order (tests/patch_plan.py); the tf.data
+    # dataset's epoch installed iterator-free-thread lazily; fit's arrays are not shuffled here
+    for rank in (0, 1):
+        assert_installed_as_planned(dist[rank]["patches"], reached=["iterator-free-thread"],
+                                    not_reached=["arrays-shuffle-seed"])
+    assert dist[0]["patches"]["installed"] == [
+        "sequence-one-order", "jax-input-position", "jax-rank0-values", "jax-inputs-by-rank",
+        "jax-predict-every-row", "iterator-free-thread"]
+    assert_installed_as_planned(one["patches"], reached=["iterator-free-thread"])
+    assert one["patches"]["installed"] == ["jax-input-position", "iterator-free-thread"]
     # The tf.data dataset's epoch iterators were freed off the training thread
     # (tfdist.keras.iterators)
     assert min(dist[0]["freed_elsewhere"], dist[1]["freed_elsewhere"], one["freed_elsewhere"]) >= 1

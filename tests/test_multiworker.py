@@ -1,7 +1,8 @@
 """Real 2-process training on loopback: the distribution is proven, not assumed.
 
 Each run compares both ranks' final weights bit for bit; the control run trains the same steps
-without gradient averaging and must end with different weights on the two ranks.
+without gradient averaging and must end with different weights on the two ranks. Each run also
+installed exactly the patches tfdist's inventory plans for it, in its order (tests/patch_plan.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import WORKERS, launch, load_result, load_weights
+from patch_plan import assert_installed_as_planned
 
 pytestmark = pytest.mark.multiprocess
 KERAS = {"keras3": {}, "tf_keras": {"TF_USE_LEGACY_KERAS": "1"}}
@@ -35,6 +37,13 @@ def test_two_workers_end_bit_identical(tmp_path, loop, keras):
     assert results[0]["losses"][-1] < results[0]["losses"][0]
     if loop == "fit":
         _one_iterator_an_epoch_and_keras_own_orders(results)
+    for result in results:  # fit reads datasets here: no shuffled arrays to fix the seed of
+        assert_installed_as_planned(result["patches"], not_reached=["arrays-shuffle-seed"])
+        planned = result["patches"]["planned"]
+        assert planned["create"] == ["mwms-heartbeat"], planned
+        assert {"arrays-one-order", "failure-line", "user-writers",
+                "keras3-step-logs" if result["keras3"] else "keras2-step-results"
+                } <= set(planned["start"]), planned
 
 
 def _one_iterator_an_epoch_and_keras_own_orders(results):
@@ -68,5 +77,7 @@ def _one_iterator_an_epoch_and_keras_own_orders(results):
 def test_control_without_averaging_diverges(tmp_path, loop):
     weights, results = _train(tmp_path, loop, "control", {})
     assert {r["backend"] for r in results} == {"single"}
+    for result in results:
+        assert_installed_as_planned(result["patches"])
     differing = [not np.array_equal(a, b) for a, b in zip(weights[0], weights[1], strict=True)]
     assert all(differing), "without averaging the ranks must end with different weights"

@@ -1,11 +1,18 @@
 """The one room for patches (tfdist/patches.py): apply once, find a patch under a later
 wrapper, scoped patches restore, every patch in the source goes through it with a row of the
-inventory, nothing is patched on import, and `tfdist env` lists what applies to a launch."""
+inventory, nothing is patched on import, and `tfdist env` lists what applies to a launch.
+
+The inventory as tables: what a launch plans, phase by phase and in order; the order of rows
+that wrap one attribute (the nesting that ships); every row's installer; TFDIST_SKIP_PATCHES and
+the old per-patch switches; docs/architecture.md's copy of the table. What real runs install is
+held to their plan by the real-process tests (tests/patch_plan.py).
+"""
 
 from __future__ import annotations
 
 import ast
 import json
+import logging
 import subprocess
 import sys
 import types
@@ -13,8 +20,10 @@ import types
 import pytest
 from helpers import ROOT, clean_env
 
-from tfdist import patches
-from tfdist.backends import facts
+from tfdist import backend_facts as facts
+from tfdist import patches, settings
+from tfdist.errors import ConfigError
+from tfdist.strategy import resolve_settings
 
 PACKAGE = ROOT / "tfdist"
 LIBRARIES = ("keras", "tf_keras", "tensorflow", "horovod", "torch", "deepspeed")
@@ -78,61 +87,213 @@ def _row(name):
     return facts.backend(name, facts.TF)
 
 
-@pytest.mark.parametrize(("backend", "keras", "several", "gpus", "expected"), [
-    ("single", "3.15.1", False, False, {"keras3-input-position", "fit-input-wait",
-                                        "iterator-free-thread"}),
-    ("mwms", "3.15.1", True, True, {"keras3-symbolic-build", "keras3-reduce-per-replica",
-                                    "keras3-steps-per-execution", "keras3-epoch-chunks",
-                                    "keras3-step-logs", "keras3-input-position",
-                                    "fit-input-wait", "iterator-free-thread",
-                                    "input-end-check", "failure-line", "user-writers",
-                                    "save-once", "arrays-one-order", "arrays-shuffle-seed",
-                                    "predict-on-batch", "epoch-results",
-                                    "sequence-one-order", "generator-copies",
-                                    "mwms-heartbeat"}),
-    ("mwms", "3.15.1", True, False, {"keras3-symbolic-build", "keras3-reduce-per-replica",
-                                     "keras3-steps-per-execution", "keras3-epoch-chunks",
-                                     "keras3-step-logs", "keras3-input-position",
-                                     "fit-input-wait", "iterator-free-thread",
-                                     "input-end-check", "host-input-iterator",
-                                     "failure-line",
-                                     "compile-without-xla", "user-writers", "save-once",
-                                     "arrays-one-order", "arrays-shuffle-seed",
-                                     "predict-on-batch", "epoch-results",
-                                     "sequence-one-order", "generator-copies",
-                                    "mwms-heartbeat"}),
-    ("horovod", "2.15.0", True, True, {"keras2-input-position", "fit-input-wait",
-                                       "iterator-free-thread",
-                                       "compile-without-xla",
-                                       "horovod-fit", "failure-line", "user-writers",
-                                       "save-once", "arrays-shuffle-seed",
-                                       "epoch-results", "sequence-one-order"}),
+def _where(backend, keras="3.15.1", environ=None, *, several=True, gpus=False,
+           tensorflow="2.21.0", **process):
+    """A launch's Where, built as tfdist.init and tfdist env build it (settings from environ)."""
+    row = facts.backend("jax", facts.JAX) if backend == "jax" else _row(backend)
+    environ = environ or {}
+    return patches.where(row, {"keras": keras, "tensorflow": tensorflow}, environ,
+                         resolve_settings(environ=environ), several_processes=several,
+                         gpus=gpus, **process)
+
+
+def _keys(where, phase=None):
+    return [p.key for p in patches.planned(where, phase)]
+
+
+# Each launch's START rows, in the order patches.install runs them.
+KERAS3_MWMS = ["keras3-symbolic-build", "keras3-reduce-per-replica", "keras3-steps-per-execution",
+               "keras3-epoch-chunks", "keras3-step-logs"]
+TF_TAIL = ["fit-input-wait", "iterator-free-thread"]
+WRITERS = ["user-writers", "save-once"]
+
+
+@pytest.mark.parametrize(("backend", "keras", "several", "gpus", "start"), [
+    ("single", "3.15.1", False, False, ["keras3-input-position", *TF_TAIL]),
+    ("mirrored", "2.15.0", False, True, ["keras2-input-position", *TF_TAIL]),
+    ("mwms", "3.15.1", True, True, [
+        *KERAS3_MWMS, "predict-on-batch", "epoch-results", "input-end-check", "arrays-one-order",
+        "sequence-one-order", "generator-copies", "keras3-input-position", *TF_TAIL, *WRITERS,
+        "failure-line"]),
+    ("mwms", "3.15.1", True, False, [
+        *KERAS3_MWMS, "predict-on-batch", "epoch-results", "input-end-check",
+        "host-input-iterator", "arrays-one-order", "sequence-one-order", "generator-copies",
+        "compile-without-xla", "keras3-input-position", *TF_TAIL, *WRITERS, "failure-line"]),
+    ("mwms", "2.15.0", True, False, [
+        "keras2-step-results", "epoch-results", "input-end-check", "host-input-iterator",
+        "arrays-one-order", "sequence-one-order", "generator-copies", "compile-without-xla",
+        "keras2-input-position", *TF_TAIL, *WRITERS, "failure-line"]),
+    # One MWMS worker (TF_CONFIG of one): what its installers did when they asked no more
+    ("mwms", "3.15.1", False, False, [*KERAS3_MWMS, "keras3-input-position", *TF_TAIL,
+                                      "failure-line"]),
+    ("horovod", "2.15.0", True, True, [
+        "epoch-results", "sequence-one-order", "horovod-fit", "compile-without-xla",
+        "keras2-input-position", *TF_TAIL, *WRITERS, "failure-line"]),
+    ("horovod", "3.15.1", False, True, ["horovod-fit", "compile-without-xla",
+                                        "keras3-input-position", *TF_TAIL, "failure-line"]),
+    ("jax", "3.15.1", True, False, ["sequence-one-order", "jax-input-position",
+                                    "jax-rank0-values", "jax-inputs-by-rank",
+                                    "jax-predict-every-row"]),
+    ("jax", "3.15.1", False, False, ["jax-input-position"]),
 ])
-def test_what_applies_to_a_launch(backend, keras, several, gpus, expected):
-    where = patches.where(_row(backend), {"keras": keras, "tensorflow": "2.21.0"}, {},
-                          several_processes=several, gpus=gpus)
-    assert {p.key for p in patches.planned(where)} == expected
+def test_what_a_launch_installs_when_the_engine_starts(backend, keras, several, gpus, start):
+    assert _keys(_where(backend, keras, several=several, gpus=gpus), patches.START) == start
 
 
-def test_keras3_on_jax_frees_tf_data_iterators_on_tfdists_thread_too():
-    where = patches.where(facts.backend("jax", facts.JAX), {"keras": "3.15.1", "jax": "0.8.0"},
-                          {}, several_processes=False, gpus=False)
-    assert "iterator-free-thread" in {p.key for p in patches.planned(where)}
+@pytest.mark.parametrize(("backend", "several", "environ", "phases"), [
+    ("mwms", True, {}, {"create": ["mwms-heartbeat"], "call": ["arrays-shuffle-seed"],
+                        "lazy": []}),
+    ("mwms", True, {"TFDIST_CPU_REPLICAS": "2"},
+     {"create": ["mwms-cpu-replicas", "mwms-heartbeat"], "call": ["arrays-shuffle-seed"],
+      "lazy": []}),
+    ("mwms", False, {"TFDIST_CPU_REPLICAS": "2"},
+     {"create": ["mwms-cpu-replicas"], "call": [], "lazy": []}),
+    ("horovod", True, {}, {"create": [], "call": ["arrays-shuffle-seed"], "lazy": []}),
+    ("horovod", False, {}, {"create": [], "call": [], "lazy": []}),
+    ("jax", True, {}, {"create": [], "call": ["arrays-shuffle-seed"],
+                       "lazy": ["iterator-free-thread"]}),
+    ("jax", False, {}, {"create": [], "call": [], "lazy": ["iterator-free-thread"]}),
+    ("single", True, {}, {"create": [], "call": [], "lazy": []}),
+])
+def test_the_later_phases_of_a_launch(backend, several, environ, phases):
+    where = _where(backend, environ=environ, several=several)
+    assert {phase: _keys(where, phase) for phase in phases} == phases
 
 
-def test_settings_decide_too():
+# Rows that replace one attribute, innermost first: the nesting that ships on each backend
+# (a later row's wrapper around an earlier one's). Keras 3's Model.fit is TensorFlowTrainer.fit,
+# which keras3-step-logs wraps, until a row sets Model.fit itself.
+NESTINGS = {
+    "Model.fit, MWMS, Keras 3": ["keras3-step-logs", "arrays-one-order", "user-writers"],
+    "Model.fit, MWMS, tf_keras": ["keras2-step-results", "arrays-one-order", "user-writers"],
+    "Model.fit, Horovod": ["horovod-fit", "user-writers"],
+    "Model.compile, Horovod": ["horovod-fit", "compile-without-xla"],
+    "sys.excepthook, MWMS": ["failure-line", "timeout-line"],
+}
+
+
+@pytest.mark.parametrize("rows", NESTINGS.values(), ids=NESTINGS.keys())
+def test_rows_of_one_attribute_nest_in_the_inventorys_order(rows):
+    order = [p.key for p in patches.INVENTORY]
+    assert sorted(rows, key=order.index) == rows
+
+
+@pytest.mark.parametrize(("backend", "keras", "environ", "rows"), [
+    ("mwms", "3.15.1", {"TFDIST_COLLECTIVE_TIMEOUT": "30"},
+     ["keras3-step-logs", "arrays-one-order", "user-writers", "failure-line", "timeout-line"]),
+    ("mwms", "3.15.1", {"TF_USE_LEGACY_KERAS": "1"},
+     ["keras2-step-results", "arrays-one-order", "user-writers"]),
+    ("horovod", "3.15.1", {}, ["horovod-fit", "compile-without-xla", "user-writers"]),
+])
+def test_each_nesting_is_planned_together_where_it_ships(backend, keras, environ, rows):
+    assert set(rows) <= set(_keys(_where(backend, keras, environ)))
+
+
+def test_settings_and_the_process_decide_too():
     environ = {"TF_USE_LEGACY_KERAS": "1", "TFDIST_CPU_REPLICAS": "2",
                "TFDIST_COLLECTIVE_TIMEOUT": "30"}
-    where = patches.where(_row("mwms"), {"keras": "3.15.1", "tensorflow": "2.21.0"}, environ,
-                          several_processes=True, gpus=False)
-    keys = {p.key for p in patches.planned(where)}
+    keys = set(_keys(_where("mwms", environ=environ)))
     assert {"mixed-keras", "keras2-input-position", "mwms-cpu-replicas", "timeout-line",
             "keras2-step-results"} <= keys
     assert "keras3-symbolic-build" not in keys  # tf.keras is tf_keras: Keras 3's fix is moot
-    where = patches.where(_row("mwms"), {"keras": "3.15.1", "tensorflow": "2.21.0"},
-                          {"TFDIST_ITERATOR_FREE": "tensorflow"}, several_processes=True,
-                          gpus=False)
-    assert "iterator-free-thread" not in {p.key for p in patches.planned(where)}
+    # A running process knows: Keras 3 not imported (no mixed-keras), the eager record lost
+    keys = set(_keys(_where("mwms", environ=environ, imported={"tensorflow"},
+                            eager_record_lost=True)))
+    assert "mixed-keras" not in keys and "eager-record" in keys
+    assert "eager-record" in _keys(_where("single", "2.14.0", tensorflow="2.14.1"))
+
+
+def test_a_keras_outside_the_fixed_range_gets_no_fix():
+    assert not set(KERAS3_MWMS) & set(_keys(_where("mwms", "4.0.0")))
+
+
+def test_skip_patches_leaves_rows_out_and_refuses_an_unknown_key():
+    where = _where("mwms", environ={"TFDIST_SKIP_PATCHES": " input-end-check, arrays-shuffle-seed"})
+    assert "input-end-check" not in _keys(where)
+    assert "arrays-shuffle-seed" not in _keys(where, patches.CALL)
+    with pytest.raises(ConfigError) as refused:
+        settings.resolve("skip_patches", environ={"TFDIST_SKIP_PATCHES": "input-end-chek"})
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("TFDIST_SKIP_PATCHES='input-end-chek' names no patch: "
+                              "input-end-chek; the patches are eager-record, ")
+    assert all(p.key in message for p in patches.INVENTORY)
+
+
+@pytest.mark.parametrize(("environ", "skipped"), [
+    ({"TFDIST_KERAS_FIX": "0"}, set(KERAS3_MWMS)),
+    ({"TFDIST_KERAS_FIX": "1"}, set()),
+    ({"TFDIST_INPUT_END_CHECK": "always"}, {"input-end-check"}),
+    ({"TFDIST_INPUT_ITERATOR": "tensorflow"}, {"host-input-iterator"}),
+    ({"TFDIST_ITERATOR_FREE": "tensorflow"}, {"iterator-free-thread"}),
+    ({"TFDIST_ITERATOR_FREE": "thread", "TFDIST_SKIP_PATCHES": "save-once"}, {"save-once"}),
+])
+def test_the_old_switches_still_work_with_one_line_naming_the_new_form(
+        monkeypatch, caplog, environ, skipped):
+    monkeypatch.setattr(settings, "_deprecated", set())
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
+        assert settings.skipped_patches(environ) == skipped
+        settings.skipped_patches(environ)  # once a process
+    old = [name for name in environ if name != "TFDIST_SKIP_PATCHES"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(old)
+    for name, line in zip(old, lines, strict=True):
+        assert line.startswith(f"tfdist: {name}={environ[name]} is deprecated (it still works): "
+                               "TFDIST_SKIP_PATCHES="), line
+    assert not skipped & set(_keys(_where("mwms", environ=environ)))
+
+
+def test_every_row_names_an_installer_of_its_phase():
+    for patch in patches.INVENTORY:
+        module, _, name = patch.installer.partition(":")
+        assert patch.by == module and module.startswith("tfdist."), patch.key
+        path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        found = [node for node in ast.parse(path.read_text()).body
+                 if isinstance(node, ast.FunctionDef) and node.name == name]
+        assert found, f"{patch.key}: {patch.installer} is no function"
+        arguments = [a.arg for a in found[0].args.args]
+        if patch.phase in (patches.START, patches.CREATE) or callable(patch.phase):
+            assert len(arguments) == 2 and arguments[0] == "where", (patch.key, arguments)
+
+
+def test_install_runs_the_start_rows_in_order_and_keeps_the_plan(monkeypatch):
+    ran = []
+    monkeypatch.setattr(patches, "_installer",
+                        lambda patch: lambda where, handle: ran.append(patch.key))
+    monkeypatch.setattr(patches, "_plan", [])
+    assert patches.planned_here("arrays-shuffle-seed")  # no plan yet: a script's own call
+    where = _where("mwms", environ={"TFDIST_SKIP_PATCHES": "arrays-shuffle-seed"})
+    assert [p.key for p in patches.install(where, handle=None)] == ran == _keys(where, "start")
+    assert patches.plan() == where
+    assert "mwms-heartbeat" not in ran and not patches.planned_here("arrays-shuffle-seed")
+    with pytest.raises(KeyError):
+        patches.planned_here("nope")
+
+
+def test_creating_enters_the_creation_rows_in_order(monkeypatch):
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def scope(key):
+        entered.append(key)
+        yield
+        entered.append(f"/{key}")
+
+    monkeypatch.setattr(patches, "_installer",
+                        lambda patch: lambda where, settings: scope(patch.key))
+    monkeypatch.setattr(patches, "_plan", [])
+    with patches.creating(_where("mwms", environ={"TFDIST_CPU_REPLICAS": "2"}), {}):
+        assert entered == ["mwms-cpu-replicas", "mwms-heartbeat"]
+    assert entered[2:] == ["/mwms-heartbeat", "/mwms-cpu-replicas"]
+
+
+def test_the_documented_inventory_is_the_inventory():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert patches.markdown_table() in page, (
+        "docs/architecture.md's table of patches differs from tfdist/patches.py: paste "
+        "`python -c 'from tfdist import patches; print(patches.markdown_table())'` there")
 
 
 def library_names(tree: ast.AST) -> set[str]:

@@ -1,8 +1,9 @@
 """The walltime guard: where a run's end comes from, the margin, and the agreement that stops
-every rank in time (tfdist/walltime.py, tfdist.preemption.Watch), and the refusal of a run it
-would stop at its first agreement (no restart loop). Pure tables and a fake clock here, and one
-refused 2-worker launch; real runs stopped by ``tfdist launch --time-limit`` are in
-test_preemption.py, a Slurm job at its time limit in test_slurm_jobs.py.
+every rank in time (tfdist/walltime.py, tfdist.preemption.Watch), the durations it reads
+(tfdist/durations.py), and the refusal of a run it would stop at its first agreement (no restart
+loop). Pure tables and a fake clock here, and one refused 2-worker launch; real runs stopped by
+``tfdist launch --time-limit`` are in test_preemption.py, a Slurm job at its time limit in
+test_slurm_jobs.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 from helpers import ROOT, WORKERS, clean_env
 
-from tfdist import launch, preemption, walltime
+from tfdist import durations, launch, preemption, walltime
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import ConfigError
 
@@ -37,13 +38,13 @@ NOW = 1_800_000_000.0
     (" 2H ", "s", 7200),
 ])
 def test_parse_duration(text, bare, seconds):
-    assert walltime.parse_duration(text, bare=bare) == seconds
+    assert durations.parse_duration(text, bare=bare) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "0", "0s", "-5s", "soon", "10 parsecs", "1:2:3:4", "5y"])
 def test_parse_duration_refuses_with_the_forms(text):
     with pytest.raises(ValueError, match="write 90s, 10min, 2h, 1d"):
-        walltime.parse_duration(text)
+        durations.parse_duration(text)
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tfdist
-from tfdist.backends.facts import BACKENDS
+from tfdist.backend_facts import BACKENDS
 from tfdist.errors import TfdistError
 from tfdist.settings import setting
 
@@ -263,8 +263,8 @@ def _run_env(args: argparse.Namespace) -> int:
     problems = [problem.line() for problem in found]
     changed = _patches(plan, environment)
     if args.json:
-        shown = [{"key": p.key, "target": p.target, "by": p.by, "when": p.when,
-                  "reason": p.reason} for p in changed]
+        shown = [{"key": p.key, "target": p.target, "by": p.by, "installer": p.installer,
+                  "when": p.when, "reason": p.reason} for p in changed]
         print(json.dumps({**fields, "patches": shown, "problems": problems}, indent=2,
                          default=str))
     else:
@@ -278,14 +278,18 @@ def _run_env(args: argparse.Namespace) -> int:
 
 
 def _patches(plan: Any, environment: Any) -> list[Any]:
-    """The patches tfdist would apply in this process (:func:`tfdist.patches.planned`)."""
+    """The patches tfdist would apply in this process (:func:`tfdist.patches.planned`), from
+    the launch as :func:`tfdist.init` would see it (the same :func:`tfdist.patches.where`)."""
     import os
 
+    from tfdist import backend_facts as facts
     from tfdist import patches
-    from tfdist.backends import facts
+    from tfdist.strategy import resolve_settings
 
     gpus = plan.node_gpus > 0 if plan.gpus == "?" else bool(plan.gpus)
-    where = patches.where(facts.backend(plan.backend), plan.versions, os.environ,
+    row = next(row for row in facts.BACKENDS  # TensorFlow's backends and Keras 3 on JAX's
+               if row.name == plan.backend and row.framework != facts.TORCH)
+    where = patches.where(row, plan.versions, os.environ, resolve_settings(),
                           several_processes=environment.world_size > 1, gpus=gpus)
     return patches.planned(where)
 
@@ -499,8 +503,9 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 
 def _duration(text: str) -> float:
-    """``--time-limit``'s seconds (:func:`tfdist.walltime.parse_duration`, bare number: minutes)."""
-    from tfdist.walltime import parse_duration
+    """``--time-limit``'s seconds (:func:`tfdist.durations.parse_duration`; a bare number is
+    minutes)."""
+    from tfdist.durations import parse_duration
 
     try:
         return parse_duration(text, bare="min")

@@ -45,9 +45,10 @@ from tfdist import patches
 
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
+    from tfdist.patches import Where
 
-__all__ = ["continued_line", "explain", "failed_host", "failed_ranks", "install", "linger",
-           "progress", "report", "silent_message"]
+__all__ = ["continued_line", "explain", "failed_host", "failed_ranks", "install",
+           "install_failure_line", "linger", "progress", "report", "silent_message"]
 
 _TASK = re.compile(r"/job:worker/(?:replica:\d+/)?task:(\d+)")
 _REMOTE = re.compile(r"remote target (/job:worker/(?:replica:\d+/)?task:\d+)")
@@ -193,7 +194,7 @@ def explain(message: str, environment: ClusterEnvironment, where: dict[str, int]
     me, size = environment.rank, environment.world_size
     ranks = [r for r in ranks if r != me and r < size]
     at = _at(where)
-    srun = environment.launcher == "slurm"
+    files = environment.facts.output_per_task  # a file per task: srun --output=...%t
     if not ranks and host is None:
         if not _UNNAMED.search(message) or size < 2:
             return None
@@ -208,14 +209,14 @@ def explain(message: str, environment: ClusterEnvironment, where: dict[str, int]
         return (f"tfdist: a rank on host {host}{among} failed or stopped responding {_CAUSES}; "
                 f"rank {me} stops here{at}. Look at the output of the ranks on host {host} "
                 f"first: it holds the cause, and the error above only follows from it"
-                + (" (under srun: the files of --output=...%t... of those tasks)" if srun else "")
+                + (" (under srun: the files of --output=...%t... of those tasks)" if files else "")
                 + ".")
     names = ", ".join(f"rank {r} ({_host(addresses, r)})" for r in ranks)
     first = ranks[0]
     return (f"tfdist: {names} failed or stopped responding {_CAUSES}; rank {me} stops here{at}. "
             f"Look at rank {first}'s own output first: it holds the cause, and the error above "
             "only follows from it"
-            + (f" (under srun: the task {first} file of --output=...%t...)" if srun else "") + ".")
+            + (f" (under srun: the task {first} file of --output=...%t...)" if files else "") + ".")
 
 
 def _at(where: dict[str, int] | None) -> str:
@@ -288,6 +289,11 @@ _continued_at: float | None = None
 def _continued(signum: int, frame: object) -> None:
     global _continued_at
     _continued_at = time.monotonic()
+
+
+def install_failure_line(where: Where, dist: Any) -> None:
+    """Patch ``failure-line``'s installer (:func:`tfdist.patches.install`)."""
+    install(dist.environment)
 
 
 def install(environment: ClusterEnvironment) -> None:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+from tfdist import backend_facts as facts
 from tfdist import quiet
-from tfdist.backends import facts
-from tfdist.backends.facts import BACKENDS
+from tfdist.backend_facts import BACKENDS
 from tfdist.errors import ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
 from tfdist.supervisor import WorkerSpec, exit_code, run_workers, split_lines, warn

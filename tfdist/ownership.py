@@ -36,10 +36,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tfdist import model_dir as layout
 from tfdist.errors import StorageError
+
+if TYPE_CHECKING:
+    from tfdist.handle import Handle
 
 __all__ = ["LEASE_S", "Holder", "Verdict", "claim", "held_by_another", "not_seen", "release_all",
            "verdict"]
@@ -146,7 +149,7 @@ _checked: set[str] = set()  # the folders claim ran for in this process (on ever
 _renewer: list[threading.Thread] = []
 
 
-def claim(dist: Any, model_dir: str | os.PathLike[str]) -> None:
+def claim(dist: Handle, model_dir: str | os.PathLike[str]) -> None:
     """Holds ``model_dir`` for this run and checks every rank sees it; once per folder and
     process. Call it on every rank at the same point (two small collectives).
 

@@ -1,47 +1,84 @@
 """The one room for tfdist's changes to Keras, TensorFlow and Horovod internals (pure).
 
 A patch replaces an attribute of a library's class or module (its owner) by a wrapper of the
-original. Every patch tfdist may apply is a row of :data:`INVENTORY`, with what it replaces,
-when and why; :func:`apply` is the one way to install one (once per process and attribute: a
-second call does nothing) and :func:`scoped` the one way to install one for a block. They are
-installed when a backend is created (:func:`tfdist.init`, :func:`tfdist.torch.init`), never when
-a module is imported. :func:`installed` lists what this process applied; ``tfdist env`` prints
-the inventory with what applies to this launch (:func:`planned`).
+original. Every patch tfdist may apply is a row of :data:`INVENTORY`: what it replaces, its
+installer (``"module:function"``, imported only when it runs), its phase, when and why it
+applies; :func:`apply` is the one way to install one (once per process and attribute: a second
+call does nothing) and :func:`scoped` the one way to install one for a block. Nothing is
+patched when a module is imported.
 
-A user who sees Keras behave oddly under tfdist reads this table first: every wrapper defers to
-the original outside the case it names.
+What a launch is (:class:`Where`, built by :func:`where`) decides which rows apply
+(:func:`planned`; ``TFDIST_SKIP_PATCHES`` leaves rows out), and the rows' phase when each is
+installed:
+
+- :data:`START`, right after the engine starts: :func:`install` (called by
+  :func:`tfdist.backends.create`) runs each planned row's installer, in the inventory's order.
+- :data:`CREATE`, while MultiWorkerMirroredStrategy is created, and undone after:
+  :func:`creating`.
+- :data:`CALL`, inside another patch's wrapper, for that call only (``arrays-shuffle-seed``).
+- :data:`LAZY`, by another patch's wrapper the first time it is needed; it stays
+  (``iterator-free-thread`` on Keras 3 on JAX, once TensorFlow is loaded).
+
+A row's installer installs exactly its row's attributes and decides nothing: the conditions are
+the row's ``applies``, so what a process installs (:func:`installed`) is what the inventory
+plans for it. The exceptions are explicit: a later phase's row is installed only when its call
+comes (its wrapper asks :func:`planned_here`), and an installer whose target this library
+version lacks logs it and installs nothing.
+
+The nesting rule: rows that replace the same attribute nest in the inventory's order, a later
+row's wrapper around an earlier one's (its installer runs later and wraps what it finds). That
+holds on every backend: ``keras.Model.fit`` is wrapped by ``keras3-step-logs`` (on Keras 3's
+``TensorFlowTrainer``, which ``Model`` inherits it from) or ``keras2-step-results``, then
+``arrays-one-order`` (MWMS) or ``horovod-fit`` (Horovod), then ``user-writers`` outermost;
+``compile`` by ``horovod-fit``, then ``compile-without-xla``; ``sys.excepthook`` by
+``failure-line``, then ``timeout-line``. Insert a new row where its wrapper must sit.
+
+A user who sees Keras behave oddly under tfdist reads this table first (``tfdist env`` prints
+the rows that apply to the launch): every wrapper defers to the original outside the case it
+names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tfdist.backends.facts import JAX, TF, Backend
+from tfdist.backend_facts import JAX, TF, TORCH, Backend
+from tfdist.keras.versions import AFFECTED, legacy_keras_requested
 
-__all__ = ["INVENTORY", "Patch", "Where", "apply", "installed", "planned", "rebinding", "scoped",
-           "where"]
+__all__ = ["CALL", "CREATE", "INVENTORY", "LAZY", "PHASES", "START", "Patch", "Where", "apply",
+           "creating", "install", "installed", "markdown_table", "plan", "planned",
+           "planned_here", "rebinding", "scoped", "where"]
+
+START = "start"  # right after the engine starts: install(), in the inventory's order
+CREATE = "create"  # while MultiWorkerMirroredStrategy is created, undone after: creating()
+CALL = "call"  # inside another patch's wrapper, for that call only
+LAZY = "lazy"  # by another patch's wrapper the first time it is needed; it stays
+PHASES = (START, CREATE, CALL, LAZY)
 
 
 @dataclass(frozen=True)
 class Where:
-    """What a launch is, for the inventory's conditions (pure: no framework imported)."""
+    """What a launch is, for the inventory's conditions (pure: no framework imported); built by
+    :func:`where`, the same way for a running process and for ``tfdist env``."""
 
-    backend: Backend  # the chosen backend's row (tfdist.backends.facts)
-    keras3: bool  # tf.keras is Keras 3 (not tf_keras / Keras 2)
+    backend: Backend  # the chosen backend's row (tfdist.backend_facts)
+    keras3: bool  # tf.keras (or Keras on JAX) is Keras 3, not tf_keras / Keras 2
     tensorflow: tuple[int, int]  # TensorFlow's version, (0, 0) when absent
     several_processes: bool
     gpus: bool  # the process drives GPUs
+    keras: tuple[int, int] = (0, 0)  # the keras package's version
     legacy_keras: bool = False  # TF_USE_LEGACY_KERAS=1 asks for tf_keras
-    keras_fix: bool = True  # TFDIST_KERAS_FIX
+    keras3_imported: bool = False  # Keras 3 is imported (beside tf_keras, with legacy_keras)
+    eager_record_lost: bool = False  # TensorFlow's eager context lost its record (keras2.py)
     cpu_replicas: int = 1  # TFDIST_CPU_REPLICAS
-    collective_timeout: bool = False  # TFDIST_COLLECTIVE_TIMEOUT is set
-    host_iterator: bool = True  # TFDIST_INPUT_ITERATOR=auto
-    iterator_free: bool = True  # TFDIST_ITERATOR_FREE=thread
+    collective_timeout: float | None = None  # TFDIST_COLLECTIVE_TIMEOUT, seconds
+    skip: frozenset[str] = frozenset()  # TFDIST_SKIP_PATCHES (and the old per-patch switches)
 
 
 @dataclass(frozen=True)
@@ -49,27 +86,49 @@ class Patch:
     """One patch tfdist may apply.
 
     Attributes:
-        key: its name in this table (``apply``'s first argument).
+        key: its name in this table (``apply``'s first argument, ``TFDIST_SKIP_PATCHES``'s).
         target: what it replaces, as ``module.Class.attribute`` (several attributes: ``/``).
-        by: the tfdist module that installs it.
+        installer: ``"module:function"`` that installs it. A :data:`START` row's takes
+            ``(where, handle)``; a :data:`CREATE` row's takes ``(where, settings)`` and returns
+            a context manager; a :data:`CALL` or :data:`LAZY` row's is called by the wrapper
+            that needs it.
         when: in words, when it is installed.
         reason: why: the defect or gap it works around, and what the wrapper does.
         applies: whether it is installed for a launch (:class:`Where`).
+        phase: when it is installed (:data:`PHASES`), or a function of the launch that says.
     """
 
     key: str
     target: str
-    by: str
+    installer: str
     when: str
     reason: str
     applies: Callable[[Where], bool]
+    phase: str | Callable[[Where], str] = START
+
+    @property
+    def by(self) -> str:
+        """The tfdist module that installs it (its installer's)."""
+        return self.installer.partition(":")[0]
+
+    def phase_in(self, where: Where) -> str:
+        """Its phase for a launch like ``where``."""
+        return self.phase if isinstance(self.phase, str) else self.phase(where)
+
+
+def _mwms_backend(w: Where) -> bool:
+    """MultiWorkerMirroredStrategy, in any number of processes."""
+    row = w.backend
+    return row.framework == TF and row.crosses_processes and not row.horovod
 
 
 def _mwms(w: Where) -> bool:
     """MultiWorkerMirroredStrategy over several processes."""
-    row = w.backend
-    return (row.framework == TF and row.crosses_processes and not row.horovod
-            and w.several_processes)
+    return _mwms_backend(w) and w.several_processes
+
+
+def _horovod(w: Where) -> bool:
+    return w.backend.framework == TF and w.backend.horovod
 
 
 def _jax_processes(w: Where) -> bool:
@@ -78,42 +137,70 @@ def _jax_processes(w: Where) -> bool:
 
 
 # When tfdist.keras.keras3's fixes of Keras 3's multi-worker fit are installed.
-_KERAS3_FIX = "MWMS on several workers, Keras 3 (TFDIST_KERAS_FIX=1)"
+_KERAS3_FIX = ("MWMS, Keras 3 (a release in tfdist.keras.versions.AFFECTED); the wrappers act "
+               "on several workers")
 
 
 def _keras3_fix(w: Where) -> bool:
-    return _mwms(w) and w.keras3 and w.keras_fix
+    return _mwms_backend(w) and w.keras3 and AFFECTED[0] <= w.keras < AFFECTED[1]
 
 
-def _horovod(w: Where) -> bool:
-    return w.backend.framework == TF and w.backend.horovod
+def _iterator_free_phase(w: Where) -> str:
+    # Keras 3 on JAX reads TensorFlow only for a tf.data input: installed when one is made.
+    return LAZY if w.backend.framework == JAX else START
 
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 
+# The order is the nesting (the module's docstring): a later row wraps an earlier one's
+# attribute. Rows of one room stay together where no nesting asks otherwise.
 INVENTORY: tuple[Patch, ...] = (
+    Patch("eager-record", "tensorflow.python.eager.context.Context._context_switches",
+          "tfdist.keras.keras2:install_eager_record",
+          "every TensorFlow backend, where TensorFlow's eager context lost its record "
+          "(TensorFlow 2.14 and older imported inside absl's app.run); first, before anything "
+          "imports Keras 2",
+          "TensorFlow <= 2.14 loses its record of being eager when imported inside app.run, "
+          "and Keras 2 then builds graph placeholders instead of KerasTensors; the record the "
+          "context would have made is put back",
+          lambda w: w.backend.framework == TF and w.eager_record_lost),
+    Patch("mwms-cpu-replicas",
+          "tensorflow.python.distribute.collective_all_reduce_strategy."
+          "CollectiveAllReduceExtended._initialize_local_devices",
+          "tfdist.backends.mwms:cpu_replicas_while_created",
+          "MWMS on CPUs with TFDIST_CPU_REPLICAS > 1, while the strategy is created",
+          "TensorFlow gives a CPU worker one replica whatever logical CPUs exist; the stand-in "
+          "for several GPUs per worker gives it one per logical CPU",
+          lambda w: _mwms_backend(w) and not w.gpus and w.cpu_replicas > 1, CREATE),
+    Patch("mwms-heartbeat", "tensorflow.python.eager.context.Context."
+          "configure_coordination_service", "tfdist.backends.mwms:heartbeat_while_created",
+          "MWMS on several workers, while the strategy is created",
+          "MWMS starts TensorFlow's coordination service with its 10 s heartbeat timeout, "
+          "which declares a rank starved of CPU crashed; the wrapper passes "
+          "TFDIST_HEARTBEAT_TIMEOUT (30 s by default) where the call sets none",
+          _mwms, CREATE),
     Patch("keras3-symbolic-build", f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build",
-          "tfdist.keras.keras3", _KERAS3_FIX,
+          "tfdist.keras.keras3:install_symbolic_build", _KERAS3_FIX,
           "keras#20585: Keras averages the first batch over the replicas to learn its shapes, "
           "which the collective all-reduce cannot do for a nested batch; one local replica's "
           "batch gives the same shapes", _keras3_fix),
-    Patch("keras3-reduce-per-replica", f"{_TRAINER}.reduce_per_replica", "tfdist.keras.keras3",
-          _KERAS3_FIX,
+    Patch("keras3-reduce-per-replica", f"{_TRAINER}.reduce_per_replica",
+          "tfdist.keras.keras3:install_reduce_per_replica", _KERAS3_FIX,
           "keras#20585: Keras reduces scalar losses and metrics over axis 0, which fails on "
           "several workers; means them over the replicas as one worker does (and, unless a "
           "callback reads them, keeps each step's logs each worker's own: TFDIST_STEP_LOGS)",
           _keras3_fix),
     Patch("keras3-steps-per-execution", f"{_TRAINER}.TensorFlowTrainer._make_function",
-          "tfdist.keras.keras3", _KERAS3_FIX,
+          "tfdist.keras.keras3:install_steps_per_execution", _KERAS3_FIX,
           "compile(steps_per_execution=N) draws batches inside a tf.cond that a multi-worker "
           "iterator's end-of-data collective cannot run in; runs the N steps unrolled",
           _keras3_fix),
     Patch("keras3-epoch-chunks", f"{_TRAINER}.TFEpochIterator._enumerate_iterator",
-          "tfdist.keras.keras3", _KERAS3_FIX,
+          "tfdist.keras.keras3:install_epoch_chunks", _KERAS3_FIX,
           "tells the unrolled steps how many steps the epoch has left (its last, shorter chunk)",
           _keras3_fix),
     Patch("keras3-step-logs", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate",
-          "tfdist.keras.keras3", _KERAS3_FIX,
+          "tfdist.keras.keras3:install_step_logs", _KERAS3_FIX,
           "decides per fit/evaluate whether each step's logs are averaged over the workers (a "
           "collective per step) or each worker's own, from the callbacks that read them; "
           "before fit's first step, refuses gradient_accumulation_steps (it fails upstream) "
@@ -121,25 +208,104 @@ INVENTORY: tuple[Patch, ...] = (
           "metric object made outside the scope (its state would stay each worker's own)",
           _keras3_fix),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
-          "tfdist.keras.checks", "TF_USE_LEGACY_KERAS=1 and Keras 3 imported, several workers",
+          "tfdist.keras.checks:install_mixed_keras",
+          "MWMS or Horovod on several processes, TF_USE_LEGACY_KERAS=1 and Keras 3 imported "
+          "before tfdist.init",
           "a Keras 3 model under a tf_keras strategy fails deep inside TensorFlow (or under "
           "Horovod trains without averaging); raises one error naming the fix instead",
-          lambda w: w.legacy_keras and w.several_processes and w.backend.framework == TF),
+          lambda w: ((_mwms(w) or (_horovod(w) and w.several_processes)) and w.legacy_keras
+                     and w.keras3_imported)),
+    Patch("keras2-step-results", "tf_keras.src.engine.training.reduce_per_replica, "
+          "tf_keras.src.engine.training.Model.fit/evaluate/train_on_batch/test_on_batch",
+          "tfdist.keras.step_results:install_keras2_step_results",
+          "MWMS on several workers, tf_keras (Keras 2)",
+          "tf_keras sums what each replica's step returns over the replicas ('auto' is 'sum' "
+          "off TPUs): per-step logs, a custom step's values and train_on_batch/test_on_batch "
+          "results are the replicas' sum; means them, as Keras 3 does",
+          lambda w: _mwms(w) and not w.keras3),
+    Patch("predict-on-batch", "keras.Model.predict_on_batch",
+          "tfdist.keras.step_results:install_predict_on_batch",
+          "MWMS on several workers, Keras 3",
+          "Keras 3 gives every replica the whole batch and concatenates them all (each row "
+          "once per replica); runs the batch through the model once, on this worker",
+          lambda w: _mwms(w) and w.keras3),
+    Patch("epoch-results", "keras.Model._get_metrics_result_or_logs "
+          "(tf_keras: _validate_and_get_metrics_result)",
+          "tfdist.keras.step_results:install_epoch_results",
+          "MWMS or Horovod on several processes",
+          "under Horovod each rank's metrics hold its own examples: the epoch's, validation's "
+          "and evaluate's results are read from the metrics' states summed over the ranks, a "
+          "custom step's own values averaged over them; on both backends, a metric of yours "
+          "(whose state is added over the workers) is named once on the chief",
+          lambda w: _mwms(w) or (_horovod(w) and w.several_processes)),
+    Patch("input-end-check",
+          "tensorflow.python.distribute.input_lib.DistributedDataset.build",
+          "tfdist.backends.mwms_input:install_input_end_check", "MWMS on several workers",
+          "drops the per-step collective that asks whether every worker still has a batch, "
+          "only for a dataset split by DATA with a constant batch (every worker gets as many "
+          "batches); every other dataset keeps it", _mwms),
+    Patch("host-input-iterator",
+          "tensorflow.python.distribute.collective_all_reduce_strategy."
+          "CollectiveAllReduceExtended._experimental_distribute_dataset",
+          "tfdist.backends.mwms_input:install_host_input_iterator",
+          "MWMS on several CPU workers (the wrapper acts where a worker has one replica)",
+          "a worker whose one replica is its CPU reads a distributed dataset through a plain "
+          "tf.data iterator, as TensorFlow's host-placed per-replica input does, instead of a "
+          "multi-device iterator that copies to no device and costs 0.1-1 s an epoch to make "
+          "and free", lambda w: _mwms(w) and not w.gpus),
+    Patch("arrays-one-order", "keras.Model.fit",
+          "tfdist.keras.fit_inputs:install_arrays_one_order", "MWMS on several workers",
+          "Keras shuffles fit's arrays with each worker's own random state, so the workers split "
+          "different permutations (rows trained twice an epoch, others never); with shuffle on, "
+          "the arrays become one dataset shuffled the same way on every worker (one seed), "
+          "split by DATA; an uneven last batch of arrays and a generator are named once, and "
+          "use_multiprocessing's forked loaders become threads", _mwms),
+    Patch("arrays-shuffle-seed", "tensorflow.python.data.util.random_seed.get_seed",
+          "tfdist.keras.fit_inputs:fixed_shuffle_seed",
+          "while fit's shuffled arrays become one dataset, inside the wrapper of "
+          "arrays-one-order (MWMS), horovod-fit (Horovod) or jax-inputs-by-rank (Keras 3 on "
+          "JAX), several processes",
+          "a shuffle's seed is paired with the process's global seed, which scripts often set "
+          "per rank; the two seeds of that one shuffle are fixed, so every rank draws the same "
+          "permutation each epoch",
+          lambda w: _mwms(w) or (_horovod(w) and w.several_processes) or _jax_processes(w),
+          CALL),
+    Patch("sequence-one-order",
+          "keras.src.trainers.data_adapters.py_dataset_adapter.random, "
+          "tf_keras.src.engine.data_adapter.random, tf_keras.src.utils.data_utils.random",
+          "tfdist.keras.fit_inputs:install_sequence_one_order",
+          "several processes: MWMS, Horovod, Keras 3 on JAX",
+          "Keras shuffles a PyDataset's (Sequence's) batches with Python's random, which each "
+          "rank seeds its own way, so the ranks split different batches at one step (rows "
+          "trained three times an epoch, others once); the shuffle draws from one seeded "
+          "stream, the same on every rank",
+          lambda w: _mwms(w) or (_horovod(w) and w.several_processes) or _jax_processes(w)),
+    Patch("generator-copies", "tensorflow.data.Dataset.from_generator",
+          "tfdist.keras.fit_inputs:install_generator_copies", "MWMS on several workers",
+          "TensorFlow takes a generator's numpy arrays without copying them, and once MWMS has "
+          "split a global batch, an op of the step may write its result into a replica's part "
+          "in place: into the arrays a PyDataset, Sequence or generator returned views of "
+          "(seen: a worker's labels overwritten in epoch 1, so epoch 2 trained on other "
+          "labels, in about 4 runs of 10). Each element a generator yields is copied first",
+          _mwms),
+    Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/predict, "
+          f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build",
+          "tfdist.horovod.fit:install_horovod_fit",
+          "backend horovod (predict: several processes; the symbolic build: Keras 3)",
+          "Model.fit behaves as under MWMS: compile wraps the optimizer so gradients are "
+          "averaged, fit splits arrays, PyDatasets and generators by rank and broadcasts rank "
+          "0's initial state, predict "
+          "on a dataset dist.shard split returns every row in order, and Keras 3 builds the "
+          "model before the first step", _horovod),
     Patch("compile-without-xla", "keras.Model.compile (where it is defined: Keras 3's Trainer)",
-          "tfdist.keras.checks",
+          "tfdist.keras.checks:install_compile_without_xla",
           "MWMS on several CPU workers; Horovod",
           "XLA cannot compile the step's all-reduce there (no XLA collectives for CPU devices, "
           "b/194942685; Horovod's ops are not XLA ops): compile(jit_compile=True) trains "
           "without XLA, with one warning",
           lambda w: (_mwms(w) and not w.gpus) or _horovod(w)),
-    Patch("eager-record", "tensorflow.python.eager.context.Context._context_switches",
-          "tfdist.keras.keras2", "TensorFlow 2.14 and older, imported inside absl's app.run",
-          "TensorFlow <= 2.14 loses its record of being eager when imported inside app.run, "
-          "and Keras 2 then builds graph placeholders instead of KerasTensors; the record the "
-          "context would have made is put back",
-          lambda w: w.backend.framework == TF and (0, 0) < w.tensorflow < (2, 15)),
     Patch("keras3-input-position", f"{_TRAINER}.TFEpochIterator.__init__/_get_iterator",
-          "tfdist.keras.input_position", "Keras 3, every TensorFlow backend",
+          "tfdist.keras.input_position:install_keras3", "Keras 3, every TensorFlow backend",
           "counts the iterators fit makes, so a preempted fit resumes at the batch it stopped "
           "at instead of the epoch's start; the distributed iterator Keras makes at an epoch's "
           "end only to drop it unread at the next epoch's start is a stand-in that draws the "
@@ -148,7 +314,8 @@ INVENTORY: tuple[Patch, ...] = (
     Patch("keras2-input-position",
           "tf_keras.src.engine.data_adapter.DataHandler.__init__/enumerate_epochs, "
           "tf_keras.src.engine.training.Model._maybe_load_initial_counters_from_ckpt",
-          "tfdist.keras.input_position", "tf_keras (Keras 2), every TensorFlow backend",
+          "tfdist.keras.input_position:install_keras2",
+          "tf_keras (Keras 2), every TensorFlow backend",
           "the same for tf_keras: where the stopped fit's input stood, and the step counters "
           "it resumes with", lambda w: w.backend.framework == TF and not w.keras3),
     Patch("fit-input-wait",
@@ -158,7 +325,7 @@ INVENTORY: tuple[Patch, ...] = (
           "get_next_as_list/get_next_as_optional_list, "
           "tensorflow.python.data.ops.iterator_ops.OwnedIterator._next_internal/"
           "get_next_as_optional",
-          "tfdist.keras.input_wait", "every TensorFlow backend",
+          "tfdist.keras.input_wait:install_timing", "every TensorFlow backend",
           "fit reads each step's batch inside the step's graph, where no callback can time it; "
           "while Keras traces its train function, this worker's read of the batch gets a clock "
           "read before and after, added to one variable the throughput meter reads at each "
@@ -166,103 +333,16 @@ INVENTORY: tuple[Patch, ...] = (
           lambda w: w.backend.framework == TF),
     Patch("iterator-free-thread",
           "tensorflow.python.data.ops.iterator_ops.OwnedIterator._create_iterator",
-          "tfdist.keras.iterators", "every TensorFlow backend; Keras 3 on JAX once an epoch's "
-          "input is made with TensorFlow loaded (TFDIST_ITERATOR_FREE=thread)",
+          "tfdist.keras.iterators:install_free_thread",
+          "every TensorFlow backend; Keras 3 on JAX lazily, by jax-input-position's wrapper "
+          "once an epoch's input is made with TensorFlow loaded",
           "freeing an autotuned tf.data iterator can wait for its autotuning thread's next "
           "pass (a race in TensorFlow: the cancellation wakes it before the iterator is marked "
           "cancelled; up to 60 s), and Keras frees the last epoch's iterator on the training "
           "thread at every epoch's start; a plain iterator made eagerly is freed on a thread of "
           "tfdist's own instead (a multi-device iterator's are left to TensorFlow)",
-          lambda w: w.backend.framework in (TF, JAX) and w.iterator_free),
-    Patch("input-end-check",
-          "tensorflow.python.distribute.input_lib.DistributedDataset.build",
-          "tfdist.backends.mwms_input", "MWMS on several workers (TFDIST_INPUT_END_CHECK=auto)",
-          "drops the per-step collective that asks whether every worker still has a batch, "
-          "only for a dataset split by DATA with a constant batch (every worker gets as many "
-          "batches); every other dataset keeps it", _mwms),
-    Patch("host-input-iterator",
-          "tensorflow.python.distribute.collective_all_reduce_strategy."
-          "CollectiveAllReduceExtended._experimental_distribute_dataset",
-          "tfdist.backends.mwms_input", "MWMS on several CPU workers, one replica each "
-          "(TFDIST_INPUT_ITERATOR=auto)",
-          "a worker whose one replica is its CPU reads a distributed dataset through a plain "
-          "tf.data iterator, as TensorFlow's host-placed per-replica input does, instead of a "
-          "multi-device iterator that copies to no device and costs 0.1-1 s an epoch to make "
-          "and free", lambda w: _mwms(w) and not w.gpus and w.cpu_replicas == 1
-          and w.host_iterator),
-    Patch("arrays-one-order", "keras.Model.fit", "tfdist.keras.fit_inputs",
-          "MWMS on several workers",
-          "Keras shuffles fit's arrays with each worker's own random state, so the workers split "
-          "different permutations (rows trained twice an epoch, others never); with shuffle on, "
-          "the arrays become one dataset shuffled the same way on every worker (one seed), "
-          "split by DATA; an uneven last batch of arrays and a generator are named once, and "
-          "use_multiprocessing's forked loaders become threads", _mwms),
-    Patch("arrays-shuffle-seed", "tensorflow.python.data.util.random_seed.get_seed",
-          "tfdist.keras.fit_inputs",
-          "while fit's shuffled arrays become one dataset (MWMS, Horovod)",
-          "a shuffle's seed is paired with the process's global seed, which scripts often set "
-          "per rank; the two seeds of that one shuffle are fixed, so every rank draws the same "
-          "permutation each epoch", lambda w: _mwms(w) or _horovod(w)),
-    Patch("sequence-one-order",
-          "keras.src.trainers.data_adapters.py_dataset_adapter.random, "
-          "tf_keras.src.engine.data_adapter.random, tf_keras.src.utils.data_utils.random",
-          "tfdist.keras.fit_inputs", "several processes: MWMS, Horovod, Keras 3 on JAX",
-          "Keras shuffles a PyDataset's (Sequence's) batches with Python's random, which each "
-          "rank seeds its own way, so the ranks split different batches at one step (rows "
-          "trained three times an epoch, others once); the shuffle draws from one seeded "
-          "stream, the same on every rank",
-          lambda w: _mwms(w) or (_horovod(w) and w.several_processes) or _jax_processes(w)),
-    Patch("generator-copies", "tensorflow.data.Dataset.from_generator", "tfdist.keras.fit_inputs",
-          "MWMS on several workers",
-          "TensorFlow takes a generator's numpy arrays without copying them, and once MWMS has "
-          "split a global batch, an op of the step may write its result into a replica's part "
-          "in place: into the arrays a PyDataset, Sequence or generator returned views of "
-          "(seen: a worker's labels overwritten in epoch 1, so epoch 2 trained on other "
-          "labels, in about 4 runs of 10). Each element a generator yields is copied first",
-          _mwms),
-    Patch("mwms-cpu-replicas",
-          "tensorflow.python.distribute.collective_all_reduce_strategy."
-          "CollectiveAllReduceExtended._initialize_local_devices",
-          "tfdist.backends.mwms", "MWMS on CPUs with TFDIST_CPU_REPLICAS > 1, while the "
-          "strategy is created",
-          "TensorFlow gives a CPU worker one replica whatever logical CPUs exist; the stand-in "
-          "for several GPUs per worker gives it one per logical CPU",
-          lambda w: _mwms(w) and not w.gpus and w.cpu_replicas > 1),
-    Patch("mwms-heartbeat", "tensorflow.python.eager.context.Context."
-          "configure_coordination_service", "tfdist.backends.mwms",
-          "MWMS on several workers, while the strategy is created",
-          "MWMS starts TensorFlow's coordination service with its 10 s heartbeat timeout, "
-          "which declares a rank starved of CPU crashed; the wrapper passes "
-          "TFDIST_HEARTBEAT_TIMEOUT (30 s by default) where the call sets none",
-          _mwms),
-    Patch("horovod-fit", "keras.Model.compile (where it is defined)/fit/predict, "
-          f"{_TRAINER}.TensorFlowTrainer._maybe_symbolic_build", "tfdist.horovod.fit",
-          "backend horovod",
-          "Model.fit behaves as under MWMS: compile wraps the optimizer so gradients are "
-          "averaged, fit splits arrays, PyDatasets and generators by rank and broadcasts rank "
-          "0's initial state, predict "
-          "on a dataset dist.shard split returns every row in order, and Keras 3 builds the "
-          "model before the first step", _horovod),
-    Patch("keras2-step-results", "tf_keras.src.engine.training.reduce_per_replica",
-          "tfdist.keras.step_results", "MWMS on several workers, tf_keras (Keras 2)",
-          "tf_keras sums what each replica's step returns over the replicas ('auto' is 'sum' "
-          "off TPUs): per-step logs, a custom step's values and train_on_batch/test_on_batch "
-          "results are the replicas' sum; means them, as Keras 3 does",
-          lambda w: _mwms(w) and not w.keras3),
-    Patch("predict-on-batch", "keras.Model.predict_on_batch", "tfdist.keras.step_results",
-          "MWMS on several workers, Keras 3",
-          "Keras 3 gives every replica the whole batch and concatenates them all (each row "
-          "once per replica); runs the batch through the model once, on this worker",
-          lambda w: _mwms(w) and w.keras3),
-    Patch("epoch-results", "keras.Model._get_metrics_result_or_logs "
-          "(tf_keras: _validate_and_get_metrics_result)", "tfdist.keras.step_results",
-          "several processes, every TensorFlow backend",
-          "under Horovod each rank's metrics hold its own examples: the epoch's, validation's "
-          "and evaluate's results are read from the metrics' states summed over the ranks, a "
-          "custom step's own values averaged over them; on both backends, a metric of yours "
-          "(whose state is added over the workers) is named once on the chief",
-          lambda w: w.several_processes and w.backend.framework == TF),
-    Patch("user-writers", "keras.Model.fit", "tfdist.keras.writers",
+          lambda w: w.backend.framework in (TF, JAX), _iterator_free_phase),
+    Patch("user-writers", "keras.Model.fit", "tfdist.keras.writers:install_user_writers",
           "several processes, every TensorFlow backend",
           "the ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard a script passes "
           "straight to fit would all write one path from every rank; routes them as "
@@ -270,7 +350,7 @@ INVENTORY: tuple[Patch, ...] = (
           "checkpoints passed on some ranks only where a save runs collectives",
           lambda w: w.several_processes and w.backend.framework == TF),
     Patch("save-once", "keras.Model.save/save_weights, tensorflow.saved_model.save",
-          "tfdist.keras.writers", "several processes, every TensorFlow backend",
+          "tfdist.keras.writers:install_save_once", "several processes, every TensorFlow backend",
           "model.save, save_weights or tf.saved_model.save on every rank would write one path "
           "from every rank at once (an h5 lock, MergeV2Checkpoints errors); the chief writes "
           "it (a file or SavedModel folder atomically), the others a scratch copy that is "
@@ -278,16 +358,22 @@ INVENTORY: tuple[Patch, ...] = (
           "the ranks' paths compared first (a path per rank is written by its rank) and no "
           "rank returns before every file is written",
           lambda w: w.several_processes and w.backend.framework == TF),
+    Patch("jax-input-position", "keras.src.backend.jax.trainer.JAXEpochIterator.__init__/"
+          "_get_iterator", "tfdist.keras.input_position:install_jax", "Keras 3 on JAX",
+          "counts the iterators fit draws from, so a preempted fit resumes at the batch it "
+          "stopped at, with the order the stopped run saw, instead of the epoch's start; "
+          "times each batch's arrival (the throughput meter's input wait)",
+          lambda w: w.backend.framework == JAX),
     Patch("jax-rank0-values", "keras.src.backend.jax.distribution_lib.distribute_tensor, "
-          "keras.src.backend.jax.core.should_shard_at_init", "tfdist.jax.patches",
-          "Keras 3 on JAX, several processes",
+          "keras.src.backend.jax.core.should_shard_at_init",
+          "tfdist.jax.patches:install_rank0_values", "Keras 3 on JAX, several processes",
           "JAX stops with a raw AssertionError when a variable's value differs between "
           "processes (a model seeded per rank), and a large variable is made by a jitted "
           "initializer with each process's own seed; an eager placement takes rank 0's value "
           "(one broadcast), and every variable is made that way",
           _jax_processes),
-    Patch("jax-inputs-by-rank", "keras.Model.fit/evaluate/predict", "tfdist.jax.patches",
-          "Keras 3 on JAX, several processes",
+    Patch("jax-inputs-by-rank", "keras.Model.fit/evaluate/predict",
+          "tfdist.jax.patches:install_inputs_by_rank", "Keras 3 on JAX, several processes",
           "Keras refuses in-memory arrays on several processes (or, without its auto-shard, "
           "would read every row on every rank); arrays become one dataset of global batches, "
           "fit's shuffled the same way on every rank, of which each rank reads its part; "
@@ -295,27 +381,22 @@ INVENTORY: tuple[Patch, ...] = (
           "rank: one process's numbers for twice the work) gives each rank its part of every "
           "batch, and its loader processes become threads",
           _jax_processes),
-    Patch("jax-input-position", "keras.src.backend.jax.trainer.JAXEpochIterator.__init__/"
-          "_get_iterator", "tfdist.keras.input_position", "Keras 3 on JAX",
-          "counts the iterators fit draws from, so a preempted fit resumes at the batch it "
-          "stopped at, with the order the stopped run saw, instead of the epoch's start; "
-          "times each batch's arrival (the throughput meter's input wait)",
-          lambda w: w.backend.framework == JAX),
     Patch("jax-predict-every-row", "keras.src.backend.jax.trainer.JAXTrainer."
-          "make_predict_function", "tfdist.jax.patches", "Keras 3 on JAX, several processes",
+          "make_predict_function", "tfdist.jax.patches:install_predict_every_row",
+          "Keras 3 on JAX, several processes",
           "predict cannot read a batch whose rows lie on several processes (a RuntimeError); "
           "each batch's outputs are gathered from every process in rank order, so every rank "
           "gets every row, as from one process",
           _jax_processes),
-    Patch("failure-line", "sys.excepthook", "tfdist.failures",
-          "several processes, every backend",
+    Patch("failure-line", "sys.excepthook", "tfdist.failures:install_failure_line",
+          "MWMS and Horovod, in any number of processes (torch's backends install it too)",
           "after an uncaught error, one line naming the failed or stopped peer's rank, host "
           "and step, which the framework's own error does not name",
-          lambda w: w.several_processes),
-    Patch("timeout-line", "sys.excepthook", "tfdist.timeouts",
+          lambda w: w.backend.crosses_processes and w.backend.framework in (TF, TORCH)),
+    Patch("timeout-line", "sys.excepthook", "tfdist.timeouts:install_timeout_line",
           "MWMS with TFDIST_COLLECTIVE_TIMEOUT",
           "after a collective timed out, one line saying which collective waited how long and "
-          "what to raise", lambda w: _mwms(w) and w.collective_timeout),
+          "what to raise", lambda w: _mwms_backend(w) and w.collective_timeout is not None),
 )
 
 _BY_KEY = {patch.key: patch for patch in INVENTORY}
@@ -409,34 +490,110 @@ def rebinding(original: Callable[..., Any],
 
 
 def installed() -> list[Patch]:
-    """The patches this process applied (scoped ones too), in order."""
+    """The patches this process applied (scoped ones too), in the order first applied."""
     return list(_installed)
 
 
-def planned(where: Where) -> list[Patch]:
-    """The patches tfdist applies for a launch like ``where``, in the inventory's order."""
-    return [patch for patch in INVENTORY if patch.applies(where)]
+def planned(where: Where, phase: str | None = None) -> list[Patch]:
+    """The patches tfdist applies for a launch like ``where`` (of ``phase`` only, if given), in
+    the inventory's order; ``where.skip`` (``TFDIST_SKIP_PATCHES``) leaves rows out."""
+    return [patch for patch in INVENTORY if patch.key not in where.skip and patch.applies(where)
+            and (phase is None or patch.phase_in(where) == phase)]
 
 
-def where(backend: Backend, versions: Mapping[str, str], environ: Mapping[str, str], *,
-          several_processes: bool, gpus: bool) -> Where:
-    """A launch's :class:`Where` from installed versions (``tfdist doctor``'s ``versions``:
-    package -> version) and the variables, without importing a framework."""
-    from tfdist.settings import resolve
+def install(where: Where, handle: Any) -> list[Patch]:
+    """Installs the :data:`START` rows planned for ``where``, in the inventory's order, each by
+    its installer (``installer(where, handle)``), and keeps ``where`` as this process's plan
+    (:func:`plan`) for the rows of later phases. Returns the rows."""
+    _plan[:] = [where]
+    rows = planned(where, START)
+    for patch in rows:
+        _installer(patch)(where, handle)
+    return rows
 
-    legacy = environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes")
+
+@contextlib.contextmanager
+def creating(where: Where, settings: Mapping[str, Any]) -> Iterator[None]:
+    """While the block runs (MultiWorkerMirroredStrategy's creation), the :data:`CREATE` rows
+    planned for ``where`` are in place, in the inventory's order (each installer's context
+    manager, made from ``(where, settings)``: the settings of :func:`tfdist.init`)."""
+    _plan[:] = [where]
+    with contextlib.ExitStack() as stack:
+        for patch in planned(where, CREATE):
+            stack.enter_context(_installer(patch)(where, settings))
+        yield
+
+
+def plan() -> Where | None:
+    """The launch this process installed its patches for (:func:`install`), if it did."""
+    return _plan[0] if _plan else None
+
+
+def planned_here(key: str) -> bool:
+    """Whether this process's plan holds row ``key``: the wrapper that installs a
+    :data:`CALL` or :data:`LAZY` row asks first. True where no plan was made (a script that
+    calls an installer itself).
+
+    Raises:
+        KeyError: ``key`` is not in the inventory.
+    """
+    patch = _BY_KEY[key]
+    return not _plan or patch in planned(_plan[0])
+
+
+_plan: list[Where] = []
+
+
+def _installer(patch: Patch) -> Callable[..., Any]:
+    module, _, name = patch.installer.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def where(backend: Backend, versions: Mapping[str, str], environ: Mapping[str, str],
+          settings: Mapping[str, Any], *, several_processes: bool, gpus: bool,
+          imported: Collection[str] | None = None,
+          eager_record_lost: bool | None = None) -> Where:
+    """A launch's :class:`Where`, without importing a framework: the one way to build one, for a
+    running process (:func:`tfdist.backends.where_here`) and for ``tfdist env``.
+
+    Args:
+        backend: the chosen backend's row.
+        versions: installed versions, package -> version (``tfdist doctor``'s).
+        environ: the environment variables (``TF_USE_LEGACY_KERAS``).
+        settings: :func:`tfdist.init`'s settings (:func:`tfdist.strategy.resolve_settings`):
+            ``cpu_replicas``, ``collective_timeout``, ``skip_patches``.
+        several_processes: the launch has more than one process.
+        gpus: this process drives GPUs.
+        imported: the modules the process imported (``sys.modules``); None before it starts
+            (``tfdist env``): a script may import any.
+        eager_record_lost: whether TensorFlow's eager context lost its record
+            (:func:`tfdist.keras.keras2.eager_record_lost`); None before the process starts:
+            where it can be lost (TensorFlow 2.14 and older).
+    """
+    legacy = legacy_keras_requested(environ)
     keras = _major_minor(versions.get("keras", ""))
-    return Where(backend, keras3=keras >= (3, 0) and not legacy,
-                 tensorflow=_major_minor(versions.get("tensorflow", "")),
-                 several_processes=several_processes, gpus=gpus, legacy_keras=legacy,
-                 keras_fix=bool(resolve("keras_fix", environ=environ)),
-                 cpu_replicas=resolve("cpu_replicas", environ=environ) or 1,
-                 collective_timeout=resolve("collective_timeout", environ=environ) is not None,
-                 host_iterator=resolve("input_iterator", environ=environ) == "auto",
-                 iterator_free=resolve("iterator_free", environ=environ) == "thread")
+    tensorflow = _major_minor(versions.get("tensorflow", ""))
+    lost = (0, 0) < tensorflow < (2, 15) if eager_record_lost is None else eager_record_lost
+    return Where(backend, keras3=keras >= (3, 0) and not legacy, tensorflow=tensorflow,
+                 several_processes=several_processes, gpus=gpus, keras=keras,
+                 legacy_keras=legacy,
+                 keras3_imported=keras >= (3, 0) and (imported is None or "keras" in imported),
+                 eager_record_lost=lost, cpu_replicas=settings.get("cpu_replicas") or 1,
+                 collective_timeout=settings.get("collective_timeout"),
+                 skip=frozenset(settings.get("skip_patches") or ()))
 
 
 def _major_minor(version: str) -> tuple[int, int]:
     major, minor, *_ = [int("".join(c for c in part if c.isdigit()) or 0)
                         for part in f"{version}.0.0".split(".")]
     return major, minor
+
+
+def markdown_table() -> str:
+    """docs/architecture.md's table of the inventory, one row per patch, in its order."""
+    rows = ["| patch | replaces | installed by | phase: when |", "|---|---|---|---|"]
+    for patch in INVENTORY:
+        phase = patch.phase if isinstance(patch.phase, str) else f"{START}/{LAZY}"
+        rows.append(f"| `{patch.key}` | `{patch.target}` | `{patch.installer}` | "
+                    f"{phase}: {patch.when} |")
+    return "\n".join(rows)

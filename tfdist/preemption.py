@@ -43,11 +43,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tfdist import failures, ownership, walltime
 from tfdist import model_dir as layout
 from tfdist.errors import ConfigError, StorageError
+from tfdist.handle import Agreeing  # what a watch needs of a handle, every framework's
 from tfdist.scratch import remove_scratch_dirs, scratch_dir
 from tfdist.settings import catchable_signal, resolve
 
@@ -70,23 +71,6 @@ CHECKPOINT_DIR = layout.PREEMPTED  # in model_dir: the state saved at the agreed
 STATE_FILE = "state.json"
 _restores: list[Any] = []  # the custom loops' restore statuses, kept for deferred variables
 _exiting = False  # exit_preempted has begun: the preemption signals are ignored until the end
-
-
-class Agreeing(Protocol):
-    """What a watch needs of a handle: TensorFlow's (:class:`tfdist.Distributed`) and torch's
-    (:class:`tfdist.torch.TorchDistributed`) both have it."""
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def is_chief(self) -> bool: ...
-
-    environment: ClusterEnvironment
-
-    def sum_over_ranks(self, values: Sequence[float]) -> list[float]: ...
-
-    def exit_barrier(self) -> None: ...
 
 
 def parse_signal(text: str) -> signal.Signals:
@@ -510,7 +494,7 @@ def requeue_plan(environment: ClusterEnvironment, max_requeues: int,
         ``(command, reason)``; ``command`` is None when tfdist does not requeue, and then
         ``reason`` says what happens instead.
     """
-    if environment.job_id is None or environment.launcher == "local":
+    if environment.job_id is None or environment.facts.tfdist_launch:
         return None, ("not a Slurm job (or started by tfdist launch inside one): start it "
                       "again; tfdist launch --max-restarts does")
     if environment.restart_count >= max_requeues:

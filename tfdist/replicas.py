@@ -1,19 +1,25 @@
-"""What every handle, TensorFlow's and torch's, computes the same way, and the one-per-process
-cache that holds it.
+"""What every handle, TensorFlow's, JAX's and torch's, computes the same way, and the
+one-per-process cache that holds it.
 
-Vocabulary (the same in every module of tfdist):
+Vocabulary (the same in every module of tfdist and in docs/architecture.md):
 
 - **rank**: this process's index among all processes, 0-based; **world_size**: how many
   processes train together; **local_rank**: the index among the processes on this node;
   **chief**: rank 0, which writes checkpoints, logs and progress.
 - **replica**: one copy of the model that trains on its share of each global batch; a process
-  drives one replica per GPU it uses (one on CPU). **num_replicas** counts them across the job.
-- **backend**: the engine that keeps the replicas in sync: ``mwms``
-  (MultiWorkerMirroredStrategy), ``horovod``, ``single`` (one process), ``ddp`` (torch).
-- **collective**: how a backend moves tensors between processes: ``ring`` or ``nccl`` for MWMS,
-  Horovod's controller ``gloo`` or ``mpi``, ``gloo`` or ``nccl`` for a torch process group,
-  ``none`` for one process.
-- **launcher**: what started the processes (:class:`tfdist.env.ClusterEnvironment`).
+  drives one replica per GPU it uses under MWMS and mirrored, one under Horovod and torch (on
+  CPU one, or ``TFDIST_CPU_REPLICAS``). **num_replicas** counts them across the job,
+  **local_replicas** in this process.
+- **backend**: the engine that keeps the replicas in sync, one row of
+  :mod:`tfdist.backend_facts`: ``mwms`` (MultiWorkerMirroredStrategy), ``horovod``,
+  ``mirrored`` (one process, several devices), ``single`` (one process), ``jax`` (Keras 3 on
+  JAX); torch's ``ddp``, ``horovod`` and ``deepspeed``.
+- **collective**: how a backend moves tensors between processes: ``ring`` or ``nccl`` for
+  MWMS, ``nccl`` or ``local`` for mirrored, Horovod's controller ``gloo`` or ``mpi``, JAX's
+  ``gloo`` on CPUs or ``nccl`` on GPUs, ``gloo`` or ``nccl`` for a torch process group, ``none``
+  for one process.
+- **launcher**: what started the processes, one row of :mod:`tfdist.env.launchers`
+  (:class:`tfdist.env.ClusterEnvironment`'s ``launcher``).
 
 Pure: no framework is imported here.
 """

@@ -22,11 +22,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tfdist.backends.facts import BACKENDS
+from tfdist.backend_facts import BACKENDS
+from tfdist.durations import parse_duration
 from tfdist.errors import ConfigError
 
 __all__ = ["SETTINGS", "Setting", "current", "flag", "markdown_table", "resolve", "setting",
-           "shown"]
+           "shown", "skipped_patches"]
 
 logger = logging.getLogger("tfdist")
 
@@ -69,8 +70,6 @@ def _non_negative_int(text: str) -> int:
 
 
 def _duration(text: str) -> float:
-    from tfdist.walltime import parse_duration
-
     try:
         return parse_duration(text, bare="s")
     except ValueError:
@@ -106,6 +105,23 @@ def _host_template(text: str) -> str:
 
 def _text(text: str) -> str:
     return text.strip()
+
+
+def _patch_keys(text: str) -> tuple[str, ...]:
+    """Comma-separated keys of :data:`tfdist.patches.INVENTORY`, as a tuple.
+
+    Raises:
+        ValueError: a key that is no row, naming the rows.
+    """
+    from tfdist.patches import INVENTORY
+
+    keys = tuple(dict.fromkeys(key.strip() for key in text.split(",") if key.strip()))
+    known = [patch.key for patch in INVENTORY]
+    unknown = [key for key in keys if key not in known]
+    if unknown:
+        raise ValueError(f"names no patch: {', '.join(unknown)}; the patches are "
+                         f"{', '.join(known)}")
+    return keys
 
 
 def catchable_signal(text: str) -> signal.Signals:
@@ -222,9 +238,16 @@ SETTINGS: tuple[Setting, ...] = (
             "(20000-32767)"),
     Setting("host_template", "TFDIST_HOST_TEMPLATE", _host_template, "{host}",
             "address to dial for each node, e.g. `{host}-ib0` for the InfiniBand interface"),
+    Setting("skip_patches", "TFDIST_SKIP_PATCHES", _patch_keys, None,
+            "patches of Keras, TensorFlow or Horovod internals to leave out, comma-separated "
+            "keys of tfdist's inventory (`tfdist env` lists those of the launch; "
+            "docs/architecture.md all of them), e.g. `keras3-step-logs,input-end-check`: to "
+            "reproduce an upstream bug, or to rule a patch out; default: none"),
     Setting("keras_fix", "TFDIST_KERAS_FIX", flag, True,
-            "the Keras 3 multi-worker `fit` fix; `0` turns it off (to reproduce the upstream "
-            "bug)"),
+            "deprecated, still read: `0` is `TFDIST_SKIP_PATCHES=keras3-symbolic-build,"
+            "keras3-reduce-per-replica,keras3-steps-per-execution,keras3-epoch-chunks,"
+            "keras3-step-logs` (the Keras 3 multi-worker `fit` fix off, to reproduce the "
+            "upstream bug)"),
     _choice("step_logs", "TFDIST_STEP_LOGS", ("auto", "global", "local"),
             "Keras 3 on several MWMS workers: what each step's logs hold. `global` averages "
             "them over the workers every step (a collective per step, as Keras does), `local` "
@@ -239,21 +262,18 @@ SETTINGS: tuple[Setting, ...] = (
             "default: `model_dir/throughput.jsonl` with a model_dir, else none (the log line "
             "stays)"),
     _choice("input_end_check", "TFDIST_INPUT_END_CHECK", ("auto", "always"),
-            "MWMS: tf.distribute's per-step check that every worker still has a batch (a "
-            "collective per step); `auto` drops it where every worker provably gets the same "
-            "number of batches (DATA sharding of a dataset with a constant batch size)"),
+            "deprecated, still read: `always` is `TFDIST_SKIP_PATCHES=input-end-check` "
+            "(MWMS keeps tf.distribute's per-step check that every worker still has a batch, "
+            "a collective per step, also where every worker provably gets the same number of "
+            "batches)"),
     _choice("input_iterator", "TFDIST_INPUT_ITERATOR", ("auto", "tensorflow"),
-            "MWMS: the iterator each worker reads a distributed dataset through; `auto`: a "
-            "plain tf.data iterator where the worker's one replica is its CPU (nothing to copy "
-            "to a device, and TensorFlow's multi-device iterator costs 0.1 to 1 s an epoch to "
-            "make and free), TensorFlow's elsewhere; `tensorflow`: TensorFlow's everywhere"),
+            "deprecated, still read: `tensorflow` is `TFDIST_SKIP_PATCHES=host-input-iterator` "
+            "(an MWMS worker whose one replica is its CPU reads a distributed dataset through "
+            "TensorFlow's multi-device iterator, not a plain tf.data one)"),
     _choice("iterator_free", "TFDIST_ITERATOR_FREE", ("thread", "tensorflow"),
-            "where a tf.data iterator is freed (every TensorFlow backend, and Keras 3 on JAX "
-            "reading tf.data); `thread`: a plain "
-            "one made eagerly on a thread of tfdist's own, so the training thread never waits "
-            "for tf.data's autotuning to wake (a race in TensorFlow: up to as long as the "
-            "iterator was read, at most 60 s, at every epoch's start); `tensorflow`: where "
-            "TensorFlow frees it, on the thread that drops it"),
+            "deprecated, still read: `tensorflow` is `TFDIST_SKIP_PATCHES=iterator-free-thread` "
+            "(a tf.data iterator is freed where TensorFlow frees it, on the thread that drops "
+            "it, not on a thread of tfdist's own)"),
     Setting("sync_check", "TFDIST_SYNC_CHECK", flag, True,
             "the replica sync check; `0` turns it off", argument="callbacks(sync_check=)"),
     Setting("batch_statistics", "TFDIST_AVERAGE_BATCH_STATISTICS", flag, True,
@@ -349,6 +369,47 @@ def resolve(name: str, argument: Any = None, environ: Mapping[str, str] | None =
     return entry.default
 
 
+# The per-patch switches TFDIST_SKIP_PATCHES replaced: setting -> (the value that leaves the
+# patches out, their keys). Still read, each with one deprecation line naming the new form.
+_PATCH_SWITCHES: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "keras_fix": (False, ("keras3-symbolic-build", "keras3-reduce-per-replica",
+                          "keras3-steps-per-execution", "keras3-epoch-chunks",
+                          "keras3-step-logs")),
+    "input_end_check": ("always", ("input-end-check",)),
+    "input_iterator": ("tensorflow", ("host-input-iterator",)),
+    "iterator_free": ("tensorflow", ("iterator-free-thread",)),
+}
+_deprecated: set[str] = set()  # the old switches warned about in this process
+
+
+def skipped_patches(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The rows of :data:`tfdist.patches.INVENTORY` to leave out: ``TFDIST_SKIP_PATCHES``'s,
+    and those an old per-patch switch turns off (``TFDIST_KERAS_FIX=0``,
+    ``TFDIST_INPUT_END_CHECK=always``, ``TFDIST_INPUT_ITERATOR=tensorflow``,
+    ``TFDIST_ITERATOR_FREE=tensorflow``), each old switch set named once a process in a
+    deprecation line with its new form.
+
+    Raises:
+        ConfigError: a key that is no row (the message lists them), or an invalid value of an
+            old switch.
+    """
+    environ = os.environ if environ is None else environ
+    skip = set(resolve("skip_patches", environ=environ) or ())
+    for name, (off, keys) in _PATCH_SWITCHES.items():
+        variable = _BY_NAME[name].variable
+        raw = environ.get(variable, "").strip()
+        if not raw:
+            continue
+        if resolve(name, environ=environ) == off:
+            skip.update(keys)
+        if variable not in _deprecated:
+            _deprecated.add(variable)
+            logger.warning("tfdist: %s=%s is deprecated (it still works): "
+                           "TFDIST_SKIP_PATCHES=%s leaves those patches out, and without "
+                           "either they are in", variable, raw, ",".join(keys))
+    return frozenset(skip)
+
+
 def markdown_table() -> str:
     """docs/settings.md's table, one row per setting (``tfdist settings --markdown``)."""
     rows = ["| argument | environment | default | meaning |", "|---|---|---|---|"]
@@ -388,5 +449,7 @@ def shown(value: Any) -> str:
 def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
+    if isinstance(value, tuple):  # TFDIST_SKIP_PATCHES's keys
+        return ",".join(value)
     return f"{value:g}" if isinstance(value, float) else str(value)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tfdist.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tfdist.backends.base import Distributed
+    from tfdist.handle import Handle
 
 __all__ = ["POLICIES", "UNSEEDED_SHUFFLE", "check", "last_batch_rows", "shard", "shard_files",
            "unseeded_shuffle", "with_policy"]
@@ -24,7 +24,7 @@ __all__ = ["POLICIES", "UNSEEDED_SHUFFLE", "check", "last_batch_rows", "shard", 
 POLICIES = ("data", "file", "off")
 
 
-def shard(dataset: Any, dist: Distributed, policy: str = "data", *,
+def shard(dataset: Any, dist: Handle, policy: str = "data", *,
           num_files: int | None = None) -> Any:
     """Tells the strategy how to split ``dataset`` (batched with the GLOBAL batch size).
 

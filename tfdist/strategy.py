@@ -15,7 +15,7 @@ from tfdist import backends, quiet
 from tfdist.backends.base import Distributed, Settings
 from tfdist.env import detect
 from tfdist.replicas import HandleCache
-from tfdist.settings import resolve
+from tfdist.settings import resolve, skipped_patches
 
 __all__ = ["Distributed", "current", "init", "reset", "strategy_scope"]
 
@@ -104,4 +104,6 @@ def resolve_settings(backend: str | None = None, collective: str | None = None,
             "threads": resolve("threads", threads, environ),
             "collective_timeout": resolve("collective_timeout", collective_timeout, environ),
             "cpu_replicas": resolve("cpu_replicas", None, environ),
-            "heartbeat_timeout": resolve("heartbeat_timeout", None, environ)}
+            "heartbeat_timeout": resolve("heartbeat_timeout", None, environ),
+            # the patches to leave out (tfdist.patches): TFDIST_SKIP_PATCHES, the old switches
+            "skip_patches": skipped_patches(environ)}

@@ -33,7 +33,7 @@ from tfdist.keras.batch_statistics import as_tf_variable, batch_statistics, to_n
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
-    from tfdist.backends.base import Distributed
+    from tfdist.handle import Handle
 
 __all__ = [
     "ReplicaSyncCheck",
@@ -97,7 +97,7 @@ def model_variables(model: Any, *, include_optimizer: bool = False,
     return variables
 
 
-def check(dist: Distributed, variables: Sequence[Any], step: int | None = None, *,
+def check(dist: Handle, variables: Sequence[Any], step: int | None = None, *,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Compares ``variables`` across all ranks and replicas; raises on every rank if they differ.
 
@@ -227,7 +227,7 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
         seconds: how long each of those checks took.
     """
 
-    def __init__(self, dist: Distributed, every_n_steps: int | None = None, *,
+    def __init__(self, dist: Handle, every_n_steps: int | None = None, *,
                  at_train_end: bool = True, include_optimizer: bool = False,
                  batch_statistics_at_end: bool = False,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -274,7 +274,7 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
                         self.dist.num_replicas, 1000 * self.seconds[-1])
 
 
-def sync_check_callback(dist: Distributed, enabled: bool | None = None,
+def sync_check_callback(dist: Handle, enabled: bool | None = None,
                         every_n_steps: int | None = None,
                         environ: Mapping[str, str] | None = None, *,
                         batch_statistics_at_end: bool = False) -> ReplicaSyncCheck | None:
@@ -315,7 +315,7 @@ def _name(variable: Any) -> str:
     return str(getattr(variable, "path", None) or getattr(variable, "name", "?"))
 
 
-def _local_digests(dist: Distributed, variables: Sequence[Any]) -> np.ndarray:
+def _local_digests(dist: Handle, variables: Sequence[Any]) -> np.ndarray:
     """Rows of per-variable digests, one row per replica on this rank (its own copies)."""
     count = dist.local_replicas
     copies = [dist.local_copies(v) for v in variables]
@@ -323,7 +323,7 @@ def _local_digests(dist: Distributed, variables: Sequence[Any]) -> np.ndarray:
                     dtype=np.uint64).reshape(count, len(variables))
 
 
-def _gather(dist: Distributed, rows: np.ndarray, timeout_s: float) -> np.ndarray:
+def _gather(dist: Handle, rows: np.ndarray, timeout_s: float) -> np.ndarray:
     """All replicas' rows (``uint64``), the same table on every rank."""
     packed = rows.view(np.int64)  # collectives carry int64, not uint64
     try:

@@ -46,11 +46,14 @@ import socket
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import health
 from tfdist import model_dir as layout
 from tfdist.settings import resolve
+
+if TYPE_CHECKING:
+    from tfdist.handle import Handle
 
 __all__ = ["START_ADVICE_S", "StepMeter", "batch_size_of", "describe", "start_advice",
            "summarise", "throughput_file"]
@@ -142,7 +145,7 @@ class StepMeter:
         log: log one line per epoch on the chief.
     """
 
-    def __init__(self, dist: Any, global_batch: int | None = None, path: str | None = None,
+    def __init__(self, dist: Handle, global_batch: int | None = None, path: str | None = None,
                  log: bool = True) -> None:
         self.dist, self.global_batch, self.log = dist, global_batch, log
         self.path = path if path is not None else throughput_file(None)

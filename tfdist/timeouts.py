@@ -32,8 +32,9 @@ from tfdist import failures, patches
 
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
+    from tfdist.patches import Where
 
-__all__ = ["TIMED_OUT", "crashed", "explain", "install", "timed_out"]
+__all__ = ["TIMED_OUT", "crashed", "explain", "install", "install_timeout_line", "timed_out"]
 
 # TensorFlow's messages (base_collective_executor.cc): while the collective ran, and while its
 # group or instance was being resolved (the first collective of a group).
@@ -82,7 +83,7 @@ def explain(message: str, environment: ClusterEnvironment, seconds: float,
                 "error is the cause: a hang in its input pipeline or code, slow work of its own, "
                 "or a different number of steps. If that work is legitimate " + legitimate)
     output = (" (under srun: the other tasks' files of --output=...%t...)"
-              if environment.launcher == "slurm" else "")
+              if environment.facts.output_per_task else "")
     return (f"tfdist: a collective waited more than {seconds:g} s (TFDIST_COLLECTIVE_TIMEOUT) "
             f"for the other ranks, and rank {rank} stops here{at}. One of the others is alive "
             "but stopped training (a hang in its input pipeline or code, slow work of its own, "
@@ -116,6 +117,12 @@ def crashed(output: str, rank: int, seconds: float | None) -> str | None:
             "training (a hang in its input pipeline or code, slow work of its own, or a "
             "different number of steps): its output shows where. If a rank legitimately works "
             "alone that long, raise TFDIST_COLLECTIVE_TIMEOUT.")
+
+
+def install_timeout_line(where: Where, dist: Any) -> None:
+    """Patch ``timeout-line``'s installer (:func:`tfdist.patches.install`)."""
+    if where.collective_timeout is not None:
+        install(dist.environment, where.collective_timeout)
 
 
 def install(environment: ClusterEnvironment, seconds: float) -> None:

@@ -27,8 +27,8 @@ itself:
    ``tfdist launch --max-restarts`` does not restart. A preemption signal there is no loop: it
    is requeued as ever, unless the margin is at or above the whole time the run had.
 
-The pure parts (:func:`end_from`, :func:`parse_squeue_end`, :func:`parse_duration`,
-:func:`margin`, :func:`refusal`) are table-tested; :class:`Clock` takes its reader and time as
+The pure parts (:func:`end_from`, :func:`parse_squeue_end`, :func:`margin`,
+:func:`refusal`) are table-tested; :class:`Clock` takes its reader and time as
 arguments.
 """
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import re
 import shutil
 import subprocess
 import threading
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
 __all__ = ["EXIT_REFUSED", "EXIT_S", "FLOOR_S", "REREAD_S", "SOURCES", "Clock", "clock",
-           "end_from", "longest_save", "margin", "parse_duration", "parse_squeue_end",
+           "end_from", "longest_save", "margin", "parse_squeue_end",
            "record_save", "refusal", "source_named", "source_number", "squeue_end"]
 
 logger = logging.getLogger("tfdist")
@@ -100,43 +99,6 @@ def squeue_end(job_id: str, squeue: str | None = None, timeout_s: float = 20.0) 
         return None
     lines = done.stdout.split()
     return parse_squeue_end(lines[0]) if done.returncode == 0 and lines else None
-
-
-_UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minute": 60,
-          "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400,
-          "days": 86400}
-_WITH_UNIT = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]+)")
-_SLURM = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
-
-
-def parse_duration(text: str, bare: str = "s") -> float:
-    """Seconds in a duration (pure): ``30s``, ``10min``, ``2h``, ``1d``, or Slurm's ``--time``
-    forms ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; a bare number is in
-    the unit ``bare`` (``"min"`` as for ``sbatch --time``, or ``"s"``).
-
-    Raises:
-        ValueError: not a positive duration, with the forms allowed.
-    """
-    word = text.strip().lower()
-    found = _WITH_UNIT.fullmatch(word)
-    seconds: float | None = None
-    if found and found.group(2) in _UNITS:
-        seconds = float(found.group(1)) * _UNITS[found.group(2)]
-    elif re.fullmatch(r"\d+(?:\.\d+)?", word):
-        seconds = float(word) * _UNITS[bare]
-    elif slurm := _SLURM.fullmatch(word):
-        days, first, second, third = slurm.groups()
-        if days is not None:  # D-HH[:MM[:SS]]
-            seconds = (int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60
-                       + int(third or 0))
-        elif third is not None:  # HH:MM:SS
-            seconds = int(first) * 3600 + int(second) * 60 + int(third)
-        elif second is not None:  # MM:SS
-            seconds = int(first) * 60 + int(second)
-    if seconds is None or seconds <= 0:
-        raise ValueError(f"{text!r} is no positive duration: write 90s, 10min, 2h, 1d, or as "
-                         "sbatch --time: MM:SS, HH:MM:SS, D-HH:MM:SS")
-    return seconds
 
 
 def margin(save_s: float, gap_s: float, override: float | None = None) -> float:

@@ -31,7 +31,10 @@ from tfdist import patches
 from tfdist.keras import iterators
 
 ROWS, GLOBAL_BATCH = 256, 32
-DECODE_S = 0.15  # each batch of the dataset epoch: far slower than a step, even under load
+# Each batch of the dataset epoch takes this long to make: far slower than a step, even under
+# load. At 0.15 s a run on a machine oversubscribed about six times (load 12 on 2 cores) took
+# 0.17 s a step to compute: the decode kept up, the input wait was 0.007 s, the test failed.
+DECODE_S = 0.4
 
 
 def main(out: str, mode: str) -> None:
@@ -70,8 +73,18 @@ def main(out: str, mode: str) -> None:
                    "evaluate": results, "custom": custom.history.history,
                    "predicted": [list(predicted.shape), float(predicted.sum())],
                    "replicas": dist.num_replicas if dist else 1,
-                   "patches": [p.key for p in patches.installed()],
+                   "patches": _patches() if dist else None,
                    "freed_elsewhere": iterators.freed(wait_s=10)}, f)
+
+
+def _patches() -> dict:
+    """The patches this process installed, in order, and those the inventory plans for its
+    launch (tfdist.patches.plan), by phase: the test holds the two together."""
+    where = patches.plan()
+    assert where is not None, "tfdist.init installed no patches"
+    return {"installed": [p.key for p in patches.installed()],
+            "planned": {phase: [p.key for p in patches.planned(where, phase)]
+                        for phase in patches.PHASES}}
 
 
 def _slow(rows: np.ndarray) -> np.ndarray:

@@ -13,7 +13,8 @@ silently does not average under Keras 3: tfdist's replica sync check must stop i
 The custom loop is the same under both backends: strategy.run, ``dist.gradient_tape()`` (a
 plain tape under MWMS, a summing all-reduce under Horovod), ``dist.reduce``. Runs under any
 launcher (tfdist launch, horovodrun, mpirun, srun variables). A failure is written to
-result-RANK.json as ``{"error": ...}`` and exits 3.
+result-RANK.json as ``{"error": ...}`` and exits 3. The result also holds the patches the
+process installed and those the inventory plans for it (``patches``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import traceback
 import numpy as np
 
 import tfdist
+from tfdist import patches
 from tfdist.keras import iterators, versions
 
 
@@ -78,7 +80,18 @@ def train(out_dir: str, loop: str, mode: str, backend: str, rank: int) -> dict:
         freed = _three_ways(dist, model, x, y, global_batch, watched)
     return {"rank": rank, "size": dist.world_size, "backend": dist.backend,
             "collective": dist.collective, "launcher": dist.environment.launcher,
-            "keras3": versions.is_keras3(keras), "losses": losses, "iterators": freed}
+            "keras3": versions.is_keras3(keras), "losses": losses, "iterators": freed,
+            "patches": _patches()}
+
+
+def _patches() -> dict:
+    """The patches this process installed, in order, and those the inventory plans for its
+    launch (tfdist.patches.plan), by phase: the tests hold the two together."""
+    where = patches.plan()
+    assert where is not None, "tfdist.init installed no patches"
+    return {"installed": [p.key for p in patches.installed()],
+            "planned": {phase: [p.key for p in patches.planned(where, phase)]
+                        for phase in patches.PHASES}}
 
 
 def _three_ways(dist, model, x, y, global_batch, watched) -> dict:  # type: ignore[no-untyped-def]

@@ -2,7 +2,7 @@
 
 To add a backend: write ``tfdist/backends/<name>.py`` with a :class:`~tfdist.backends.base.
 Distributed` subclass and ``create(environment, settings)``, give it a row in
-:data:`tfdist.backends.facts.BACKENDS` (the settings' choices, :data:`MODULES` and the rooms
+:data:`tfdist.backend_facts.BACKENDS` (the settings' choices, :data:`MODULES` and the rooms
 that behave differently per backend read it), and say in :func:`choose` when ``auto`` picks it.
 
 Importing this package loads no framework, nor the handle interface; :func:`create` imports
@@ -17,23 +17,22 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from tfdist.backends.facts import BACKENDS, JAX, TF, TORCH, names
+from tfdist.backend_facts import BACKENDS, JAX, TF, TORCH, names
 from tfdist.errors import ConfigError
 
 if TYPE_CHECKING:
+    from tfdist.backend_facts import Backend
     from tfdist.backends.base import Distributed, Settings
     from tfdist.env import ClusterEnvironment
+    from tfdist.patches import Where
 
 __all__ = ["KERAS_BACKENDS", "MODULES", "TORCH_BACKENDS", "choose", "choose_torch", "create",
-           "keras_backend"]
+           "keras_backend", "where_here"]
 
 # The backends tfdist.init creates (TensorFlow's, and Keras 3 on JAX) and their modules.
 MODULES = {row.name: row.module for row in BACKENDS if row.framework in (TF, JAX)}
 # Keras 3's backends (KERAS_BACKEND) and tfdist's engine for each; "" where it has none.
 KERAS_BACKENDS = {"tensorflow": TF, "jax": JAX, "torch": "", "numpy": "", "openvino": ""}
-# Launchers that start MPI/Horovod processes: auto picks Horovod there (MWMS would need an
-# address per process, which they do not give).
-HOROVOD_LAUNCHERS = ("horovodrun", "mpirun")
 # tfdist.torch's backends: the same TFDIST_BACKEND setting, its own engines.
 TORCH_BACKENDS = names(TORCH)
 
@@ -89,11 +88,11 @@ def choose(requested: str, environment: ClusterEnvironment,
                           "one of them, or leave it unset")
     if requested != "auto":
         return requested, "requested (argument, flag or TFDIST_BACKEND)"
-    if environment.launcher in HOROVOD_LAUNCHERS and environment.is_distributed:
-        return "horovod", (f"auto: {environment.launcher} started the processes "
-                           f"({environment.reason})")
-    if environment.launched_for == "horovod" and environment.is_distributed:
-        return "horovod", f"auto: `tfdist launch --backend horovod` ({environment.reason})"
+    # Horovod's launchers give no address per process, which MWMS would need.
+    if environment.facts.horovod and environment.is_distributed:
+        how = ("`tfdist launch --backend horovod`" if environment.facts.tfdist_launch
+               else f"{environment.launcher} started the processes")
+        return "horovod", f"auto: {how} ({environment.reason})"
     if environment.is_distributed:
         return "mwms", f"auto: {environment.world_size} processes ({environment.reason})"
     return "mirrored", (f"auto: one process ({environment.reason}): MirroredStrategy over its "
@@ -136,9 +135,7 @@ def choose_torch(requested: str, environment: ClusterEnvironment) -> tuple[str, 
                               f"are auto, {', '.join(TORCH_BACKENDS)}: set TFDIST_BACKEND to one "
                               "of them, or leave it unset")
         return requested, "requested (argument, flag or TFDIST_BACKEND)"
-    horovod = (environment.launcher in HOROVOD_LAUNCHERS
-               or environment.launched_for == "horovod")
-    if horovod and environment.is_distributed and not (environment.master_addr
+    if environment.facts.horovod and environment.is_distributed and not (environment.master_addr
                                                        and environment.master_port):
         return "horovod", (f"auto: {environment.reason} started the processes and gives torch "
                            "no address to meet at (MASTER_ADDR/MASTER_PORT)")
@@ -149,25 +146,38 @@ def create(backend: str, environment: ClusterEnvironment, settings: Settings) ->
     """Creates the handle of ``backend`` (a key of :data:`MODULES`) for this launch."""
     module = importlib.import_module(MODULES[backend])
     handle: Distributed = module.create(environment, settings)
-    from tfdist import preemption
+    from tfdist import patches, preemption
 
-    if handle.facts.framework == JAX:  # its own patches (tfdist.backends.keras_jax)
-        preemption.default_signals_in_children()
-        return handle
-    from tfdist.keras import input_position, input_wait, iterators, keras2, versions
+    # Before the script builds its model: the inventory's rows for this launch, in its order
+    # (the backend's, then the backend-neutral ones: tfdist.patches).
+    patches.install(where_here(handle.facts, handle.world_size, handle.num_gpus > 0, settings),
+                    handle)
+    if handle.facts.framework == TF:
+        from tfdist.keras import keras2
 
-    # Before the script builds its model: Keras 2 makes KerasTensors again where an early
-    # start of TensorFlow <= 2.14 lost the record of eager execution; its random layers keep
-    # their state in a variable that a preempted run saves, so a resumed run draws the same
-    # masks.
-    keras2.repair_eager_record()
-    keras2.keras2_random_generator()
-    input_position.track()  # where fit's input stands, so a preempted fit resumes at its batch
-    input_wait.install(keras2=bool(versions.keras2_package()))  # fit's steps time it
-    iterators.install()  # an epoch's iterator freed off the training thread: no autotuning wait
+        # Keras 2's random layers keep their state in a variable that a preempted run saves,
+        # so a resumed run draws the same masks.
+        keras2.keras2_random_generator()
     preemption.default_signals_in_children()  # a PyDataset's process pool ends at exit
-    if handle.world_size > 1:
-        from tfdist.keras import writers
-
-        writers.install(handle)  # the user's own writers and saves: once, from the chief
     return handle
+
+
+def where_here(row: Backend, world_size: int, gpus: bool, settings: Settings) -> Where:
+    """This process's launch, for the patch inventory (:func:`tfdist.patches.where`, as
+    ``tfdist env`` builds it): the versions it runs, its variables, :func:`tfdist.init`'s
+    ``settings`` and what it imported. The backends build it here only (MWMS's creation too).
+
+    Args:
+        row: the backend's row.
+        world_size: the processes training together.
+        gpus: whether this process drives GPUs.
+        settings: :func:`tfdist.strategy.resolve_settings`'s.
+    """
+    import sys
+
+    from tfdist import patches
+    from tfdist.keras import keras2, versions
+
+    return patches.where(row, versions.running(), os.environ, settings,
+                         several_processes=world_size > 1, gpus=gpus, imported=sys.modules,
+                         eager_record_lost=keras2.eager_record_lost())

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from tfdist.backends import facts
-from tfdist.backends.facts import Backend
+from tfdist import backend_facts as facts
+from tfdist.backend_facts import Backend
 from tfdist.devices import affinity_thread_count
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import InitOrderError
@@ -69,7 +69,7 @@ class Distributed(ReplicaMath):
 
     @property
     def facts(self) -> Backend:
-        """This backend's row of the backend table (:mod:`tfdist.backends.facts`)."""
+        """This backend's row of the backend table (:mod:`tfdist.backend_facts`)."""
         return facts.backend(self.backend, facts.TF)
 
     # --- place in the job --------------------------------------------------------------------

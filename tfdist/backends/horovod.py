@@ -152,16 +152,11 @@ def create(environment: ClusterEnvironment, settings: Settings) -> HorovodDistri
     idle = devices.one_gpu_per_process("Horovod", given, "backend mwms")
     if idle and environment.local_rank == 0:
         logger.warning("tfdist: %s", idle)
-    from tfdist import failures
     from tfdist.horovod import fit, heartbeat
-    from tfdist.keras import checks
 
-    fit.install_hooks(int(hvd.rank()), int(hvd.size()))
-    if environment.is_distributed:
-        checks.refuse_mixed_keras()  # a Keras 3 model would train without averaging
-    # Horovod's error for a peer that died or hung names no rank: the line does, after it;
-    # a peer that stops is named by tfdist's heartbeat, over the Gloo rendezvous' store.
-    failures.install(environment)
+    # Horovod's error for a peer that died or hung names no rank: patch failure-line does,
+    # after it; a peer that stops is named by tfdist's heartbeat, over the Gloo rendezvous'
+    # store. The patches (horovod-fit, ...) follow the engine: tfdist.backends.create.
     heartbeat.start(environment, hvd)
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     handle = HorovodDistributed(environment, hvd, controller, num_gpus)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from tfdist.backends import facts
+from tfdist import backend_facts as facts
 from tfdist.backends.base import Distributed, Settings
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import ConfigError, InitOrderError, LaunchError
@@ -124,11 +124,14 @@ class JaxDistributed(Distributed):
         return lambda value=1.0: self.sum_over_ranks([float(value)] * max(n, 1))[0]
 
     def callbacks(self, *extra: Any, **options: Any) -> list[Any]:
-        """Keras callbacks for Keras 3 on JAX (:mod:`tfdist.jax.callbacks`): your ``extra``
-        callbacks; with ``model_dir`` the chief's checkpoint and TensorBoard logs, the
-        preemption and walltime stop with an exact resume and the exact state at each epoch's
-        end; the throughput meter (``throughput=False`` turns it off) and, on ranks other than
-        the chief, a silent progress bar."""
+        """Keras callbacks for Keras 3 on JAX (:mod:`tfdist.jax.callbacks`), planned as for
+        TensorFlow's Keras (:func:`tfdist.keras.plan.plan`): your ``extra`` callbacks, their
+        writers routed (the chief writes, a BackupAndRestore per rank); with ``model_dir`` the
+        chief's checkpoint and TensorBoard logs, the preemption and walltime stop with an exact
+        resume and the exact state at each epoch's end; the warm-up, ``chief_only``; the
+        throughput meter (``throughput=False`` turns it off) and, on ranks other than the
+        chief, a silent progress bar. An option Keras 3 on JAX cannot honour is refused with
+        the fix (:class:`tfdist.errors.ConfigError`)."""
         from tfdist.jax import callbacks as jax_callbacks
 
         return jax_callbacks.build(self, *extra, **options)
@@ -144,7 +147,7 @@ def coordinator(environment: ClusterEnvironment) -> tuple[str, str]:
     """
     from tfdist.torch import rendezvous
 
-    if environment.launcher == "torchrun":
+    if environment.facts.torch_store:
         if not (environment.master_addr and environment.master_port):
             raise LaunchError("torchrun's MASTER_ADDR/MASTER_PORT are not set in this worker: "
                               "start the script with torchrun itself")
@@ -182,12 +185,9 @@ def create(environment: ClusterEnvironment, settings: Settings) -> JaxDistribute
         distribution = keras.distribution.DataParallel(devices=every,
                                                        auto_shard_dataset=False)
         keras.distribution.set_distribution(distribution)
+    # Its patches (where fit's input stands; the jax-* rows for several processes) follow:
+    # tfdist.backends.create.
     handle = JaxDistributed(environment, distribution, collective, gpus, jax)
-    from tfdist.keras import input_position
-
-    input_position.track(jax=True)  # where fit's input stands, for an exact resume
-    if environment.is_distributed:
-        _install_patches(handle)
     if environment.is_chief:
         logger.info("tfdist: Keras %s on JAX %s, %d process(es), %d %s device(s)%s; %s",
                     keras.__version__, jax.__version__, environment.world_size, len(every),
@@ -219,15 +219,3 @@ def _start_runtime(jax: Any, environment: ClusterEnvironment, settings: Settings
     if environment.is_chief:
         logger.info("tfdist: JAX's processes met at %s (%s)", address, why)
     return "nccl" if any(d.platform == "gpu" for d in jax.local_devices()) else "gloo"
-
-
-def _install_patches(handle: JaxDistributed) -> None:
-    """The patches of several processes (rows ``jax-*`` of :data:`tfdist.patches.INVENTORY`)."""
-    from tfdist.jax import patches as jax_patches
-    from tfdist.keras import fit_inputs
-
-    jax_patches.rank0_values()
-    fit_inputs.agree_on_sequences()  # a PyDataset's shuffled batches: one order on every rank
-    jax_patches.inputs_by_rank(handle.rank, handle.world_size, handle.is_chief,
-                               handle.num_replicas)
-    jax_patches.predict_every_row()

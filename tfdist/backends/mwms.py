@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tfdist import backend_facts as facts
 from tfdist import devices, quiet
 from tfdist.backends.base import (
     Distributed,
@@ -31,7 +32,10 @@ from tfdist.errors import LaunchError, TfdistError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["MultiWorkerDistributed", "create"]
+    from tfdist.patches import Where
+
+__all__ = ["MultiWorkerDistributed", "cpu_replicas_while_created", "create",
+           "heartbeat_while_created"]
 
 logger = logging.getLogger("tfdist")
 
@@ -186,9 +190,14 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
     cpu_replicas = 0 if num_gpus else (settings["cpu_replicas"] or 1)
     if cpu_replicas > 1:
         split_cpu(tf, cpu_replicas)
+    from tfdist import patches
+    from tfdist.backends import where_here
+
+    # The inventory's rows of the creation (mwms-cpu-replicas, mwms-heartbeat); the others
+    # follow the engine (tfdist.backends.create).
+    where = where_here(facts.backend("mwms"), environment.world_size, num_gpus > 0, settings)
     try:
-        with _cpu_devices_per_worker(cpu_replicas), \
-                _heartbeat_timeout(settings["heartbeat_timeout"], environment):
+        with patches.creating(where, settings):
             strategy = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=_resolver(environment, num_gpus),
                 communication_options=options)
@@ -196,7 +205,6 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
         if "configured at program startup" in str(error):
             raise too_late(environment) from None
         raise
-    _install_patches(tf, environment, num_gpus, timeout, strategy.num_replicas_in_sync)
     handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
     if handle.is_chief:
         per_worker = (f"{num_gpus} GPU(s) per worker" if num_gpus else
@@ -212,46 +220,15 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
     return handle
 
 
-def _install_patches(tf: Any, environment: ClusterEnvironment, num_gpus: int,
-                     timeout: float | None, num_replicas: int) -> None:
-    """What MWMS needs of Keras and TensorFlow once the strategy exists (tfdist.patches)."""
-    from tfdist import failures, timeouts
-    from tfdist.backends import mwms_input
-    from tfdist.keras import checks, fit_inputs, keras3, step_results, versions
-
-    keras3.apply()
-    if environment.is_distributed:
-        checks.refuse_mixed_keras()  # a Keras 3 model under TF_USE_LEGACY_KERAS=1
-        # What steps, predict_on_batch and the epoch return: one process's numbers.
-        step_results.install_mwms(tf.keras.Model, versions.is_keras3(tf.keras),
-                                  environment.rank == 0)
-        mwms_input.skip_end_checks()  # one collective fewer per step where it cannot matter
-        if not num_gpus:  # a CPU replica reads a plain iterator: no per-epoch thread to free
-            mwms_input.host_iterators()
-        # fit's shuffled arrays: one order; an uneven last batch named
-        fit_inputs.agree_on_arrays(environment.rank == 0, num_replicas)
-        fit_inputs.agree_on_sequences()  # a PyDataset's shuffled batches: one order
-        fit_inputs.own_generator_batches()  # a split batch never writes into a view
-    if not num_gpus and environment.is_distributed:
-        checks.compile_without_xla(tf.keras.Model, (
-            "TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
-            "all-reduce cannot be compiled; with NCCL on GPUs it can"))
-    failures.install(environment)  # a peer's failure named in one line, after TF's error
-    if timeout is not None:
-        timeouts.install(environment, timeout)  # and a collective's timeout, after it
-
-
 @contextlib.contextmanager
-def _cpu_devices_per_worker(replicas: int) -> Iterator[None]:
-    """While MWMS is created, its CPU workers train on ``replicas`` logical CPUs each.
+def cpu_replicas_while_created(where: Where, settings: Settings) -> Iterator[None]:
+    """Patch ``mwms-cpu-replicas``'s installer (:func:`tfdist.patches.creating`): while MWMS is
+    created, its CPU workers train on ``where.cpu_replicas`` logical CPUs each.
 
     The stand-in for several GPUs per worker (``TFDIST_CPU_REPLICAS``): TensorFlow gives a
     worker without GPUs one replica on ``CPU:0`` (``_initialize_local_devices``), whatever
     logical CPUs exist. Only this creation sees the change; GPUs are untouched.
     """
-    if replicas <= 1:
-        yield
-        return
     from tensorflow.python.distribute import collective_all_reduce_strategy as mwms
 
     from tfdist import patches
@@ -262,7 +239,8 @@ def _cpu_devices_per_worker(replicas: int) -> Iterator[None]:
             found, kind = original(self, cluster_resolver, worker_device)
             if kind != "CPU":
                 return found, kind
-            return tuple(f"{worker_device}/device:CPU:{i}" for i in range(replicas)), "CPU"
+            return (tuple(f"{worker_device}/device:CPU:{i}" for i in range(where.cpu_replicas)),
+                    "CPU")
 
         return local_devices
 
@@ -272,8 +250,9 @@ def _cpu_devices_per_worker(replicas: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _heartbeat_timeout(seconds: float, environment: ClusterEnvironment) -> Iterator[None]:
-    """While MWMS is created, the coordination service it starts gets ``seconds`` as its
+def heartbeat_while_created(where: Where, settings: Settings) -> Iterator[None]:
+    """Patch ``mwms-heartbeat``'s installer (:func:`tfdist.patches.creating`): while MWMS is
+    created, the coordination service it starts gets ``settings["heartbeat_timeout"]`` as its
     heartbeat timeout (``TFDIST_HEARTBEAT_TIMEOUT``) instead of TensorFlow's 10 s.
 
     MWMS configures the service itself (``configure_coordination_service``, unless a service
@@ -281,15 +260,13 @@ def _heartbeat_timeout(seconds: float, environment: ClusterEnvironment) -> Itera
     every half timeout; a rank whose process gets a sliver of a core (a busy neighbour, a
     swapping node) can miss 10 s, and the service then fails every rank as if it had crashed.
     """
-    if not environment.is_distributed:
-        yield
-        return
     from tensorflow.python.eager import context
 
     from tfdist import patches
 
     def change(bound: Any) -> None:
-        bound.arguments.setdefault("heartbeat_timeout_in_ms", round(seconds * 1000))
+        bound.arguments.setdefault("heartbeat_timeout_in_ms",
+                                   round(settings["heartbeat_timeout"] * 1000))
 
     with patches.scoped("mwms-heartbeat", context.Context, "configure_coordination_service",
                         lambda original: patches.rebinding(original, change)):
@@ -308,11 +285,11 @@ def _configured_heartbeat_timeout() -> float | None:
 
 
 def _resolver(environment: ClusterEnvironment, num_gpus: int) -> Any:
-    if environment.launcher == "slurm":
+    if environment.facts.slurm_addresses:
         from tfdist.backends.resolver import SlurmClusterResolver
 
         return SlurmClusterResolver(environment, num_gpus=num_gpus)
-    if environment.launcher in ("tf_config", "local") and environment.worker_addresses:
+    if environment.facts.tf_config_addresses and environment.worker_addresses:
         import tensorflow as tf
 
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()

@@ -1,24 +1,29 @@
 """MWMS's distributed input, made cheaper where it provably changes nothing.
 
 The per-step collective that asks whether every worker still has a batch is dropped for a
-dataset split by DATA with a constant batch (:func:`skip_end_checks`, patch
+dataset split by DATA with a constant batch (:func:`install_input_end_check`, patch
 ``input-end-check``), and a CPU worker with one replica reads a plain tf.data iterator instead of
-a multi-device one (:func:`host_iterators`, patch ``host-input-iterator``).
+a multi-device one (:func:`install_host_input_iterator`, patch ``host-input-iterator``).
+``TFDIST_SKIP_PATCHES`` leaves either out.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["host_iterators", "skip_end_checks"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["install_host_input_iterator", "install_input_end_check"]
 
 logger = logging.getLogger("tfdist")
 
 
-def skip_end_checks() -> bool:
-    """Drops tf.distribute's per-step end-of-data check where it cannot matter. Once.
+def install_input_end_check(where: Where, dist: Any) -> None:
+    """Patch ``input-end-check``'s installer (:func:`tfdist.patches.install`): drops
+    tf.distribute's per-step end-of-data check where it cannot matter. Once.
 
     On several workers a distributed iterator draws each batch with ``get_next_as_optional``
     and all-reduces whether every worker still has one, so that a worker whose shard ran out
@@ -28,18 +33,11 @@ def skip_end_checks() -> bool:
     worker gets exactly one minibatch of every global batch (an empty one past the rows): the
     same number of steps, so the check is dropped for that dataset. Every other dataset (FILE
     or AUTO sharding, no constant batch, ``distribute_datasets_from_function``) keeps it.
-    ``TFDIST_INPUT_END_CHECK=always`` keeps it everywhere.
-
-    Returns:
-        Whether the fast path is installed.
+    ``TFDIST_SKIP_PATCHES=input-end-check`` keeps it everywhere.
     """
     from tensorflow.python.distribute import input_lib
 
     from tfdist import patches
-    from tfdist.settings import resolve
-
-    if resolve("input_end_check") == "always":
-        return False
 
     def wrap(build: Any) -> Any:
         def build_without_needless_check(self: Any, dataset_to_replace: Any = None) -> Any:
@@ -52,12 +50,11 @@ def skip_end_checks() -> bool:
         return build_without_needless_check
 
     patches.apply("input-end-check", input_lib.DistributedDataset, "build", wrap)
-    return True
 
 
-def host_iterators() -> bool:
-    """Reads each distributed dataset through a plain tf.data iterator on a worker whose one
-    replica is its CPU. Once.
+def install_host_input_iterator(where: Where, dist: Any) -> None:
+    """Patch ``host-input-iterator``'s installer: reads each distributed dataset through a
+    plain tf.data iterator on a worker whose one replica is its CPU. Once.
 
     ``experimental_distribute_dataset`` (Keras's ``fit``, ``evaluate`` and ``predict``, a custom
     loop's) gives every worker a multi-device iterator: a thread that copies the next batches
@@ -72,16 +69,11 @@ def host_iterators() -> bool:
     with those options. The batches, the sharding, the rebatching and the end-of-data checks
     are the strategy's. GPU workers, several CPU replicas (``TFDIST_CPU_REPLICAS``) and a
     dataset distributed with options of your own keep TensorFlow's iterator;
-    ``TFDIST_INPUT_ITERATOR=tensorflow`` keeps it everywhere.
-
-    Returns:
-        Whether the plain iterators are installed.
+    ``TFDIST_SKIP_PATCHES=host-input-iterator`` keeps it everywhere. A TensorFlow without
+    what it hooks keeps it too (logged).
     """
     from tfdist import patches
-    from tfdist.settings import resolve
 
-    if resolve("input_iterator") == "tensorflow":
-        return False
     try:
         from tensorflow.python.distribute import collective_all_reduce_strategy as mwms
         from tensorflow.python.distribute import distribute_lib, input_util
@@ -94,7 +86,7 @@ def host_iterators() -> bool:
     except (ImportError, AttributeError) as error:
         logger.info("tfdist: MWMS reads datasets through TensorFlow's multi-device iterators "
                     "on this TensorFlow (%s)", error)
-        return False
+        return
 
     def wrap(original: Any) -> Any:
         def distribute_dataset(self: Any, dataset: Any, options: Any) -> Any:
@@ -110,7 +102,6 @@ def host_iterators() -> bool:
         return distribute_dataset
 
     patches.apply("host-input-iterator", extended, "_experimental_distribute_dataset", wrap)
-    return True
 
 
 def _one_cpu_replica(devices: Sequence[str]) -> bool:

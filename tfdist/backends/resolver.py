@@ -53,7 +53,7 @@ class SlurmClusterResolver(ClusterResolver):
         environ = os.environ if environ is None else environ
         if environment is None:
             environment = slurm.detect(environ)
-        if environment is None or environment.launcher != "slurm":
+        if environment is None or not environment.facts.slurm_addresses:
             missing = [name for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")
                        if name not in environ]
             raise LaunchError(f"SlurmClusterResolver needs an srun step ({' and '.join(missing)} "

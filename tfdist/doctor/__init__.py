@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist import backend_facts as facts
 from tfdist import hostlist, settings
-from tfdist.backends import KERAS_BACKENDS, facts, keras_backend
+from tfdist.backends import KERAS_BACKENDS, keras_backend
 from tfdist.doctor import marks, meet, probe
 from tfdist.doctor.report import Problem, RankReport, check, table
 from tfdist.env import ClusterEnvironment, detect

@@ -14,9 +14,10 @@ import platform
 import socket
 from collections.abc import Mapping
 
+from tfdist import backend_facts as facts
 from tfdist import devices, settings
-from tfdist.backends import choose, choose_torch, facts, keras_backend
-from tfdist.backends.facts import Backend
+from tfdist.backend_facts import Backend
+from tfdist.backends import choose, choose_torch, keras_backend
 from tfdist.doctor.report import INTERFACE_VARIABLES, RankReport, ranges
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import TfdistError

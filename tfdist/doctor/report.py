@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfdist.backends import facts
-from tfdist.backends.facts import Backend
+from tfdist import backend_facts as facts
+from tfdist.backend_facts import Backend
 from tfdist.devices import one_gpu_per_process
 
 __all__ = ["INTERFACE_VARIABLES", "TESTED_TENSORFLOW", "Problem", "RankReport", "check",

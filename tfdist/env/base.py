@@ -6,6 +6,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist.env.launchers import Launcher, launcher
 from tfdist.errors import ConfigError
 
 __all__ = ["ClusterEnvironment", "common", "get_int", "local_ranks"]
@@ -59,6 +60,8 @@ class ClusterEnvironment:
             neither is set (:mod:`tfdist.walltime`).
         end_time_from: the variable ``end_time`` came from, or None.
         reason: which variables decided the detection, for logs and ``tfdist env``.
+
+    What the other rooms must know about the launcher is a column of its row, :attr:`facts`.
     """
 
     launcher: str
@@ -96,6 +99,15 @@ class ClusterEnvironment:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def facts(self) -> Launcher:
+        """This launcher's row of the launcher table (:mod:`tfdist.env.launchers`).
+
+        Raises:
+            ConfigError: a launcher the table does not have.
+        """
+        return launcher(self.launcher, self.launched_for)
 
 
 def local_ranks(owners: Sequence[Hashable]) -> list[int]:

@@ -9,12 +9,14 @@ Horovod's core collective ops (:mod:`tfdist.horovod.ops`). Horovod's own tf_kera
 from its own weights, and copies rank 0's metric states over the others' (a first epoch's
 metrics then count rank 0's first batch twice and the others' not at all).
 
-:func:`install_hooks` also makes ``Model.fit`` behave as under MultiWorkerMirroredStrategy where
-plain Horovod would not: arrays passed to ``fit`` are split by rank (:func:`shard_arrays`), a
-model Keras 3 would build lazily in the first step is built before the initial broadcast, so
-that every rank starts from rank 0's weights, and the epoch's, validation's and ``evaluate``'s
-results are over every rank's examples (:mod:`tfdist.keras.step_results`). ``jit_compile=True``
-trains without XLA, with a warning: Horovod's ops cannot be compiled by XLA.
+:func:`install_horovod_fit` (patch ``horovod-fit``) also makes ``Model.fit`` behave as under
+MultiWorkerMirroredStrategy where plain Horovod would not: arrays passed to ``fit`` are split by
+rank (:func:`shard_arrays`), and a model Keras 3 would build lazily in the first step is built
+before the initial broadcast, so that every rank starts from rank 0's weights. Other rows of
+the inventory do the rest on Horovod as on MWMS: the epoch's, validation's and ``evaluate``'s
+results over every rank's examples (``epoch-results``: :mod:`tfdist.keras.step_results`), and
+``jit_compile=True`` trained without XLA, with a warning (``compile-without-xla``: Horovod's ops
+cannot be compiled by XLA).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import functools
 import inspect
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
 from tfdist import patches
 from tfdist.horovod import ops
-from tfdist.keras.checks import compile_owner, compile_without_xla
+from tfdist.keras.checks import compile_owner
 from tfdist.keras.fit_inputs import (
     GENERATOR,
     is_arrays,
@@ -40,7 +42,11 @@ from tfdist.keras.fit_inputs import (
     warn_once,
 )
 
-__all__ = ["DistributedOptimizer", "callbacks", "install_hooks", "is_keras3", "shard_arrays"]
+__all__ = ["DistributedOptimizer", "callbacks", "install_horovod_fit", "is_keras3",
+           "shard_arrays"]
+
+if TYPE_CHECKING:
+    from tfdist.patches import Where
 
 logger = logging.getLogger("tfdist")
 keras: Any = tf.keras  # Keras 3, or tf_keras with TF_USE_LEGACY_KERAS=1
@@ -103,26 +109,21 @@ def DistributedOptimizer(optimizer: Any) -> Any:  # noqa: N802 (Horovod's name)
     return optimizer
 
 
-def install_hooks(rank: int, world_size: int) -> None:
-    """Wraps ``Model.compile`` (gradient averaging, no XLA) and ``Model.fit`` (arrays split by
-    rank); with Keras 3 also the symbolic build (models built before the first step). Once."""
+def install_horovod_fit(where: Where, dist: Any) -> None:
+    """Patch ``horovod-fit``'s installer (:func:`tfdist.patches.install`): wraps
+    ``Model.compile`` (gradient averaging) and ``Model.fit`` (arrays split by rank); on several
+    ranks ``Model.predict`` (every row of a dataset ``dist.shard`` split); with Keras 3 the
+    symbolic build (models built before the first step). Once. The rows that Horovod shares
+    with MWMS (``compile-without-xla``, ``sequence-one-order``, ``epoch-results``) have their
+    own installers."""
     model_class = keras.Model
+    rank, world_size = int(dist.rank), int(dist.world_size)
     if not patches.apply("horovod-fit", compile_owner(model_class), "compile", _compile_hook):
         return  # installed already
-    compile_without_xla(model_class, "Horovod's all-reduce cannot be compiled by XLA; "
-                        "backend='mwms' with NCCL on GPUs can")
     patches.apply("horovod-fit", model_class, "fit",
                   lambda original: _fit_hook(original, rank, world_size))
     if world_size > 1:
         patches.apply("horovod-fit", model_class, "predict", _predict_hook)
-        from tfdist.keras import fit_inputs, step_results
-
-        fit_inputs.agree_on_sequences()  # every rank reads the same batch of a PyDataset
-
-        # The epoch's, evaluate's and validation's results over every rank's examples.
-        step_results.install_horovod(
-            model_class, lambda tensors: [ops.reduce(t, "sum") for t in tensors],
-            lambda logs: ops.average_logs(logs, "tfdist_step_results"), rank == 0)
     if is_keras3():
         from keras.src.backend.tensorflow import trainer
 

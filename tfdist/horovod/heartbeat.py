@@ -86,6 +86,6 @@ def start(environment: ClusterEnvironment, hvd: Any) -> heartbeat.Heartbeat | No
     store = HttpStore(address, int(port), timeout_s=limit)
     # Under srun rank 0's process serves the rendezvous (tfdist.horovod.join): silent, it is
     # the one stopped; elsewhere the launcher serves it.
-    store_rank = 0 if environment.launcher == "slurm" else None
+    store_rank = 0 if environment.facts.serves_rendezvous else None
     return heartbeat.start(store, environment, int(hvd.rank()), int(hvd.size()), limit,
                            store_rank)

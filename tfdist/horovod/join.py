@@ -22,7 +22,6 @@ from tfdist.settings import resolve
 
 __all__ = ["check_launcher", "choose_controller", "join"]
 
-_LAUNCHED = ("horovodrun", "mpirun", "local", "single")  # hvd.init() needs nothing more
 _server: Any = None  # rank 0's rendezvous server in an srun step, kept for the process's life
 
 
@@ -56,13 +55,13 @@ def check_launcher(environment: ClusterEnvironment, other: str = "backend='mwms'
     Raises:
         LaunchError: e.g. workers of `tfdist launch` without ``--backend horovod``.
     """
-    if environment.launcher == "local" and environment.launched_for != "horovod":
+    if environment.facts.horovod_joins:
+        return
+    if environment.facts.tfdist_launch:
         raise LaunchError(
             "these workers were started by `tfdist launch` without Horovod's rendezvous "
             "(TF_CONFIG): start them with `tfdist launch --backend horovod -n N ...` to use "
             f"Horovod, or use {other}")
-    if environment.launcher in (*_LAUNCHED, "slurm"):
-        return
     raise LaunchError(
         f"{environment.reason}: Horovod cannot join this launch. Start the processes with "
         f"horovodrun, mpirun, `tfdist launch --backend horovod -n N` or srun, or use {other}")
@@ -78,9 +77,9 @@ def join(environment: ClusterEnvironment, hvd: Any) -> None:
     # A rank that stops calling collectives (uneven data, an exception on one rank) would
     # otherwise stall the others forever; Horovod shuts down after this many seconds instead.
     os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "300")
-    if environment.launcher == "slurm":
+    if environment.facts.serves_rendezvous:
         _join_srun_step(environment, hvd)
-    elif environment.launcher == "single" and hvd.gloo_built():
+    elif environment.facts.one_process and hvd.gloo_built():
         # One plain process: Gloo needs no peers, while MPI would try a singleton MPI_Init.
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")

@@ -70,7 +70,7 @@ def sequence_slices(sequence: Any, rank: int, size: int) -> Any:
     """A Keras 3 ``PyDataset`` or tf_keras ``Sequence`` whose every batch is this rank's part of
     ``sequence``'s (its workers, queue, length and epoch hooks kept): the split
     MultiWorkerMirroredStrategy makes of each global batch. The ranks read the same batch at
-    each step (:func:`tfdist.keras.fit_inputs.agree_on_sequences`)."""
+    each step (:func:`tfdist.keras.fit_inputs.install_sequence_one_order`)."""
     base = next(c for c in type(sequence).__mro__ if c.__name__ in ("PyDataset", "Sequence"))
 
     class RankSlices(base):  # type: ignore[misc, valid-type]

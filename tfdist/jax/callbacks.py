@@ -9,7 +9,17 @@ at one agreed step and resumed there, the same state saved at each epoch's end a
 ``checkpoint_every`` (:class:`tfdist.keras.fit_preemption.PreemptionCallback`, as on the TensorFlow
 backends), the replica sync check (where TensorFlow is installed), the throughput meter with
 every rank's profile (:class:`tfdist.throughput.StepMeter`; the input wait timed where ``fit``
-draws its batches, :func:`tfdist.keras.input_position._counted`), the chief's progress bar alone.
+draws its batches, :func:`tfdist.keras.input_position._counted`), the chief's progress bar alone;
+the learning-rate warm-up, ``chief_only``, Keras's BackupAndRestore per rank where the exact
+state does not replace it (``preempt=False``), and your own writers routed as on TensorFlow
+(:func:`route_writer`: the chief writes, a BackupAndRestore gets a folder per rank).
+
+Which callbacks, in which order, is :func:`tfdist.keras.plan.plan`'s answer, the same as for
+TensorFlow's Keras (an option Keras 3 on JAX cannot honour is refused there, with the fix); here
+are Keras 3 on JAX's classes for its steps, made from the bodies TensorFlow's Keras shares
+(:mod:`tfdist.keras.routing`, :mod:`tfdist.keras.warmup`,
+:mod:`tfdist.keras.fit_preemption`). Imported only by the JAX handle's ``callbacks``, once Keras
+runs on JAX.
 """
 
 from __future__ import annotations
@@ -17,97 +27,152 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tfdist import model_dir as layout
+import keras
+
 from tfdist import ownership
-from tfdist.keras import fit_preemption, input_position
+from tfdist.keras import fit_preemption, input_position, plan, routing, warmup
 from tfdist.scratch import save_once
 from tfdist.throughput import StepMeter, throughput_file
 
-__all__ = ["build"]
+if TYPE_CHECKING:
+    from tfdist.handle import Handle
+
+__all__ = ["ChiefOnly", "ChiefWrites", "LearningRateWarmup", "PerRankFiles",
+           "PreemptionCheckpoint", "WorkerBackupAndRestore", "build", "route_writer"]
 
 logger = logging.getLogger("tfdist")
 
-_OPTIONS = ("model_dir", "checkpoint", "throughput", "global_batch", "preempt", "backup",
-            "tensorboard", "sync_check", "sync_check_every", "checkpoint_every",
-            "average_batch_statistics", "warmup_epochs", "chief_only")
+Callback: Any = keras.callbacks.Callback
 
 
-def build(dist: Any, *extra: Any, **options: Any) -> list[Any]:
-    """The callbacks for ``fit`` (see the module docstring); ``options`` are those of
-    :class:`tfdist.keras.callbacks.CallbackOptions`.
+class ChiefOnly(routing.ChiefOnly, Callback):
+    """:class:`tfdist.keras.routing.ChiefOnly` on Keras 3 on JAX: the chief alone runs it."""
+
+
+class ChiefWrites(routing.ChiefWrites, Callback):
+    """:class:`tfdist.keras.routing.ChiefWrites` on Keras 3 on JAX: every rank runs the writer
+    (a save reads the replicated arrays through JAX's runtime), the chief's files are kept."""
+
+
+class PerRankFiles(routing.PerRankFiles, Callback):
+    """:class:`tfdist.keras.routing.PerRankFiles` on Keras 3 on JAX."""
+
+
+_CLASSES = routing.Classes(ChiefOnly, ChiefWrites, PerRankFiles)
+
+
+class WorkerBackupAndRestore(routing.Keras3BackupPerRank, keras.callbacks.BackupAndRestore):
+    """Keras 3's BackupAndRestore with one directory per rank, every rank restoring rank 0's
+    (:class:`tfdist.keras.routing.Keras3BackupPerRank`)."""
+
+
+class LearningRateWarmup(warmup.Warmup, Callback):
+    """:class:`tfdist.keras.warmup.Warmup` on Keras 3 on JAX. Reading ``self.model`` writes
+    ``fit``'s variables back first (Keras's ``jax_state_sync``), so the next step starts from
+    the rate set here; it is set only while it changes."""
+
+
+class PreemptionCheckpoint(fit_preemption.PreemptionCallback, Callback):
+    """:class:`tfdist.keras.fit_preemption.PreemptionCallback` as a Keras 3 callback on JAX."""
+
+
+class EpochCheckpoint(Callback):
+    """``model_dir/checkpoint.keras`` at each epoch's end: every rank runs the save, the
+    chief's file is kept (:func:`tfdist.scratch.save_once`)."""
+
+    def __init__(self, dist: Handle, path: str) -> None:
+        super().__init__()
+        self.dist, self.path = dist, path
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        dist = self.dist
+        save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, self.model, self.path)
+
+
+def _facts(dist: Handle) -> plan.Facts:
+    """What :func:`tfdist.keras.plan.plan` reads of ``dist`` and this process. Keras writes
+    TensorBoard's logs through ``tf.summary``, and :mod:`tfdist.sync` reads variables through
+    TensorFlow's types: both need TensorFlow installed."""
+    installed = {m: importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorflow")}
+    return plan.Facts(dist.facts, plan.KERAS3_JAX, dist.rank, dist.world_size, dist.num_replicas,
+                      dist.save_on_every_rank, input_tracked=input_position.tracked(),
+                      tensorboard_missing=tuple(m for m, found in installed.items() if not found),
+                      sync_check_readable=installed["tensorflow"])
+
+
+def route_writer(dist: Handle, callback: Any, *, announce: bool = False) -> Any:
+    """``callback`` as it must run on this rank so that every file is written once, as on
+    TensorFlow (:func:`tfdist.keras.routing.route_writer`): Keras's ``ModelCheckpoint``,
+    ``CSVLogger`` and ``TensorBoard`` under :class:`ChiefWrites` (a save runs on every rank), a
+    ``BackupAndRestore`` in ``backup_dir/rank-N``; anything else as it is."""
+    if dist.world_size == 1:
+        return callback
+    return routing.route_writer(_facts(dist), callback, _CLASSES, announce=announce)
+
+
+def build(dist: Handle, *extra: Any, **options: Any) -> list[Any]:
+    """The callbacks for ``fit``: the steps of :func:`tfdist.keras.plan.plan`, made with this
+    module's classes; ``options`` are :class:`tfdist.keras.plan.CallbackOptions`' fields.
 
     Raises:
-        TypeError: an option :class:`~tfdist.keras.callbacks.CallbackOptions` does not have.
+        TypeError: an option that does not exist.
+        ConfigError: an option Keras 3 on JAX cannot honour (:func:`tfdist.keras.plan.plan`).
     """
-    import keras
-
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"dist.callbacks() got unknown options {unknown}")
-    model_dir = options.get("model_dir")
-    if model_dir:  # before anything reads or writes it: one run, a folder every rank sees
-        ownership.claim(dist, model_dir)
-    callbacks: list[Any] = list(extra)
-    if model_dir and options.get("checkpoint", True):
-        callbacks.append(_checkpoint(keras, dist, layout.path(model_dir, layout.CHECKPOINT)))
-    logs = []
-    if model_dir and options.get("tensorboard", True) and dist.is_chief and all(
-            importlib.util.find_spec(m) for m in ("tensorboard", "tensorflow")):
-        logs.append(keras.callbacks.TensorBoard(layout.path(model_dir, layout.LOGS)))
-    callbacks += logs
-    callbacks += _sync_check(dist, options)  # after `extra`: it sees their changes
-    if model_dir and options.get("preempt", True):  # last: a stop at an epoch's end comes
-        # after its checkpoint; each epoch's end saves the exact state (a kill resumes there)
-        epoch_saves = bool(options.get("backup", True)) and input_position.tracked()
-        callbacks.append(_preemption(keras)(dist, model_dir, logs=logs,
-                                            every=options.get("checkpoint_every"),
-                                            epoch_saves=epoch_saves))
-    if options.get("throughput", True):
-        callbacks.append(_meter(keras, StepMeter(dist, options.get("global_batch"),
-                                                 throughput_file(model_dir))))
-    if not dist.is_chief:
-        callbacks.append(_Silent(keras))
-    return callbacks
+    o = plan.options(**options)
+    chosen = plan.plan(o, _facts(dist), extra)
+    if o.model_dir:  # before anything reads or writes it: one run, a folder every rank sees
+        ownership.claim(dist, o.model_dir)
+    for level, line in chosen.notes if dist.is_chief else ():
+        logger.log(level, line)
+    return plan.assemble(chosen, _makers(dist))
 
 
-def _checkpoint(keras: Any, dist: Any, path: str) -> Any:
-    class Checkpoint(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, self.model, path)
+def _makers(dist: Handle) -> dict[str, plan.Maker]:
+    """Keras 3 on JAX's callbacks for each kind of step (``made``: the callbacks before it)."""
+    def route(callback: Any, announce: bool = False) -> Any:
+        return route_writer(dist, callback, announce=announce)
 
-    return Checkpoint()
+    return {
+        plan.BACKEND: lambda step, made: dist.backend_callbacks(),
+        plan.BACKUP: lambda step, made: [WorkerBackupAndRestore(step.args["path"], dist.rank)],
+        plan.WARMUP: lambda step, made: [LearningRateWarmup(step.args["epochs"],
+                                                            step.args["replicas"])],
+        plan.YOURS: lambda step, made: [route(c, True) for c in step.args["callbacks"]],
+        plan.SYNC_CHECK: lambda step, made: _sync_check(dist, step),
+        plan.CHIEF_ONLY: lambda step, made: [
+            route(c if routing.path_attribute(c) else ChiefOnly(c, dist.is_chief))
+            for c in step.args["callbacks"]],
+        plan.CHECKPOINT: lambda step, made: [EpochCheckpoint(dist, step.args["path"])],
+        # The chief alone: writing the logs runs no collective here.
+        plan.TENSORBOARD: lambda step, made: [keras.callbacks.TensorBoard(
+            step.args["path"])] if dist.is_chief else [],
+        plan.PREEMPTION: lambda step, made: [PreemptionCheckpoint(
+            dist, step.args["model_dir"], logs=[c for c in made if routing.keeps_logs_open(c)],
+            every=step.args["every"], epoch_saves=step.args["epoch_saves"])],
+        plan.THROUGHPUT: lambda step, made: [_meter(StepMeter(
+            dist, step.args["global_batch"], throughput_file(step.args["model_dir"])))],
+        plan.SILENT_PROGRESS_BAR: lambda step, made: [SilentProgbar()],
+    }
 
 
-def _sync_check(dist: Any, options: dict[str, Any]) -> list[Any]:
+def _sync_check(dist: Handle, step: plan.Step) -> list[Any]:
     """The replica sync check (:class:`tfdist.sync.ReplicaSyncCheck`): every process's copies
     of the variables compared after the first step and at the end. Its module reads variables
-    through TensorFlow's types: without TensorFlow installed the check is left out, said once."""
-    if importlib.util.find_spec("tensorflow") is None:
-        if dist.is_chief and dist.num_replicas > 1 and options.get("sync_check") is not False:
-            logger.info("tfdist: the replica sync check is off: it needs TensorFlow installed")
-        return []
+    through TensorFlow's types (the plan leaves it out where TensorFlow is not installed)."""
     from tfdist import sync
 
-    check = sync.sync_check_callback(dist, options.get("sync_check"),
-                                     options.get("sync_check_every"))
-    return [check] if check is not None else []
+    return [sync.ReplicaSyncCheck(dist, step.args["every"],
+                                  batch_statistics_at_end=step.args["batch_statistics"])]
 
 
-def _preemption(keras: Any) -> Any:
-    class PreemptionCheckpoint(fit_preemption.PreemptionCallback, keras.callbacks.Callback):
-        """:class:`tfdist.keras.fit_preemption.PreemptionCallback` as a Keras 3 callback on JAX."""
-
-    return PreemptionCheckpoint
-
-
-def _meter(keras: Any, meter: StepMeter) -> Any:
+def _meter(meter: StepMeter) -> Any:
     """The meter as a callback; an epoch's input wait is what the ``fit``'s own batches took to
     arrive (:meth:`tfdist.keras.input_position.JaxInput.waited`), where tfdist follows its input."""
 
-    class ThroughputMeter(keras.callbacks.Callback):
+    class ThroughputMeter(Callback):
         def on_train_begin(self, logs: Any = None) -> None:
             found = input_position.current(self.model)  # this fit's, not its evaluation's
             self._input = found if isinstance(found, input_position.JaxInput) else None
@@ -131,13 +196,10 @@ def _meter(keras: Any, meter: StepMeter) -> Any:
     return ThroughputMeter()
 
 
-def _Silent(keras: Any) -> Any:  # noqa: N802 (a class, made where Keras is imported)
-    class SilentProgbar(keras.callbacks.ProgbarLogger):
-        """Keras's progress bar that prints nothing: the chief's alone is shown."""
+class SilentProgbar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar that prints nothing: the chief's alone is shown."""
 
-        def __getattribute__(self, name: str) -> Any:
-            if name.startswith("on_"):
-                return lambda *args, **kwargs: None
-            return object.__getattribute__(self, name)
-
-    return SilentProgbar()
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        return object.__getattribute__(self, name)

@@ -1,28 +1,32 @@
 """tfdist's patches of Keras 3 on JAX with several processes (rows ``jax-*`` of
-:data:`tfdist.patches.INVENTORY`), installed by :mod:`tfdist.backends.keras_jax`.
+:data:`tfdist.patches.INVENTORY`); :func:`tfdist.patches.install` runs their installers.
 
-- :func:`rank0_values`: a variable placed eagerly on the devices of several processes takes
+- :func:`install_rank0_values`: a variable placed eagerly on the devices of several processes takes
   rank 0's value (JAX wants the same value on every process and stops otherwise);
-- :func:`inputs_by_rank`: ``fit``, ``evaluate`` and ``predict`` on in-memory arrays, a
+- :func:`install_inputs_by_rank`: ``fit``, ``evaluate`` and ``predict`` on in-memory arrays, a
   ``keras.utils.PyDataset`` or a Python generator read this rank's part of every global batch
   (Keras refuses arrays on several processes, and would read every batch whole on every rank
   from the others: one process's numbers for twice the work);
-- :func:`predict_every_row`: ``predict``'s batches are gathered from all processes, so it
+- :func:`install_predict_every_row`: ``predict``'s batches are gathered from all processes, so it
   returns every row on every rank, as one process does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
 from tfdist.keras import fit_inputs
 
-__all__ = ["inputs_by_rank", "predict_every_row", "rank0_values"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["install_inputs_by_rank", "install_predict_every_row", "install_rank0_values"]
 
 
-def rank0_values() -> None:
-    """Every eager placement of a variable's value over several processes takes rank 0's."""
+def install_rank0_values(where: Where, dist: Any) -> None:
+    """Patch ``jax-rank0-values``'s installer: every eager placement of a variable's value over
+    several processes takes rank 0's."""
     from jax.experimental import multihost_utils
     from keras.src.backend.jax import core, distribution_lib
 
@@ -45,16 +49,19 @@ def rank0_values() -> None:
                   lambda original: lambda init_layout, shape: False)
 
 
-def inputs_by_rank(rank: int, size: int, is_chief: bool, num_replicas: int) -> None:
-    """``fit``/``evaluate``/``predict`` on arrays: one dataset of global batches (``fit``'s
-    shuffled the same way on every rank: :func:`tfdist.keras.fit_inputs.arrays_as_dataset`),
-    of which each rank reads its part; ``fit``'s ``validation_data`` arrays likewise. A
-    ``PyDataset`` (its batches shuffled in one order on every rank:
-    :func:`tfdist.keras.fit_inputs.agree_on_sequences`) or a generator: each rank its part of
+def install_inputs_by_rank(where: Where, dist: Any) -> None:
+    """Patch ``jax-inputs-by-rank``'s installer: ``fit``/``evaluate``/``predict`` on arrays:
+    one dataset of global batches (``fit``'s shuffled the same way on every rank:
+    :func:`tfdist.keras.fit_inputs.arrays_as_dataset`), of which each rank reads its part;
+    ``fit``'s ``validation_data`` arrays likewise. A ``PyDataset`` (its batches shuffled in one
+    order on every rank: patch ``sequence-one-order``) or a generator: each rank its part of
     every batch; loader processes become threads."""
     import keras
 
     from tfdist.horovod import sharding as by_rank
+
+    rank, size, is_chief = int(dist.rank), int(dist.world_size), bool(dist.is_chief)
+    num_replicas = int(dist.num_replicas)
 
     def split(arguments: dict[str, Any], *, shuffle: bool) -> None:
         x = arguments.get("x")
@@ -114,8 +121,9 @@ def _validation(validation: Any, arguments: dict[str, Any], rank: int, size: int
     return by_rank.shard(dataset.batch(batch), rank, size)
 
 
-def predict_every_row() -> None:
-    """``predict``'s outputs of each batch, gathered from every process in rank order."""
+def install_predict_every_row(where: Where, dist: Any) -> None:
+    """Patch ``jax-predict-every-row``'s installer: ``predict``'s outputs of each batch,
+    gathered from every process in rank order."""
     from jax.experimental import multihost_utils
     from keras.src.backend.jax import trainer
 

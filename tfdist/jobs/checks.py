@@ -1,4 +1,5 @@
-"""Every check of a :class:`~tfdist.jobs.config.JobConfig`, run when one is built.
+"""Every check of a :class:`~tfdist.jobs.config.JobConfig`, run when one is built; they read its
+fields (:class:`~tfdist.jobs.fields.JobFields`).
 
 Each error names the key, the value and what is allowed, so the fix is in the message.
 """
@@ -9,7 +10,7 @@ import difflib
 import re
 from typing import TYPE_CHECKING
 
-from tfdist.backends.facts import job_backend
+from tfdist.backend_facts import job_backend
 from tfdist.errors import ConfigError
 from tfdist.jobs.choices import (
     BACKEND_LAUNCHERS,
@@ -32,7 +33,7 @@ from tfdist.jobs.shell import check_body_value, check_sbatch_value
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from tfdist.jobs.config import JobConfig
+    from tfdist.jobs.fields import JobFields
 
 __all__ = ["validate", "TIME_FORMATS"]
 
@@ -65,7 +66,7 @@ _SIGNAL = re.compile(r"(?:R:)?(?:SIG)?([A-Z0-9]+)(?:@(\d+))?")
 _MEM = re.compile(r"(\d+)([KMGT]?)", re.IGNORECASE)
 
 
-def validate(config: JobConfig) -> None:
+def validate(config: JobFields) -> None:
     """Check every value and combination of ``config``.
 
     Raises:
@@ -92,14 +93,14 @@ def _choice(key: str, value: str | None, allowed: Iterable[str]) -> None:
         raise ConfigError(f"{key} {value!r} is not one of: {', '.join(allowed)}")
 
 
-def _check_choices(c: JobConfig) -> None:
+def _check_choices(c: JobFields) -> None:
     _choice("kind", c.kind, KINDS)
     _choice("backend", c.backend, BACKENDS)
     _choice("launcher", c.launcher, LAUNCHERS)
     _choice("runtime", c.runtime, RUNTIMES)
 
 
-def _check_counts(c: JobConfig) -> None:
+def _check_counts(c: JobFields) -> None:
     for key, value, least in (("nodes", c.nodes, 1), ("gpus_per_node", c.gpus_per_node, 0),
                               ("tasks_per_node", c.tasks_per_node, 1),
                               ("cpus_per_task", c.cpus_per_task, 1),
@@ -108,7 +109,7 @@ def _check_counts(c: JobConfig) -> None:
             raise ConfigError(f"{key} must be at least {least}, got {value}")
 
 
-def _check_kind_keys(c: JobConfig) -> None:
+def _check_kind_keys(c: JobFields) -> None:
     defaults = type(c).__dataclass_fields__
     foreign = [key for key, kinds in _KEY_KINDS.items() if c.kind not in kinds]
     for key in foreign:
@@ -119,7 +120,7 @@ def _check_kind_keys(c: JobConfig) -> None:
                               f"(keys that kind {c.kind} does not take: {', '.join(foreign)})")
 
 
-def _check_train(c: JobConfig) -> None:
+def _check_train(c: JobFields) -> None:
     launcher = c.effective_launcher
     if not c.script:
         raise ConfigError(f"kind {c.kind} needs the training script: give SCRIPT [ARGS ...] "
@@ -144,7 +145,7 @@ def _check_train(c: JobConfig) -> None:
     _check_min_nodes(c)
 
 
-def _check_min_nodes(c: JobConfig) -> None:
+def _check_min_nodes(c: JobFields) -> None:
     if c.node_restarts < 0:
         raise ConfigError(f"node_restarts must be at least 0, got {c.node_restarts}")
     if c.min_nodes is None:
@@ -160,7 +161,7 @@ def _check_min_nodes(c: JobConfig) -> None:
                           f"{c.effective_launcher}, runtime {c.runtime}); remove min_nodes")
 
 
-def _check_torchrun(c: JobConfig) -> None:
+def _check_torchrun(c: JobFields) -> None:
     if c.tasks_per_node not in (None, 1):
         raise ConfigError(f"tasks_per_node {c.tasks_per_node} with launcher torchrun: srun "
                           "starts one torchrun per node, which starts one process per GPU; "
@@ -175,7 +176,7 @@ def _check_torchrun(c: JobConfig) -> None:
                           "srun with tasks_per_node")
 
 
-def _check_tasks(c: JobConfig) -> None:
+def _check_tasks(c: JobFields) -> None:
     tasks, gpus = c.effective_tasks_per_node, c.gpus_per_node
     if c.gpus_per_task:
         if gpus < 1:
@@ -199,7 +200,7 @@ def _check_tasks(c: JobConfig) -> None:
                           "several GPUs per task")
 
 
-def _check_scaling(c: JobConfig) -> None:
+def _check_scaling(c: JobFields) -> None:
     if c.backend in TORCH_BACKENDS:
         raise ConfigError("kind scaling reads the throughput that tfdist's Keras callbacks "
                           f"(dist.callbacks()) write per epoch, which backend {c.backend} does "
@@ -227,7 +228,7 @@ def _check_scaling(c: JobConfig) -> None:
                           "again from the first; remove requeue (submit the job again instead)")
 
 
-def _check_build(c: JobConfig) -> None:
+def _check_build(c: JobFields) -> None:
     if c.nodes != 1:
         raise ConfigError(f"kind build-venv runs on one node (nodes 1), got nodes {c.nodes}")
     if not c.venv:
@@ -239,7 +240,7 @@ def _check_build(c: JobConfig) -> None:
                           "checkout of tfdist ('/path/to/tfdist[gpu]')")
 
 
-def _check_sbatch_values(c: JobConfig) -> None:
+def _check_sbatch_values(c: JobFields) -> None:
     for key in ("job_name", "gpu_type", "partition", "account", "time", "constraint", "output",
                 "mem", "array", "signal"):
         value = getattr(c, key)
@@ -301,7 +302,7 @@ def _check_signal(signal: str | None) -> None:
                           "e.g. USR1@120 (sbatch --signal)")
 
 
-def _check_software(c: JobConfig) -> None:
+def _check_software(c: JobFields) -> None:
     if c.venv is not None and c.python is not None and c.kind != "build-venv":
         raise ConfigError("venv and python both say which Python runs the script; set one: "
                           "venv (activated) or python (an interpreter path)")
@@ -328,7 +329,7 @@ def _check_software(c: JobConfig) -> None:
                               "binds at ',' and ':', so paths cannot contain them)")
 
 
-def _check_env(c: JobConfig) -> None:
+def _check_env(c: JobFields) -> None:
     for name in c.env:
         if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"env: {name!r} is not a variable name; use letters, digits and "
@@ -337,7 +338,7 @@ def _check_env(c: JobConfig) -> None:
             raise ConfigError("env: TFDIST_BACKEND is set from backend; set backend instead")
 
 
-def _check_body_values(c: JobConfig) -> None:
+def _check_body_values(c: JobFields) -> None:
     singles = ("task_output", "venv", "python", "image", "cpu_bind", "script")
     lists = ("modules", "binds", "launcher_args", "args", "packages")
     for key in singles:

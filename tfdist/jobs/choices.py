@@ -4,7 +4,7 @@ combine: shared by the config (:mod:`tfdist.jobs.config`) and its checks
 
 from __future__ import annotations
 
-from tfdist.backends.facts import BACKENDS as _FACTS
+from tfdist.backend_facts import BACKENDS as _FACTS
 
 __all__ = ["BACKENDS", "BACKEND_LAUNCHERS", "ENGINES", "KINDS", "LAUNCHERS", "RUNTIMES",
            "RUNTIME_LAUNCHERS", "TORCH_BACKENDS"]
@@ -12,7 +12,7 @@ __all__ = ["BACKENDS", "BACKEND_LAUNCHERS", "ENGINES", "KINDS", "LAUNCHERS", "RU
 # train: one training run; scaling: the same training on 1..nodes nodes, one srun step each,
 # and the report of `tfdist scaling`; build-venv: a venv built on a compute node.
 KINDS = ("train", "build-venv", "scaling")
-# The backends of tfdist.backends.facts that have a job script, under their job names; the
+# The backends of tfdist.backend_facts that have a job script, under their job names; the
 # engine each one's TFDIST_BACKEND names; the PyTorch ones (tfdist.torch).
 BACKENDS = tuple(row.job_name for row in _FACTS if row.job_name)
 ENGINES = {row.job_name: row.name for row in _FACTS if row.job_name}

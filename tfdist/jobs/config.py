@@ -1,9 +1,10 @@
 """What a job is: one frozen dataclass whose fields are the YAML keys of ``tfdist job``.
 
 A config comes from three levels, highest first: command-line flags, the YAML file, the
-defaults below. :func:`merge` applies the order (lists given on the command line replace the
-file's; ``env`` is merged name by name), :meth:`JobConfig.from_mapping` checks keys and types, and
-the dataclass checks every combination when it is built (:mod:`tfdist.jobs.checks`).
+defaults (:mod:`tfdist.jobs.fields`). :func:`merge` applies the order (lists given on the command
+line replace the file's; ``env`` is merged name by name), :meth:`JobConfig.from_mapping` checks
+keys and types, and the dataclass checks every combination when it is built
+(:mod:`tfdist.jobs.checks`).
 
 YAML is read with YAML 1.2's plain types: ``01:30:00`` stays a string instead of becoming the
 sexagesimal number 5400, and ``on``/``no`` stay strings instead of booleans.
@@ -16,7 +17,7 @@ import difflib
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ from tfdist.jobs.choices import (
     RUNTIME_LAUNCHERS,
     RUNTIMES,
 )
+from tfdist.jobs.fields import JobFields
 from tfdist.jobs.options import sbatch_option
-from tfdist.scaling import check_sizes, default_sizes, parse_sizes
+from tfdist.scaling import check_sizes, parse_sizes
 
 __all__ = [
     "BACKENDS",
@@ -49,7 +51,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class JobConfig:
+class JobConfig(JobFields):
     """One Slurm job: a training run (``kind: train``), a venv build (``kind: build-venv``), or
     the training's scaling efficiency (``kind: scaling``: one srun step on each of
     ``scaling_nodes`` nodes, then ``tfdist scaling --report``).
@@ -61,56 +63,6 @@ class JobConfig:
         ConfigError: an impossible value or combination; the message lists what is allowed.
     """
 
-    kind: str = "train"
-    job_name: str = "tfdist"
-    # Resources
-    nodes: int = 1
-    gpus_per_node: int = 1
-    gpu_type: str | None = None
-    gpus_per_task: bool = False
-    tasks_per_node: int | None = None
-    cpus_per_task: int | None = None
-    # The cores of a node, for cpus_per_task's default (tfdist job asks sinfo when unset)
-    cores_per_node: int | None = None
-    # Scheduling and output
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None
-    constraint: str | None = None
-    mem: str | None = None
-    array: str | None = None
-    # Preemption and walltime: a signal to the tasks before the limit, and the requeue
-    signal: str | None = None
-    requeue: bool = False
-    # A lost node survived: the training goes on on the nodes left (tfdist survive), while at
-    # least min_nodes are (None: off), at most node_restarts times
-    min_nodes: int | None = None
-    node_restarts: int = 3
-    sbatch_args: tuple[str, ...] = ()
-    output: str = "%x-%j.out"
-    task_output: str | None = None
-    # Software
-    modules: tuple[str, ...] = ()
-    runtime: str = "venv"
-    venv: str | None = None
-    python: str | None = None
-    image: str | None = None
-    binds: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    # Launch
-    backend: str = "mwms"
-    launcher: str | None = None
-    launcher_args: tuple[str, ...] = ()
-    cpu_bind: str | None = "cores"
-    doctor: bool = True
-    script: str | None = None
-    args: tuple[str, ...] = ()
-    # Venv build
-    packages: tuple[str, ...] = ()
-    system_site_packages: bool = False
-    # Scaling: the node counts to measure (default: powers of two below nodes, and nodes)
-    scaling_nodes: tuple[int, ...] = ()
-
     def __post_init__(self) -> None:
         # The same type checks as from_mapping, for Python callers: lists become tuples, env a
         # dict of its own, numbers given for text become text.
@@ -118,37 +70,6 @@ class JobConfig:
             value = _coerce(spec.name, getattr(self, spec.name), "JobConfig")
             object.__setattr__(self, spec.name, value)
         validate(self)
-
-    @property
-    def effective_launcher(self) -> str:
-        """``launcher``, or the backend's default launcher when it is not set."""
-        return self.launcher or BACKEND_LAUNCHERS[self.backend][0]
-
-    @property
-    def effective_tasks_per_node(self) -> int:
-        """Slurm tasks per node: ``tasks_per_node``, else 1 for torchrun (one agent per node)
-        and for CPU-only jobs, else one per GPU."""
-        if self.tasks_per_node is not None:
-            return self.tasks_per_node
-        if self.kind == "build-venv" or self.effective_launcher == "torchrun":
-            return 1
-        return self.gpus_per_node or 1
-
-    @property
-    def effective_cpus_per_task(self) -> int | None:
-        """``cpus_per_task``, else the node's cores shared by its tasks (``cores_per_node``),
-        else None: Slurm's default, one core a task unless the partition gives whole nodes."""
-        if self.cpus_per_task is not None or self.kind == "build-venv":
-            return self.cpus_per_task
-        if self.cores_per_node is None:
-            return None
-        return max(1, self.cores_per_node // self.effective_tasks_per_node)
-
-    @property
-    def effective_scaling_nodes(self) -> tuple[int, ...]:
-        """The node counts a scaling job measures: ``scaling_nodes``, else the powers of two
-        below ``nodes``, and ``nodes`` (:func:`tfdist.scaling.default_sizes`)."""
-        return self.scaling_nodes or default_sizes(self.nodes)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, origin: str = "config") -> JobConfig:

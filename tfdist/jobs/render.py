@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import posixpath
 
-from tfdist.backends.facts import JAX, Backend, job_backend
+from tfdist.backend_facts import JAX, Backend, job_backend
 from tfdist.env.slurm import PORT_BLOCK, PORT_RANGE
 from tfdist.jobs.config import JobConfig
 from tfdist.jobs.options import option_name
@@ -378,7 +378,7 @@ def _horovod_mpi(c: JobConfig) -> bool:
 
 
 def _facts(c: JobConfig) -> Backend:
-    """The facts of the job's backend (:mod:`tfdist.backends.facts`); its ``name`` is what the
+    """The facts of the job's backend (:mod:`tfdist.backend_facts`); its ``name`` is what the
     job's TFDIST_BACKEND names: ``mwms``, ``horovod``, ``ddp`` or ``deepspeed``."""
     return job_backend(c.backend)
 

@@ -2,9 +2,13 @@
 
 Importing it loads no TensorFlow or Keras; each room imports its Keras when it runs.
 
-- :mod:`~tfdist.keras.callbacks`: ``dist.callbacks()`` for TensorFlow's Keras (chief-written
+- :mod:`~tfdist.keras.plan`: ``dist.callbacks()``'s plan for every Keras (pure): which
+  callbacks in which order, the options a Keras cannot honour refused, how a user's writer runs.
+- :mod:`~tfdist.keras.callbacks`: TensorFlow's Keras's classes for the plan (chief-written
   files, the preemption checkpoint, warm-up, the throughput meter, the chief's progress bar),
   and the routing of a user's own writers.
+- :mod:`~tfdist.keras.routing`, :mod:`~tfdist.keras.warmup`: the bodies every Keras shares (the
+  writers' wrappers, Keras 3's backup per rank, the warm-up).
 - :mod:`~tfdist.keras.fit_preemption`: the preemption callback's body for every Keras (the
   agreed stop, the exact state, the resume).
 - :mod:`~tfdist.keras.writers`: the user's own writers and saves, once, from the chief.

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 if TYPE_CHECKING:
-    from tfdist.backends.base import Distributed
+    from tfdist.handle import Handle
 
 __all__ = ["BatchStatisticsAverage", "as_tf_variable", "average_batch_statistics",
            "averages_batch_statistics", "batch_statistics", "to_numpy"]
@@ -33,7 +33,7 @@ def batch_statistics(model: Any) -> list[Any]:
             for v in (layer.moving_mean, layer.moving_variance)]
 
 
-def averages_batch_statistics(dist: Distributed) -> bool:
+def averages_batch_statistics(dist: Handle) -> bool:
     """Whether the replicas' moving statistics need averaging: several replicas, other than
     tf_keras under a tf.distribute strategy, whose statistics are sync-on-read means already."""
     if dist.num_replicas == 1:
@@ -43,7 +43,7 @@ def averages_batch_statistics(dist: Distributed) -> bool:
     return not dist.facts.keras2_synced_batch_norm or is_keras3(keras)
 
 
-def average_batch_statistics(dist: Distributed, model: Any) -> int:
+def average_batch_statistics(dist: Handle, model: Any) -> int:
     """Replaces every replica's BatchNormalization moving statistics by their mean over all
     replicas (the copies this process holds, one per device, then the ranks, in one
     collective); returns how many values it averaged. Every rank must call it."""
@@ -66,7 +66,7 @@ class BatchStatisticsAverage(keras.callbacks.Callback):
     anything saves or compares the weights: every rank then holds the same model, and the
     chief's checkpoint reflects all the data, as tf_keras's sync-on-read statistics do."""
 
-    def __init__(self, dist: Distributed) -> None:
+    def __init__(self, dist: Handle) -> None:
         super().__init__()
         self.dist = dist
 

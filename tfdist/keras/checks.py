@@ -4,21 +4,23 @@ A model's own ``train_step``/``test_step`` (:func:`own_step`, pure), the optimiz
 gradient accumulation and clipping (:func:`check_optimizer`), compiled metrics made outside the
 scope (:func:`check_metrics`), ``compile(jit_compile=True)`` where XLA cannot compile the step's
 all-reduce (:func:`compile_without_xla`, patch ``compile-without-xla``), and a Keras 3 model
-under ``TF_USE_LEGACY_KERAS=1`` (:func:`refuse_mixed_keras`, patch ``mixed-keras``).
+under ``TF_USE_LEGACY_KERAS=1`` (:func:`install_mixed_keras`, patch ``mixed-keras``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
-from tfdist.keras.versions import is_keras3, legacy_keras_requested
+
+if TYPE_CHECKING:
+    from tfdist.patches import Where
 
 __all__ = ["MIXED_KERAS", "check_metrics", "check_optimizer", "compile_owner",
-           "compile_without_xla", "own_step", "refuse_mixed_keras"]
+           "compile_without_xla", "install_compile_without_xla", "install_mixed_keras",
+           "own_step"]
 
 logger = logging.getLogger("tfdist")
 
@@ -128,6 +130,22 @@ def compile_without_xla(model_class: Any, reason: str) -> None:
     patches.apply("compile-without-xla", compile_owner(model_class), "compile", wrap)
 
 
+# Why XLA cannot compile the step's all-reduce, per kind of backend (the warning's reason).
+_NO_XLA_MWMS = ("TensorFlow has no XLA collectives for CPU devices (b/194942685), so the step's "
+                "all-reduce cannot be compiled; with NCCL on GPUs it can")
+_NO_XLA_HOROVOD = ("Horovod's all-reduce cannot be compiled by XLA; backend='mwms' with NCCL on "
+                   "GPUs can")
+
+
+def install_compile_without_xla(where: Where, dist: Any) -> None:
+    """Patch ``compile-without-xla``'s installer (:func:`tfdist.patches.install`): MWMS's CPU
+    workers and Horovod, each with its reason."""
+    import tensorflow as tf
+
+    compile_without_xla(tf.keras.Model, _NO_XLA_HOROVOD if where.backend.horovod
+                        else _NO_XLA_MWMS)
+
+
 def compile_owner(model_class: Any) -> Any:
     """The class that defines ``compile`` for ``model_class`` (Keras 3: ``Trainer``; tf_keras:
     ``Model``), where tfdist wraps it. Keras compiles a loaded model from its saved config only
@@ -148,15 +166,12 @@ MIXED_KERAS = (
     "or unset TF_USE_LEGACY_KERAS to train with Keras 3")
 
 
-def refuse_mixed_keras() -> bool:
-    """With ``TF_USE_LEGACY_KERAS=1`` and Keras 3 imported too (``import keras``), makes Keras 3
-    models' ``fit``, ``evaluate`` and ``predict`` raise :data:`MIXED_KERAS` instead of failing
-    deep inside TensorFlow (or, under Horovod, training without averaging). Returns whether the
-    guard is in place. A script that imports Keras 3 only after :func:`tfdist.init` is not
-    seen."""
-    module = sys.modules.get("keras")
-    if not legacy_keras_requested() or module is None or not is_keras3(module):
-        return False
+def install_mixed_keras(where: Where, dist: Any) -> None:
+    """Patch ``mixed-keras``'s installer: with ``TF_USE_LEGACY_KERAS=1`` and Keras 3 imported
+    too (``import keras``), makes Keras 3 models' ``fit``, ``evaluate`` and ``predict`` raise
+    :data:`MIXED_KERAS` instead of failing deep inside TensorFlow (or, under Horovod, training
+    without averaging). A script that imports Keras 3 only after :func:`tfdist.init` is not
+    seen (the inventory plans it where Keras 3 is imported then)."""
     from keras.src.backend.tensorflow import trainer
 
     from tfdist.errors import ConfigError
@@ -170,4 +185,3 @@ def refuse_mixed_keras() -> bool:
 
     for name in ("fit", "evaluate", "predict"):
         patches.apply("mixed-keras", trainer.TensorFlowTrainer, name, wrap)
-    return True

@@ -1,26 +1,31 @@
 """``fit``'s own inputs on several processes: one order and one split on every rank.
 
 In-memory arrays shuffled by Keras with each rank's random state become one dataset shuffled
-the same way everywhere (:func:`agree_on_arrays`, patches ``arrays-one-order`` and
-``arrays-shuffle-seed``); a PyDataset's shuffled batches come from one seeded stream
-(:func:`agree_on_sequences`, ``sequence-one-order``); a generator's elements are copied before a
-split batch can be written in place (:func:`own_generator_batches`, ``generator-copies``); forked
-loader processes become threads. The sharding policy itself is :mod:`tfdist.sharding`.
+the same way everywhere (:func:`install_arrays_one_order`, patch ``arrays-one-order``, with
+:func:`fixed_shuffle_seed`, ``arrays-shuffle-seed``, for each such shuffle); a PyDataset's
+shuffled batches come from one seeded stream (:func:`install_sequence_one_order`,
+``sequence-one-order``); a generator's elements are copied before a split batch can be written
+in place (:func:`install_generator_copies`, ``generator-copies``); forked loader processes
+become threads. The sharding policy itself is :mod:`tfdist.sharding`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from tfdist.errors import ConfigError
 
-__all__ = ["GENERATOR", "LOADER_PROCESSES", "SHUFFLE_SEED", "agree_on_arrays",
-           "agree_on_sequences", "arrays_as_dataset", "arrays_rows_left", "copying", "is_arrays",
-           "is_generator", "is_sequence", "loader_threads", "own_copies", "own_generator_batches",
-           "warn_about_arrays", "warn_once"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["GENERATOR", "LOADER_PROCESSES", "SHUFFLE_SEED", "arrays_as_dataset",
+           "arrays_rows_left", "copying", "fixed_shuffle_seed", "install_arrays_one_order",
+           "install_generator_copies", "install_sequence_one_order", "is_arrays", "is_generator",
+           "is_sequence", "loader_threads", "own_copies", "warn_about_arrays", "warn_once"]
 
 
 SHUFFLE_SEED = 20251123  # the same on every rank, so that the ranks split one permutation
@@ -77,12 +82,25 @@ def _agreed_shuffle(dataset: Any, rows: int) -> Any:
 
     A seed given to ``shuffle`` is not enough: TensorFlow pairs it with the process's global
     seed (``tf.random.set_seed``, ``keras.utils.set_random_seed``), which scripts often set per
-    rank. While the shuffle is made its two seeds are fixed (patch ``arrays-shuffle-seed``).
+    rank. While the shuffle is made its two seeds are fixed (:func:`fixed_shuffle_seed`).
     """
+    with fixed_shuffle_seed():
+        return dataset.shuffle(rows, reshuffle_each_iteration=True)
+
+
+@contextlib.contextmanager
+def fixed_shuffle_seed() -> Iterator[None]:
+    """Patch ``arrays-shuffle-seed``'s installer (phase ``call``: inside the wrapper of
+    ``arrays-one-order``, ``horovod-fit`` or ``jax-inputs-by-rank``): while the block runs,
+    every tf.data op's two seeds are :data:`SHUFFLE_SEED`'s, where the process's plan holds the
+    row (:func:`tfdist.patches.planned_here`)."""
+    from tfdist import patches
+
+    if not patches.planned_here("arrays-shuffle-seed"):
+        yield
+        return
     import tensorflow as tf
     from tensorflow.python.data.util import random_seed
-
-    from tfdist import patches
 
     def fixed(original: Any) -> Any:
         def get_seed(seed: Any) -> tuple[Any, Any]:
@@ -91,7 +109,7 @@ def _agreed_shuffle(dataset: Any, rows: int) -> Any:
         return get_seed
 
     with patches.scoped("arrays-shuffle-seed", random_seed, "get_seed", fixed):
-        return dataset.shuffle(rows, reshuffle_each_iteration=True)
+        yield
 
 
 def is_arrays(x: Any) -> bool:
@@ -117,15 +135,18 @@ def arrays_rows_left(arguments: Mapping[str, Any]) -> int:
     return rows % (arguments.get("batch_size") or 32)
 
 
-def agree_on_arrays(is_chief: bool = False, num_replicas: int = 1) -> None:
-    """Under MultiWorkerMirroredStrategy, ``fit(x, y, shuffle=True)`` on arrays (Keras's
-    default) trains one permutation that every worker agrees on, split by DATA, instead of each
-    worker's own (:func:`arrays_as_dataset`); ``fit`` on a Python generator gets one warning on
-    the chief (:data:`GENERATOR`), as do arrays whose last batch does not split evenly over
-    the ``num_replicas`` replicas (:func:`tfdist.replicas.last_batch_line`). Once."""
+def install_arrays_one_order(where: Where, dist: Any) -> None:
+    """Patch ``arrays-one-order``'s installer: under MultiWorkerMirroredStrategy,
+    ``fit(x, y, shuffle=True)`` on arrays (Keras's default) trains one permutation that every
+    worker agrees on, split by DATA, instead of each worker's own (:func:`arrays_as_dataset`);
+    ``fit`` on a Python generator gets one warning on the chief (:data:`GENERATOR`), as do
+    arrays whose last batch does not split evenly over the replicas
+    (:func:`tfdist.replicas.last_batch_line`). Once."""
     import tensorflow as tf
 
     from tfdist import patches
+
+    is_chief, num_replicas = bool(dist.is_chief), int(dist.num_replicas)
 
     def one_order(bound: Any) -> None:
         x = bound.arguments.get("x")
@@ -224,11 +245,12 @@ def _sequence_modules() -> list[Any]:
     return found
 
 
-def agree_on_sequences() -> None:
-    """``fit`` on a ``keras.utils.PyDataset`` (Keras 3) or ``Sequence`` (tf_keras) with
-    ``shuffle=True`` (the default) takes its batches in one order every rank agrees on: Keras
-    draws it from Python's ``random``, which each rank seeds its own way, and a split of each
-    global batch over the workers is right only if every worker reads the same batch. Once."""
+def install_sequence_one_order(where: Where, dist: Any) -> None:
+    """Patch ``sequence-one-order``'s installer: ``fit`` on a ``keras.utils.PyDataset`` (Keras
+    3) or ``Sequence`` (tf_keras) with ``shuffle=True`` (the default) takes its batches in one
+    order every rank agrees on: Keras draws it from Python's ``random``, which each rank seeds
+    its own way, and a split of each global batch over the workers is right only if every
+    worker reads the same batch. Once."""
     from tfdist import patches
 
     for module in _sequence_modules():
@@ -236,8 +258,9 @@ def agree_on_sequences() -> None:
                       lambda original: _AgreedRandom(original, SHUFFLE_SEED))
 
 
-def own_generator_batches() -> None:
-    """Every element a ``tf.data.Dataset.from_generator`` generator yields (Keras's own, for a
+def install_generator_copies(where: Where, dist: Any) -> None:
+    """Patch ``generator-copies``'s installer: every element a
+    ``tf.data.Dataset.from_generator`` generator yields (Keras's own, for a
     ``PyDataset``, a ``Sequence`` or a Python generator passed to ``fit``) reaches TensorFlow as
     a copy: TensorFlow takes numpy arrays without copying them, and once MWMS has split a global
     batch over the replicas an op of the step may write its result into a replica's part in

@@ -26,14 +26,14 @@ from tfdist.scratch import save_once
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
-    from tfdist.backends.base import Distributed
+    from tfdist.handle import Handle
 
 __all__ = ["PreemptionCallback", "fingerprint", "save_model"]
 
 logger = logging.getLogger("tfdist")
 
 
-def save_model(dist: Distributed, model: Any, path: str) -> bool:
+def save_model(dist: Handle, model: Any, path: str) -> bool:
     """The model with its optimizer to ``path``, once, from the chief, run on every rank
     (:func:`tfdist.scratch.save_once`); whether this process wrote it."""
     return save_once(dist.is_chief, dist.rank, dist.save_on_every_rank, model, path)
@@ -75,7 +75,7 @@ class PreemptionCallback:
 
     model: Any  # set by Keras (its Callback, the other base)
 
-    def __init__(self, dist: Distributed, model_dir: str,
+    def __init__(self, dist: Handle, model_dir: str,
                  check_seconds: float | None = None, *, logs: Sequence[Any] = (),
                  every: float | str | None = None, epoch_saves: bool = False) -> None:
         super().__init__()

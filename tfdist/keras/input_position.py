@@ -10,9 +10,11 @@ many batches were drawn from it.
 
 :func:`plan` turns a saved position into what the resumed ``fit`` does (pure, tested as a
 table); :class:`Keras3Input` and :class:`TfKerasInput` read positions off the two trainers and
-carry the plan out. Both count the iterators the trainer makes through a hook that
-:func:`track` installs once; :func:`current` is the input of the ``fit`` that is starting (read
-it in ``on_train_begin``).
+carry the plan out. Both count the iterators the trainer makes through a hook that one
+installer per Keras puts in place once (:func:`install_keras3`, :func:`install_keras2`,
+:func:`install_jax`: patches ``keras3-input-position``, ``keras2-input-position``,
+``jax-input-position``); :func:`current` is the input of the ``fit`` that is starting (read it
+in ``on_train_begin``).
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tfdist import patches
 from tfdist.keras import iterators
 from tfdist.keras.versions import keras2_module, keras2_package
 from tfdist.throughput import arrivals
 
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
 __all__ = ["JaxInput", "Keras3Input", "Position", "Resume", "SeedsOnly", "TfKerasInput", "current",
-           "plan", "rebatch", "seeds_only", "track"]
+           "install_jax", "install_keras2", "install_keras3", "plan", "rebatch", "seeds_only",
+           "tracked"]
 
 logger = logging.getLogger("tfdist")
 
@@ -443,26 +450,38 @@ def _tracked_epochs(enumerate_epochs: Any) -> Any:
     return tracked_epochs
 
 
-def track(jax: bool = False) -> bool:
-    """Installs the counting hooks for the Keras in use (:mod:`tfdist.patches`), once; called
-    when a backend is created (``jax``: Keras 3 on JAX). False where they cannot be (a Keras
-    without the classes hooked): a resumed ``fit`` then starts with the epoch."""
+def install_keras3(where: Where, dist: Any) -> None:
+    """Patch ``keras3-input-position``'s installer (:func:`tfdist.patches.install`): the
+    counting hooks of Keras 3 on TensorFlow, once."""
+    _track(_track_keras3)
+
+
+def install_keras2(where: Where, dist: Any) -> None:
+    """Patch ``keras2-input-position``'s installer: the counting hooks of tf_keras (or the keras
+    2.x of TensorFlow 2.15 and older), once."""
+    _track(_track_keras2)
+
+
+def install_jax(where: Where, dist: Any) -> None:
+    """Patch ``jax-input-position``'s installer: the counting hooks of Keras 3 on JAX, once."""
+    _track(_track_keras3_jax)
+
+
+def _track(hooks: Callable[[], None]) -> None:
+    """Installs ``hooks``; where they cannot be (a Keras without the classes hooked), says so:
+    a resumed ``fit`` then starts with the epoch."""
     try:
-        if jax:
-            _track_keras3_jax()
-        else:
-            _track_keras2() if keras2_package() else _track_keras3()
+        hooks()
     except (ImportError, AttributeError) as error:
         logger.info("tfdist: cannot follow fit's input on this Keras (%s): a preempted fit "
                     "resumes at its epoch", error)
         _tracking[:] = [False]
-        return False
+        return
     _tracking[:] = [True]
-    return True
 
 
 def tracked() -> bool:
-    """Whether :func:`track` installed the hooks in this process."""
+    """Whether the counting hooks of the Keras in use are installed in this process."""
     return bool(_tracking and _tracking[0])
 
 

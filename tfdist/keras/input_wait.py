@@ -15,7 +15,8 @@ collective that asks whether every worker still has a batch, which waits for the
 workers. Evaluation inside ``fit`` is not timed. A step costs two clock reads and one add, and
 its computation starts after the second read.
 
-Installed with :func:`install` when a TensorFlow backend is created (patch ``fit-input-wait``).
+Installed with :func:`install_timing` when a TensorFlow backend is created (patch
+``fit-input-wait``; ``TFDIST_SKIP_PATCHES=fit-input-wait`` leaves it out).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
 
-__all__ = ["install", "seconds"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["install", "install_timing", "seconds"]
 
 logger = logging.getLogger("tfdist")
 
@@ -120,6 +124,11 @@ def _make_train_function(original: Callable[..., Any]) -> Callable[..., Any]:
         return self.train_function if made is not None else made
 
     return make_train_function
+
+
+def install_timing(where: Where, dist: Any) -> None:
+    """Patch ``fit-input-wait``'s installer (:func:`tfdist.patches.install`)."""
+    install(keras2=not where.keras3)
 
 
 def install(keras2: bool) -> bool:

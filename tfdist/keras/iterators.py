@@ -17,7 +17,9 @@ The iterator's dataset is kept alive until then (a generator's dataset is needed
 Left to TensorFlow: the per-device iterators of a multi-device iterator (freeing those on
 another thread crashed TensorFlow), and iterators made while tracing a ``tf.function``. At exit,
 frees still pending are waited for, at most :data:`EXIT_WAIT_S`, as the training thread would
-have. ``TFDIST_ITERATOR_FREE=tensorflow`` leaves every free where TensorFlow does it.
+have. ``TFDIST_SKIP_PATCHES=iterator-free-thread`` leaves every free where TensorFlow does it
+(patch ``iterator-free-thread``: :func:`install_free_thread` on TensorFlow's backends,
+:func:`install_where_loaded` on Keras 3 on JAX).
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
 
-__all__ = ["EXIT_WAIT_S", "freed", "install", "install_where_loaded", "pending"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["EXIT_WAIT_S", "freed", "install", "install_free_thread", "install_where_loaded",
+           "pending"]
 
 logger = logging.getLogger("tfdist")
 
@@ -141,17 +147,25 @@ def _exit() -> None:
                        "exiting without it", EXIT_WAIT_S)
 
 
+def install_free_thread(where: Where, dist: Any) -> None:
+    """Patch ``iterator-free-thread``'s installer on TensorFlow's backends
+    (:func:`tfdist.patches.install`)."""
+    install()
+
+
 def install_where_loaded() -> bool:
-    """:func:`install` if TensorFlow is loaded: Keras 3 on JAX calls it as an epoch's input is
-    made, so a job that reads a tf.data dataset gets it and one that never imports TensorFlow
-    does not start it."""
-    return "tensorflow" in sys.modules and install()
+    """:func:`install` if TensorFlow is loaded and the process's plan holds the patch
+    (:func:`tfdist.patches.planned_here`; phase ``lazy``): Keras 3 on JAX calls it as an
+    epoch's input is made, so a job that reads a tf.data dataset gets it and one that never
+    imports TensorFlow does not start it."""
+    return ("tensorflow" in sys.modules and patches.planned_here("iterator-free-thread")
+            and install())
 
 
 def install() -> bool:
     """Frees plain tf.data iterators on tfdist's thread from now on, once per process (every
-    TensorFlow backend; Keras 3 on JAX: :func:`install_where_loaded`). False where it is off
-    (``TFDIST_ITERATOR_FREE=tensorflow``) or this TensorFlow lacks what it hooks."""
+    TensorFlow backend; Keras 3 on JAX: :func:`install_where_loaded`). False where this
+    TensorFlow lacks what it hooks."""
     if _installed:
         return _installed[0]
     _installed.append(_install())
@@ -162,10 +176,6 @@ _installed: list[bool] = []
 
 
 def _install() -> bool:
-    from tfdist.settings import resolve
-
-    if resolve("iterator_free") == "tensorflow":
-        return False
     try:
         from tensorflow.python.data.ops import iterator_ops
         from tensorflow.python.eager import context

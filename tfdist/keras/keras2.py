@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
 from tfdist.keras.versions import keras2_module, keras2_package
 
-__all__ = ["keras2_random_generator", "random_states", "repair_eager_record"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["eager_record_lost", "install_eager_record", "keras2_random_generator",
+           "random_states", "repair_eager_record"]
 
 logger = logging.getLogger("tfdist")
 
@@ -39,19 +43,32 @@ def repair_eager_record() -> bool:
 
     Returns whether it repaired.
     """
+    if not eager_record_lost():
+        return False
+    from tensorflow.python.eager import context
+
+    patches.apply("eager-record", context.context(), "_context_switches",
+                  lambda lost: type(lost)(True))
+    logger.debug("tfdist: TensorFlow's eager context was created before eager execution was "
+                 "on (TensorFlow <= 2.14 imported inside absl's app.run): repaired")
+    return True
+
+
+def eager_record_lost() -> bool:
+    """Whether TensorFlow, imported, is eager and its eager context's record of context
+    switches lacks its first, eager entry (see :func:`repair_eager_record`)."""
     if "tensorflow" not in sys.modules:  # not started: nothing lost (and nothing to import)
         return False
     from tensorflow.python.eager import context
 
     eager_context = context.context()
     record = getattr(eager_context, "_context_switches", None)
-    if record is None or record.stack or not eager_context.executing_eagerly():
-        return False
-    patches.apply("eager-record", eager_context, "_context_switches",
-                  lambda lost: type(lost)(True))
-    logger.debug("tfdist: TensorFlow's eager context was created before eager execution was "
-                 "on (TensorFlow <= 2.14 imported inside absl's app.run): repaired")
-    return True
+    return record is not None and not record.stack and eager_context.executing_eagerly()
+
+
+def install_eager_record(where: Where, dist: Any) -> None:
+    """Patch ``eager-record``'s installer (:func:`tfdist.patches.install`)."""
+    repair_eager_record()
 
 
 def keras2_random_generator() -> bool:

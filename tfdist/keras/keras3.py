@@ -24,53 +24,94 @@ tfdist keeps each worker's own per-step logs unless a callback reads them
    ``tf.function`` instead, each drawing its batch with ``get_next``: it knows from the epoch
    iterator how many steps the epoch has left, so the last, shorter chunk gets its own trace.
 
-All fixes wrap the upstream functions and defer to them everywhere else. They are applied by
-tfdist.init only for a multi-worker strategy and only on the Keras versions in ``AFFECTED``;
+All fixes wrap the upstream functions and defer to them everywhere else (they act on a
+multi-worker strategy only). tfdist.init installs them under MWMS on the Keras versions in
+``AFFECTED``, one installer per row of :data:`tfdist.patches.INVENTORY`;
 ``tests/test_keras_compat.py`` fails loudly when the pinned Keras no longer has the defects or
-moved the patched functions. ``TFDIST_KERAS_FIX=0`` turns the fix off (to reproduce the bug).
+moved the patched functions. ``TFDIST_SKIP_PATCHES=keras3-symbolic-build,...`` leaves rows out
+(to reproduce the bug; ``TFDIST_KERAS_FIX=0``, deprecated, leaves all five out).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
 from tfdist.keras.checks import check_metrics, check_optimizer, own_step
 from tfdist.keras.versions import needs_fix
-from tfdist.settings import resolve
+from tfdist.settings import resolve, skipped_patches
 
-__all__ = ["LOG_SAFE_CALLBACKS", "apply", "peeked_batch", "step_logs_global", "steps_in_chunk"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["LOG_SAFE_CALLBACKS", "apply", "install_epoch_chunks", "install_reduce_per_replica",
+           "install_step_logs", "install_steps_per_execution", "install_symbolic_build",
+           "peeked_batch", "step_logs_global", "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
 
 def apply() -> bool:
-    """Installs the fixes (:mod:`tfdist.patches`), once. Returns whether they are installed."""
-    if not resolve("keras_fix") or not needs_fix():
+    """Installs every fix, once, for a strategy made without :func:`tfdist.init` (which
+    installs them by the inventory: :mod:`tfdist.patches`); those ``TFDIST_SKIP_PATCHES`` names
+    are left out. Returns whether the Keras in use needs them."""
+    if not needs_fix():
         return False
+    skipped = skipped_patches()
+    for key, install in _INSTALLERS.items():
+        if key not in skipped:
+            install(None, None)
+    return True
+
+
+def install_symbolic_build(where: Where | None, dist: Any) -> None:
+    """Patch ``keras3-symbolic-build``'s installer (:func:`tfdist.patches.install`)."""
     from keras.src.backend.tensorflow import trainer
 
-    cls = trainer.TensorFlowTrainer
-    applied = [
-        patches.apply("keras3-symbolic-build", cls, "_maybe_symbolic_build",
-                      _wrap_symbolic_build),
-        patches.apply("keras3-reduce-per-replica", trainer, "reduce_per_replica",
-                      _wrap_reduce_per_replica),
-        patches.apply("keras3-steps-per-execution", cls, "_make_function",
-                      _wrap_make_function),
-        patches.apply("keras3-epoch-chunks", trainer.TFEpochIterator, "_enumerate_iterator",
-                      _wrap_enumerate),
-        *(patches.apply("keras3-step-logs", cls, name, _wrap_logs_mode)
-          for name in ("fit", "evaluate")),
-    ]
-    if any(applied):
-        import keras
+    patches.apply("keras3-symbolic-build", trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+                  _wrap_symbolic_build)
 
-        logger.debug("tfdist: applied the Keras %s multi-worker fit fix (keras#20585)",
-                      keras.__version__)
-    return True
+
+def install_reduce_per_replica(where: Where | None, dist: Any) -> None:
+    """Patch ``keras3-reduce-per-replica``'s installer."""
+    from keras.src.backend.tensorflow import trainer
+
+    patches.apply("keras3-reduce-per-replica", trainer, "reduce_per_replica",
+                  _wrap_reduce_per_replica)
+
+
+def install_steps_per_execution(where: Where | None, dist: Any) -> None:
+    """Patch ``keras3-steps-per-execution``'s installer."""
+    from keras.src.backend.tensorflow import trainer
+
+    patches.apply("keras3-steps-per-execution", trainer.TensorFlowTrainer, "_make_function",
+                  _wrap_make_function)
+
+
+def install_epoch_chunks(where: Where | None, dist: Any) -> None:
+    """Patch ``keras3-epoch-chunks``'s installer."""
+    from keras.src.backend.tensorflow import trainer
+
+    patches.apply("keras3-epoch-chunks", trainer.TFEpochIterator, "_enumerate_iterator",
+                  _wrap_enumerate)
+
+
+def install_step_logs(where: Where | None, dist: Any) -> None:
+    """Patch ``keras3-step-logs``'s installer."""
+    from keras.src.backend.tensorflow import trainer
+
+    for name in ("fit", "evaluate"):
+        patches.apply("keras3-step-logs", trainer.TensorFlowTrainer, name, _wrap_logs_mode)
+
+
+# Each row's installer, in the inventory's order.
+_INSTALLERS = {"keras3-symbolic-build": install_symbolic_build,
+               "keras3-reduce-per-replica": install_reduce_per_replica,
+               "keras3-steps-per-execution": install_steps_per_execution,
+               "keras3-epoch-chunks": install_epoch_chunks,
+               "keras3-step-logs": install_step_logs}
 
 
 def _is_multi_worker(strategy: Any) -> bool:

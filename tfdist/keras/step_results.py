@@ -30,7 +30,7 @@ global batch; each is a patch of :mod:`tfdist.patches`, installed for several pr
   yours whose state does not add (a running maximum, a last value) gives another number than
   one process: one warning on the chief names it, the first time its result is read.
 
-Imported only by the backends that install it, after TensorFlow is up.
+Imported only when :func:`tfdist.patches.install` runs its installers, after TensorFlow is up.
 """
 
 from __future__ import annotations
@@ -39,11 +39,15 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
 
-__all__ = ["install_horovod", "install_mwms", "own_metrics", "own_step_line"]
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["install_epoch_results", "install_keras2_step_results", "install_predict_on_batch",
+           "own_metrics", "own_step_line"]
 
 logger = logging.getLogger("tfdist")
 
@@ -53,26 +57,48 @@ _RESULT_READERS = ("_get_metrics_result_or_logs", "_validate_and_get_metrics_res
 _LIBRARIES = frozenset({"keras", "tf_keras", "tensorflow", "tfdist", "horovod"})
 
 
-def install_mwms(model_class: Any, keras3: bool, is_chief: bool) -> None:
-    """The MultiWorkerMirroredStrategy patches for several workers (once)."""
-    if keras3:
-        patches.apply("predict-on-batch", model_class, "predict_on_batch", _predict_on_batch)
+def install_predict_on_batch(where: Where, dist: Any) -> None:
+    """Patch ``predict-on-batch``'s installer (MWMS, several workers, Keras 3; once)."""
+    import tensorflow as tf
+
+    patches.apply("predict-on-batch", tf.keras.Model, "predict_on_batch", _predict_on_batch)
+
+
+def install_keras2_step_results(where: Where, dist: Any) -> None:
+    """Patch ``keras2-step-results``'s installer (MWMS, several workers, tf_keras; once)."""
+    import tensorflow as tf
+
+    from tfdist.keras.versions import keras2_module
+
+    training = keras2_module("engine.training")
+    patches.apply("keras2-step-results", training, "reduce_per_replica", _mean_of_replicas)
+    for name in ("fit", "evaluate", "train_on_batch", "test_on_batch"):
+        patches.apply("keras2-step-results", tf.keras.Model, name, _keras2_entry)
+
+
+def install_epoch_results(where: Where, dist: Any) -> None:
+    """Patch ``epoch-results``'s installer (several processes, once): under Horovod the
+    model's results from the metrics' states summed over the ranks; under MWMS, which sums
+    them itself, as Keras reads them."""
+    import tensorflow as tf
+
+    is_chief = bool(dist.is_chief)
+    if where.backend.horovod:
+        from tfdist.horovod import ops
+
+        read = _summed_reader(lambda tensors: [ops.reduce(t, "sum") for t in tensors],
+                              lambda logs: ops.average_logs(logs, "tfdist_step_results"))
     else:
-        from tfdist.keras.versions import keras2_module
-
-        training = keras2_module("engine.training")
-        patches.apply("keras2-step-results", training, "reduce_per_replica", _mean_of_replicas)
-        for name in ("fit", "evaluate", "train_on_batch", "test_on_batch"):
-            patches.apply("keras2-step-results", model_class, name, _keras2_entry)
-    _install_reader(model_class, functools.partial(_read_as_given, keras3=keras3,
-                                                   is_chief=is_chief), is_chief)
+        read = functools.partial(_read_as_given, keras3=where.keras3, is_chief=is_chief)
+    _install_reader(tf.keras.Model, read, is_chief)
 
 
-def install_horovod(model_class: Any, sum_over_ranks: Callable[[list[Any]], list[Any]],
-                    average_logs: Callable[[dict[str, Any]], None], is_chief: bool) -> None:
-    """The Horovod patch for several ranks (once): the model's results from metric states summed
-    by ``sum_over_ranks`` (tensors in, tensors out, the same order on every rank); a custom
-    step's values averaged in place by ``average_logs``."""
+def _summed_reader(sum_over_ranks: Callable[[list[Any]], list[Any]],
+                   average_logs: Callable[[dict[str, Any]], None]
+                   ) -> Callable[[Any, Any, Any], Any]:
+    """Horovod's read of the model's results: from metric states summed by ``sum_over_ranks``
+    (tensors in, tensors out, the same order on every rank); a custom step's values averaged
+    in place by ``average_logs``."""
     def read(original: Any, model: Any, logs: Any) -> Any:
         with _summed_states(model, sum_over_ranks):
             result = original(model, logs)
@@ -81,7 +107,7 @@ def install_horovod(model_class: Any, sum_over_ranks: Callable[[list[Any]], list
             average_logs(result)
         return result
 
-    _install_reader(model_class, read, is_chief)
+    return read
 
 
 def _install_reader(model_class: Any, read: Callable[[Any, Any, Any], Any],

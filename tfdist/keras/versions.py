@@ -11,10 +11,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["AFFECTED", "is_keras3", "keras2_module", "keras2_package", "legacy_keras_requested",
-           "needs_fix"]
+           "needs_fix", "running"]
 
 
 # Half-open range of Keras versions with the defects. Raise the upper bound only after the
@@ -42,9 +43,26 @@ def is_keras3(keras_module: Any) -> bool:
     return not str(version).startswith("2.")
 
 
-def legacy_keras_requested() -> bool:
-    """Whether ``tf.keras`` is tf_keras, read the way TensorFlow itself reads the variable."""
-    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+def legacy_keras_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``tf.keras`` is tf_keras, read the way TensorFlow itself reads the variable (in
+    ``environ``, default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+
+
+def running() -> dict[str, str]:
+    """The versions of TensorFlow and Keras this process runs, package -> version: each one's
+    module where it is imported, else its installed package's; "" where neither is."""
+    found = {}
+    for package in ("tensorflow", "keras"):
+        version = getattr(sys.modules.get(package), "__version__", None)
+        if version is None:
+            try:
+                version = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                version = ""
+        found[package] = str(version)
+    return found
 
 
 def keras2_package() -> str | None:

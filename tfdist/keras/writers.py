@@ -41,7 +41,8 @@ two patches (:mod:`tfdist.patches`) route them the way ``dist.callbacks()`` rout
     writers) a save writes its path as given, on the rank that calls it, with no collective.
 
 Keras 3 on JAX installs none of this (:mod:`tfdist.backends.keras_jax`). Imported only by
-:func:`install`, after the backend exists.
+:func:`tfdist.patches.install`, which runs :func:`install_user_writers` and
+:func:`install_save_once` after the backend exists.
 """
 
 from __future__ import annotations
@@ -63,17 +64,24 @@ from tfdist.keras import callbacks
 from tfdist.scratch import as_given, atomic_path, throwaway, writes_as_given
 
 if TYPE_CHECKING:
-    from tfdist.backends.base import Distributed
+    from tfdist.handle import Handle
+    from tfdist.patches import Where
 
-__all__ = ["check_same_savers", "install"]
+__all__ = ["check_same_savers", "install_save_once", "install_user_writers"]
 
 logger = logging.getLogger("tfdist")
 
 
-def install(dist: Distributed) -> None:
-    """Routes the writers of every Keras model of this process (once; several processes)."""
+def install_user_writers(where: Where, dist: Handle) -> None:
+    """Patch ``user-writers``'s installer (:func:`tfdist.patches.install`): routes the writers
+    passed to every Keras model's ``fit`` in this process (once; several processes)."""
+    patches.apply("user-writers", tf.keras.Model, "fit", lambda original: _fit(original, dist))
+
+
+def install_save_once(where: Where, dist: Handle) -> None:
+    """Patch ``save-once``'s installer: every Keras model's saves, and TensorFlow's SavedModel
+    writer, write each path once (once; several processes)."""
     model_class = tf.keras.Model
-    patches.apply("user-writers", model_class, "fit", lambda original: _fit(original, dist))
     for name in ("save", "save_weights"):
         patches.apply("save-once", model_class, name, functools.partial(_save, dist=dist,
                                                                          name=name))
@@ -90,7 +98,7 @@ _ARRIVAL_S = 600.0
 _fitting = 0
 
 
-def _fit(original: Any, dist: Distributed) -> Any:
+def _fit(original: Any, dist: Handle) -> Any:
     def route(bound: inspect.BoundArguments) -> None:
         given = bound.arguments.get("callbacks")
         if isinstance(given, Sequence):
@@ -113,7 +121,7 @@ def _fit(original: Any, dist: Distributed) -> Any:
     return fit
 
 
-def check_same_savers(dist: Distributed, given: Sequence[Any]) -> None:
+def check_same_savers(dist: Handle, given: Sequence[Any]) -> None:
     """Refuses, on every rank alike, callbacks that save the model on some ranks only.
 
     Under MultiWorkerMirroredStrategy a save runs collectives, so every rank must run it. One
@@ -138,7 +146,7 @@ def check_same_savers(dist: Distributed, given: Sequence[Any]) -> None:
 _announced: set[tuple[str, str]] = set()
 
 
-def _save(original: Any, dist: Distributed, name: str, keyword: str = "filepath") -> Any:
+def _save(original: Any, dist: Handle, name: str, keyword: str = "filepath") -> Any:
     """``original(self, path, ...)``, a save of ``self`` to the path given first or as
     ``keyword``, routed as the module's docstring says."""
     @functools.wraps(original)
@@ -164,7 +172,7 @@ def _save(original: Any, dist: Distributed, name: str, keyword: str = "filepath"
     return save
 
 
-def _written_before_return(dist: Distributed, name: str, path: str,
+def _written_before_return(dist: Handle, name: str, path: str,
                            to: Callable[[str], Any], write: Callable[[str], Any]) -> Any:
     """Where a save runs collectives (every rank runs it): each path written once, by the first
     rank that gave it, the others' copies thrown away; no rank returns before every path is
@@ -180,7 +188,7 @@ def _written_before_return(dist: Distributed, name: str, path: str,
     return result
 
 
-def _writer_of(dist: Distributed, name: str, path: str) -> tuple[int, int]:
+def _writer_of(dist: Handle, name: str, path: str) -> tuple[int, int]:
     """The rank that writes ``path`` (the lowest that gave it) and how many different paths the
     ranks gave: one gather of each replica's ``(rank, hash of the absolute path)``.
 
@@ -214,7 +222,7 @@ def _fingerprint(path: str) -> int:
                           signed=True)
 
 
-def _from_the_chief(dist: Distributed, name: str, path: str, to: Callable[[str], Any],
+def _from_the_chief(dist: Handle, name: str, path: str, to: Callable[[str], Any],
                     write: Callable[[str], Any]) -> Any:
     """The routing without a collective of its own: the chief writes ``path``; the others write
     a scratch copy (where a save runs collectives) or nothing, and return at once."""
@@ -244,7 +252,7 @@ def _write(to: Callable[[str], Any], path: str, *, overwrite: Any, folder: bool)
         return to(partial)
 
 
-def _announce_agreed(dist: Distributed, name: str, path: str, writer: int, paths: int) -> None:
+def _announce_agreed(dist: Handle, name: str, path: str, writer: int, paths: int) -> None:
     """One line per kind of save: with one path, on the chief; with paths that differ, on every
     rank (INFO, which the chief shows), what happens to that rank's own path."""
     if paths == 1:

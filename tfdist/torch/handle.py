@@ -26,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
+from tfdist import backend_facts as facts
 from tfdist import devices, failures
-from tfdist.backends import facts
-from tfdist.backends.facts import Backend
+from tfdist.backend_facts import Backend
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import LaunchError
 from tfdist.replicas import ReplicaMath
@@ -69,7 +69,7 @@ class TorchDistributed(ReplicaMath):
 
     @property
     def facts(self) -> Backend:
-        """This backend's row of the backend table (:mod:`tfdist.backends.facts`)."""
+        """This backend's row of the backend table (:mod:`tfdist.backend_facts`)."""
         return facts.backend(self.backend, facts.TORCH)
 
     def prepare(self) -> None:

@@ -57,21 +57,21 @@ def plan(environment: ClusterEnvironment) -> Rendezvous:
     Raises:
         LaunchError: the launcher gives no address to meet at; the message names the fix.
     """
-    launcher, rank, size = environment.launcher, environment.rank, environment.world_size
-    if launcher == "single":
+    launcher, rank, size = environment.facts, environment.rank, environment.world_size
+    if launcher.one_process:
         return Rendezvous(None, 0, 1, "one process: in-memory store")
-    if launcher == "torchrun":
+    if launcher.torch_store:
         if environment.coordinator is None:
             raise LaunchError("torchrun's MASTER_ADDR/MASTER_PORT are not set in this worker: "
                               "start the script with torchrun itself, not with a copy of its "
                               "variables")
         return Rendezvous("env://", rank, size, f"torchrun store at {environment.coordinator}")
-    if launcher in ("local", "tf_config") and environment.worker_addresses:
+    if launcher.tf_config_addresses and environment.worker_addresses:
         first = environment.worker_addresses[0]
         return Rendezvous(f"tcp://{first}", rank, size, f"rank 0's TF_CONFIG address {first}")
     # srun: rank 0's derived address. MPI launchers give none (Horovod's coordinator is its own
     # HTTP rendezvous, not a place for torch's store): MASTER_ADDR/MASTER_PORT must.
-    derived = environment.worker_addresses[0] if launcher == "slurm" else None
+    derived = environment.worker_addresses[0] if launcher.slurm_addresses else None
     address = _master_override(environment, derived)
     return Rendezvous(f"tcp://{address}", rank, size, _describe(environment, address))
 
@@ -93,6 +93,6 @@ def _master_override(environment: ClusterEnvironment, derived: str | None) -> st
 def _describe(environment: ClusterEnvironment, address: str) -> str:
     given = [name for name, value in (("MASTER_ADDR", environment.master_addr),
                                       ("MASTER_PORT", environment.master_port)) if value]
-    if environment.launcher == "slurm" and not given:
+    if environment.facts.slurm_addresses and not given:
         return f"first node of the step's nodelist at the job's derived port: {address}"
     return f"{address} from {' and '.join(given)}"

@@ -3,7 +3,7 @@ creates its handle once per process; :func:`distributed` and :func:`shutdown` en
 
 The backends' handles live in :mod:`tfdist.torch.handle` (DDP), :mod:`tfdist.torch.horovod` and
 :mod:`tfdist.torch.deepspeed`, each with ``create(environment, settings)``; the backend table
-(:mod:`tfdist.backends.facts`) names the module of the backend :func:`tfdist.backends.
+(:mod:`tfdist.backend_facts`) names the module of the backend :func:`tfdist.backends.
 choose_torch` picks.
 """
 
@@ -18,8 +18,9 @@ from datetime import timedelta
 
 import torch.distributed as torch_dist
 
+from tfdist import backend_facts as facts
 from tfdist import preemption, quiet
-from tfdist.backends import choose_torch, facts
+from tfdist.backends import choose_torch
 from tfdist.env import detect
 from tfdist.errors import ConfigError
 from tfdist.replicas import HandleCache
