@@ -10,7 +10,10 @@ which stay together as one xdist group:
   itself, and the failure tests time how long a step takes to end);
 - the tests of a module-scoped fixture of a test module (a launch or an install shared by the
   module's tests), one group per fixture and parameter: the fixture runs once, in one process,
-  instead of once in each.
+  instead of once in each;
+- the tests a module marks ``pytest.mark.xdist_group(NAME)`` itself (kept as marked): in
+  test_preemption.py, the tests that compare with one uninterrupted run, which each process
+  would otherwise make once.
 
 The groups run first, the longest (``slurm``) before all: a group started last would keep one
 process busy long after the other ran out of tests. Without xdist the groups mean nothing and
@@ -88,7 +91,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # tryfirst: before xdist reads the groups.
     found = groups(items)
     for item in items:
-        if item.nodeid in found and item.get_closest_marker("xdist_group") is None:
+        marked = item.get_closest_marker("xdist_group")
+        if item.nodeid in found and marked is None:
             item.add_marker(pytest.mark.xdist_group(found[item.nodeid]))
+        elif marked is not None and marked.args:
+            found.setdefault(item.nodeid, str(marked.args[0]))  # a group of the module's own
     items.sort(key=lambda item: order(found.get(item.nodeid)))  # stable
 

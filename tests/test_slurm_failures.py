@@ -21,10 +21,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +39,10 @@ from slurmtest import TERMINAL_STATES, SlurmCluster
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "fault_fit_worker.py"
 TWO_NODES = ("-N2", "--ntasks-per-node=1", "--nodelist=n[9-10]")
-BOUND_S = 60  # measured: 2 s for a kill, 12 s for a hang (TensorFlow's heartbeat timeout)
+BOUND_S = 60  # measured: 2 s for a kill, 13 s for a hang (HANG_ENV's heartbeat timeout, 10 s)
+# The hung task is named after tfdist's heartbeat timeout: 10 s, as in the lost node's job below,
+# not the default 30 s (20 s of waiting more; tests/test_failures.py's local hang gives 6 s).
+HANG_ENV = {"TFDIST_HEARTBEAT_TIMEOUT": "10"}
 
 
 @pytest.mark.timeout(120)
@@ -108,7 +114,8 @@ def _fault_job(cluster: SlurmCluster, kind: str) -> tuple[str, dict[int, str], f
         echo "step ended at $(date +%s.%N) with $code"
         """
     job = cluster.run_job(script, cwd=workdir, timeout=240,
-                          env=cluster.job_env(TFDIST_NUM_THREADS="1"))
+                          env=cluster.job_env(TFDIST_NUM_THREADS="1",
+                                              **(HANG_ENV if kind == "stop" else {})))
     batch = job.output
     tasks = {rank: (workdir / f"task-{rank}.out").read_text() for rank in (0, 1)}
     fault = re.search(rf"fault-fit: rank 1 {kind} at (\S+)", tasks[1])
@@ -176,17 +183,36 @@ def _back(cluster: SlurmCluster, node: str) -> None:
     raise AssertionError(f"{node} did not come back: {state}")
 
 
-def _straight(workdir: Path, workers: int, env: dict[str, str]) -> Path:
-    """The results folder of an uninterrupted run of the preemption worker on ``workers``
-    local workers with ``env``, its steps not slowed."""
+def _start_straight(workdir: Path, workers: int, env: dict[str, str]) -> Callable[[], Path]:
+    """Starts an uninterrupted run of the preemption worker on ``workers`` local workers with
+    ``env``, its steps not slowed, and returns the function that waits for it (4 minutes at
+    most) and returns its results folder: a test waits for the cluster meanwhile."""
     straight = workdir / "straight"
     straight.mkdir()
-    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", str(workers),
-                          str(PREEMPT_WORKER), str(straight), str(workdir / "m1"), "mwms", "-1",
-                          "0"], env=clean_env(**{**env, "PREEMPT_TEST_STEP_SLEEP": "0"}),
-                         capture_output=True, text=True, timeout=240, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return straight
+    log = workdir / "straight.log"
+    with log.open("w") as out:
+        run = subprocess.Popen([sys.executable, "-m", "tfdist", "launch", "-n", str(workers),
+                                str(PREEMPT_WORKER), str(straight), str(workdir / "m1"), "mwms",
+                                "-1", "0"],
+                               env=clean_env(**{**env, "PREEMPT_TEST_STEP_SLEEP": "0"}),
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def finished() -> Path:
+        try:
+            code = run.wait(timeout=240)
+        finally:
+            if run.poll() is None:  # past its time: the launch and its workers
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+        assert code == 0, log.read_text()[-6000:]
+        return straight
+
+    return finished
+
+
+def _straight(workdir: Path, workers: int, env: dict[str, str]) -> Path:
+    """The results folder of an uninterrupted run (:func:`_start_straight`), waited for."""
+    return _start_straight(workdir, workers, env)()
 
 
 def _results(folder: Path, run: int) -> dict[int, dict]:
@@ -202,7 +228,7 @@ def test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once(
     config = cluster_config(
         slurm_cluster, job_name="survive", nodes=3, gpus_per_node=0, gpu_type=None,
         tasks_per_node=1, sbatch_args=["--nodelist=n[9-11]"], min_nodes=2, node_restarts=1,
-        time="00:06:00",
+        time="00:06:00", doctor=False,  # the job's subject is the lost node, not the doctor
         script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=NODE_LOSS_ENV)
     job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
     assert "#SBATCH --no-kill" in script.read_text()
@@ -214,8 +240,11 @@ def test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once(
     _cut_off(slurm_cluster, "n11")  # in epoch 2, 3 steps after epoch 1's exact state
     try:
         result = slurm_cluster.wait(job_id, timeout=300)
+        # The uninterrupted run (local, the same global batch and order) while n11 comes back
+        straight = _start_straight(workdir, 3, NODE_LOSS_ENV)
     finally:
         _back(slurm_cluster, "n11")
+    alone_folder = straight()
     output = result.output
     assert result.ok, result.describe()
     assert "tfdist survive: the training step on n9,n10,n11 failed; n11 did not answer: " \
@@ -229,8 +258,7 @@ def test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once(
     assert all(r["steps"] >= 13 for r in stopped.values()), stopped  # n9, n10 reached epoch 2
     for rank, after in resumed.items():  # from epoch 1's end: the 20 steps after it, once
         assert after["steps"] == STEPS - STEPS // 3, (rank, after)
-    straight = _straight(workdir, 3, NODE_LOSS_ENV)  # the same global batch and order
-    with np.load(straight / "weights-0-0.npz") as alone, \
+    with np.load(alone_folder / "weights-0-0.npz") as alone, \
             np.load(workdir / "out" / "weights-0-1.npz") as after:
         worst = max(float(np.abs(alone[k] - after[k]).max()) for k in alone.files)
         moved = max(float(np.abs(alone[k]).max()) for k in alone.files)

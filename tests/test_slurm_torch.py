@@ -236,7 +236,7 @@ def test_torchrun_worker_ends_identical_with_ddp_and_different_without(
     # job's directory. dist: DDP from different initial weights; control: no DDP, the same steps
     # on the same shards from the same initial weights.
     job, _ = torch_job(slurm_cluster, job_name=f"torchrun-{mode}", launcher="torchrun",
-                       script=WORKER, args=[".", mode])
+                       script=WORKER, args=[".", mode], doctor=False)  # torchrun_job has it
     assert job.ok, job.describe()  # every rank exits 0: the teardown aborts no rank
     assert hosts_by_task(job) == dict(enumerate(TWO_NODES)), job.describe()
     files = sorted(p.name for p in job.workdir.glob("weights-*.npz"))
@@ -294,7 +294,8 @@ def test_deepspeed_srun_job_trains_what_the_ddp_srun_job_trains(
     pytest.importorskip("deepspeed",
                         reason="deepspeed is not installed (requirements/deepspeed.txt)")
     job, text = torch_job(slurm_cluster, job_name="deepspeed-srun", launcher="srun",
-                          backend="torch-deepspeed", script=TORCH_EXAMPLE, args=example_args())
+                          backend="torch-deepspeed", script=TORCH_EXAMPLE, args=example_args(),
+                          doctor=False)  # its subject is DeepSpeed's training: srun_job's has it
     assert "export TFDIST_BACKEND=deepspeed" in text, text
     assert "torchrun" not in text and "torch.distributed.run" not in text, text
     assert job.ok, job.describe()

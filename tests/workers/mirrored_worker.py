@@ -7,12 +7,17 @@ Writes OUT/result.json (backend, replicas, whether every variable's per-device c
 identical, for a dense net and a BatchNormalization net), OUT/weights.npz (the dense net's
 final weights), OUT/batch_norm.npz (the BatchNormalization net's, moving statistics included)
 and OUT/initial.npz; with several workers, each rank writes to OUT/rank-R. The backend and
-replicas come from TFDIST_* variables, as a user sets them.
+replicas come from TFDIST_* variables, as a user sets them. ``MIRRORED_TEST_CONTROL=1`` then
+trains the BatchNormalization net once more, last, from the same start with
+``TFDIST_AVERAGE_BATCH_STATISTICS=0`` set (the control: each device keeps the statistics of its
+own examples), written to OUT/control.npz and its copies' equality to result.json's
+``control_copies_equal``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,21 +47,24 @@ def main() -> None:
     import tensorflow as tf
 
     keras = tf.keras
+    control = os.environ.get("MIRRORED_TEST_CONTROL") == "1"
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype("float32")
     y = (x[:, :4].sum(axis=1) > 0).astype("int64")
     data = dist.shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
     nets = {}
-    for name in ("dense", "batch_norm"):
+    for name in ("dense", "batch_norm", *(["control"] if control else [])):
         keras.utils.set_random_seed(0)
         with dist.scope():
             layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
-            if name == "batch_norm":
+            if name != "dense":
                 layers.append(keras.layers.BatchNormalization())
             model = keras.Sequential([*layers, keras.layers.Dense(2)])
             model.compile(optimizer=keras.optimizers.SGD(0.05),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         initial = [np.array(w) for w in model.get_weights()]
+        if name == "control":  # the last net: as a user turns the average off
+            os.environ["TFDIST_AVERAGE_BATCH_STATISTICS"] = "0"
         model.fit(data, epochs=3, verbose=0, callbacks=dist.callbacks(throughput=False))
         nets[name] = (model, initial)
     dense, initial = nets["dense"]
@@ -67,8 +75,12 @@ def main() -> None:
     result = {"backend": dist.backend, "world_size": dist.world_size,
               "num_replicas": dist.num_replicas,
               "local_replicas": dist.local_replicas, "lr_scaled": dist.scale_lr(1.0),
-              "copies_equal": {name: per_device_copies_equal(model)
-                               for name, (model, _) in nets.items()}}
+              "copies_equal": {name: per_device_copies_equal(nets[name][0])
+                               for name in ("dense", "batch_norm")}}
+    if control:
+        np.savez(out / "control.npz",
+                 **{f"w{i}": w for i, w in enumerate(nets["control"][0].get_weights())})
+        result["control_copies_equal"] = per_device_copies_equal(nets["control"][0])
     (out / "result.json").write_text(json.dumps(result))
 
 

@@ -3,11 +3,11 @@
     python preempt_worker.py OUT_DIR MODEL_DIR BACKEND SIGNAL_RANK SIGNAL_STEP [SIGNAL]
 
 ``SIGNAL_RANK`` (-1: none) sends itself ``SIGNAL`` (default USR1) after its ``SIGNAL_STEP``-th
-training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset),
-or of every run when ``SIGNAL_STEP`` is negative (its absolute value); ``v3`` signals at the third
-validation batch instead, ``a`` after ``fit`` has returned (then every rank evaluates the
-model, the script's last work, which the signal must not interrupt), and ``b`` between two
-``fit`` calls (one epoch, then epochs 2 and 3: the second must stop at its first agreed step).
+training step (counted over all epochs) of the first run (``TFDIST_RESTART_COUNT`` 0 or unset);
+``v3`` signals at the third validation batch instead, ``a`` after ``fit`` has returned (then
+every rank evaluates the model, the script's last work, which the signal must not interrupt),
+and ``b`` between two ``fit`` calls (one epoch, then epochs 2 and 3: the second must stop at
+its first agreed step).
 ``PREEMPT_TEST_DROPOUT=1`` adds a Dropout layer, whose masks the resumed run must draw as the
 uninterrupted one does; ``PREEMPT_TEST_LEGACY_RNG=1`` makes a Keras 2 Dropout draw from
 TensorFlow's legacy stateful ops again (the control: their state is not saved).
@@ -98,9 +98,8 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     run = int(os.environ.get("TFDIST_RESTART_COUNT", dist.environment.restart_count))
     validating = signal_step.startswith("v")
     after_fit, between_fits = signal_step == "a", signal_step == "b"
-    every_run = signal_step.startswith("-")
-    target = abs(int(signal_step.lstrip("vab") or "0")) if int(
-        signal_rank) == dist.rank and (run == 0 or every_run) else None
+    target = int(signal_step.lstrip("vab") or "0") if int(
+        signal_rank) == dist.rank and run == 0 else None
     mode = os.environ.get("PREEMPT_TEST_INPUT", "epochs")
     soak = os.environ.get("PREEMPT_TEST_SOAK")
     seed, cycles = (int(v) for v in soak.split(":")) if soak else (0, 0)
