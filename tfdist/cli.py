@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tfdist
 from tfdist.backend_facts import BACKENDS
-from tfdist.errors import TfdistError
+from tfdist.errors import ConfigError, TfdistError
 from tfdist.settings import setting
 
 __all__ = ["build_parser", "main"]
@@ -84,7 +85,49 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job(commands)
     _add_scaling(commands)
     _add_survive(commands)
+    _add_verify(commands)
     return parser
+
+
+def _add_verify(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "verify", allow_abbrev=False,
+        help="check that a script computes on N workers what it computes in one process",
+        description="Run SCRIPT for a few steps in one process, then on N local workers "
+        "(tfdist launch) with the same arguments, global batch and seed, and compare every "
+        "step's loss and weights, evaluate's and predict's results and the final weights. "
+        "Prints 'equal', 'within rounding' (with the bound and why) or where it differs first, "
+        "the likely cause and the fix. Exit status: 0 equal or within rounding, 1 differs, 2 a "
+        "run failed.",
+        usage="tfdist verify [-n N] [--backend B] [--steps S] [--seed S] SCRIPT [ARGS ...]",
+    )
+    parser.add_argument("-n", "--num-workers", dest="workers", type=_at_least(2), default=2,
+                        metavar="N", help="workers of the compared run (default 2)")
+    parser.add_argument("--backend", choices=_LAUNCHABLE,
+                        help="the compared run's backend (default: tfdist launch's)")
+    parser.add_argument("--steps", type=_at_least(0), default=10, metavar="S",
+                        help="each fit stops after S steps (default 10; 0: the script's own)")
+    parser.add_argument("--seed", type=_at_least(0), default=0, metavar="S",
+                        help="seeds Python, NumPy and the framework in both runs when the "
+                        "strategy is created (default 0)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="the longest each run may take (default 600)")
+    parser.add_argument("--keep", metavar="DIR", help="keep both runs' records in DIR")
+    parser.add_argument("--show-output", action="store_true",
+                        help="print the last lines of both runs' output")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (.py)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
+    parser.set_defaults(handler=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from tfdist.verify import run
+
+    if not os.path.isfile(args.script):
+        raise ConfigError(f"verify: no script {args.script!r}: give the path of a .py file")
+    return run.main(args.script, args.args, run.Options(
+        workers=args.workers, backend=args.backend, steps=args.steps, seed=args.seed,
+        timeout_s=args.timeout, keep=args.keep), show_output=args.show_output)
 
 
 def _add_launch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

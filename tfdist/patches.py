@@ -79,6 +79,7 @@ class Where:
     cpu_replicas: int = 1  # TFDIST_CPU_REPLICAS
     collective_timeout: float | None = None  # TFDIST_COLLECTIVE_TIMEOUT, seconds
     skip: frozenset[str] = frozenset()  # TFDIST_SKIP_PATCHES (and the old per-patch switches)
+    verify: bool = False  # a run started by `tfdist verify` (TFDIST_VERIFY_DIR)
 
 
 @dataclass(frozen=True)
@@ -388,6 +389,13 @@ INVENTORY: tuple[Patch, ...] = (
           "each batch's outputs are gathered from every process in rank order, so every rank "
           "gets every row, as from one process",
           _jax_processes),
+    Patch("verify-record", "keras.Model.fit/evaluate/predict",
+          "tfdist.verify.record:install_record",
+          "the runs `tfdist verify` starts (TFDIST_VERIFY_DIR), every Keras backend",
+          "records each fit step's logs and weights, evaluate's and predict's results and, at "
+          "the end, every model's weights, for the comparison with one process; changes "
+          "nothing the script computes (fit stops after TFDIST_VERIFY_STEPS steps)",
+          lambda w: w.verify and w.backend.framework in (TF, JAX)),
     Patch("failure-line", "sys.excepthook", "tfdist.failures:install_failure_line",
           "MWMS and Horovod, in any number of processes (torch's backends install it too)",
           "after an uncaught error, one line naming the failed or stopped peer's rank, host "
@@ -580,7 +588,8 @@ def where(backend: Backend, versions: Mapping[str, str], environ: Mapping[str, s
                  keras3_imported=keras >= (3, 0) and (imported is None or "keras" in imported),
                  eager_record_lost=lost, cpu_replicas=settings.get("cpu_replicas") or 1,
                  collective_timeout=settings.get("collective_timeout"),
-                 skip=frozenset(settings.get("skip_patches") or ()))
+                 skip=frozenset(settings.get("skip_patches") or ()),
+                 verify=bool(environ.get("TFDIST_VERIFY_DIR")))
 
 
 def _major_minor(version: str) -> tuple[int, int]:

@@ -71,7 +71,9 @@ class ReplicaMath:
 
         Pair it with a warmup that ramps up from the unscaled rate.
         """
-        return learning_rate * self.num_replicas
+        from tfdist.verify import replicas_for_scaling  # tfdist verify's one-process run
+
+        return learning_rate * replicas_for_scaling(self.num_replicas)
 
     def per_replica_batch_size(self, global_batch_size: int) -> int:
         """Splits a global batch over the replicas.
