@@ -17,6 +17,7 @@ The workers are compared with each other first: they must hold the same weights 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -114,6 +115,7 @@ class Verdict:
     where: str = ""  # differs: what differs first ("fit1 loss", "fit1 dense/kernel")
     cause: str = ""  # differs: the likely cause and the fix
     steps: int = 0  # steps compared
+    told: tuple[str, ...] = ()  # tfdist's warnings on the workers (every rank's, once each)
 
 
 def relative_difference(a: Any, b: Any) -> float:
@@ -216,7 +218,17 @@ class _Walk:
 
 
 def compare(one: Run, many: Run) -> Verdict:
-    """``many`` (N workers) against ``one`` (one process), as the module's docstring says."""
+    """``many`` (N workers) against ``one`` (one process), as the module's docstring says;
+    with the warnings tfdist gave on the workers."""
+    told: list[str] = []
+    for record in many.records:
+        for line in (record.meta.get("warnings", []) if record is not None else []):
+            if line not in told:
+                told.append(line)
+    return dataclasses.replace(_compare(one, many), told=tuple(told))
+
+
+def _compare(one: Run, many: Run) -> Verdict:
     if one.returncode != 0 or not one.records or one.records[0] is None:
         return Verdict(CRASHED, f"the one-process run failed (exit {one.returncode}): "
                        f"{one.last_line()}")

@@ -10,6 +10,7 @@ when the strategy is created, only when the run was started by ``tfdist verify``
   epoch's logs, the weights when ``fit`` returns;
 - each ``evaluate`` call's result and each ``predict`` call's output (whole where small, else
   its shape, sum and digest);
+- tfdist's warnings (what it told the user);
 - at the process's end, the weights of every Keras model still alive (custom training loops
   train models that no ``fit`` sees), by model name.
 
@@ -33,6 +34,7 @@ import gc
 import hashlib
 import inspect
 import json
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -194,6 +196,7 @@ def install_record(where: Where, dist: Handle) -> None:
             "random_layers": []}
     book = Book(dist.rank, meta)
     _book.append(book)
+    logging.getLogger("tfdist").addHandler(_Warnings(book))
     seed = os.environ.get(SEED, "")
     if seed.isdigit():
         keras.utils.set_random_seed(int(seed))
@@ -207,6 +210,20 @@ def install_record(where: Where, dist: Handle) -> None:
     patches.apply("verify-record", model_class, "predict",
                   lambda original: _returned(original, book, "predict"))
     atexit.register(_write, book, folder)
+
+
+class _Warnings(logging.Handler):
+    """tfdist's warnings in this process, into the record: what tfdist told the user."""
+
+    def __init__(self, book: Book) -> None:
+        super().__init__(logging.WARNING)
+        self.book = book
+
+    def emit(self, record: logging.LogRecord) -> None:
+        said = self.book.meta.setdefault("warnings", [])
+        line = record.getMessage().splitlines()[0] if record.getMessage() else ""
+        if line and line not in said:
+            said.append(line)
 
 
 def _write(book: Book, folder: str) -> None:

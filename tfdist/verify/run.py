@@ -95,4 +95,6 @@ def main(script: str, args: Sequence[str], options: Options, show_output: bool =
             tail = "\n".join(run.output.splitlines()[-40:])
             print(f"--- {title} (exit {run.returncode}), the last lines:\n{tail}", flush=True)
     print(f"tfdist verify: {verdict.line}", flush=True)
+    for line in verdict.told:
+        print(f"tfdist verify: tfdist warned on the workers: {line}", flush=True)
     return exit_status(verdict)
