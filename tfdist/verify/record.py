@@ -113,7 +113,8 @@ class Book:
 
     def write(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
-        np.savez(os.path.join(folder, f"record-{self.rank}.npz"), **self.arrays)
+        arrays: dict[str, Any] = dict(self.arrays)
+        np.savez(os.path.join(folder, f"record-{self.rank}.npz"), **arrays)
         data = {"rank": self.rank, "meta": self.meta, "calls": self.calls}
         path = os.path.join(folder, f"record-{self.rank}.json")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
