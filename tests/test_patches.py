@@ -216,7 +216,7 @@ def test_skip_patches_leaves_rows_out_and_refuses_an_unknown_key():
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("TFDIST_SKIP_PATCHES='input-end-chek' names no patch: "
-                              "input-end-chek; the patches are eager-record, ")
+                              "input-end-chek; the patches are first-op-start, eager-record, ")
     assert all(p.key in message for p in patches.INVENTORY)
 
 

@@ -43,6 +43,7 @@ def test_tensorflow_op_before_init_raises_a_clear_error():
                               "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert run.returncode == 3, run.stdout + run.stderr
     assert "InitOrderError" in run.stdout
+    assert "import tfdist before the first TensorFlow op" in run.stdout
     assert "strategy_scope()" in run.stdout and "first TensorFlow work" in run.stdout
     assert "Collective ops must be configured" not in run.stdout + run.stderr
 
@@ -75,3 +76,25 @@ def test_unknown_backend_lists_the_choices():
     assert ("'horovd' is not one of ('auto', 'mwms', 'horovod', 'mirrored', 'single', 'jax', "
             "'ddp', 'deepspeed')") in run.stdout
     assert "TFDIST_BACKEND" in run.stdout
+
+
+def test_data_before_strategy_scope_starts_tfdist_at_the_first_op(tmp_path):
+    """Public Keras examples make their data first: on 2 workers tfdist starts at that op and
+    both ranks train one model; a switch of settings afterwards is refused with the fix. The
+    control, the same script with the start left out, stops with InitOrderError."""
+    worker = str(WORKERS / "data_first_worker.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", worker],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
+                         check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    digests = {line.split("] ", 1)[1].split(": weights ")[0]: line.rsplit(" ", 1)[1]
+               for line in run.stdout.splitlines() if ": weights " in line}
+    assert sorted(digests) == ["rank 0", "rank 1"] and len(set(digests.values())) == 1
+    assert run.stdout.count("tfdist started at the script's first TensorFlow op") == 2
+    assert "TFDIST_COLLECTIVE" in run.stdout
+    control = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", worker],
+                             cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+                             env={**env, "TFDIST_SKIP_PATCHES": "first-op-start"})
+    assert control.returncode != 0
+    assert "InitOrderError" in control.stdout + control.stderr

@@ -12,6 +12,7 @@ Importing tfdist loads no TensorFlow, Horovod or torch; they load when ``init`` 
 
 from __future__ import annotations
 
+from tfdist import autostart as _autostart
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import (
     ConfigError,
@@ -38,6 +39,10 @@ __all__ = [
     "per_rank_files",
     "strategy_scope",
 ]
+
+# A multi-process launch whose first TensorFlow op comes before strategy_scope() starts tfdist
+# there (tfdist.autostart: nothing is imported now).
+_autostart.arm()
 
 try:
     from importlib.metadata import PackageNotFoundError, version

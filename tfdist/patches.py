@@ -11,6 +11,8 @@ What a launch is (:class:`Where`, built by :func:`where`) decides which rows app
 (:func:`planned`; ``TFDIST_SKIP_PATCHES`` leaves rows out), and the rows' phase when each is
 installed:
 
+- :data:`IMPORT`, when TensorFlow's context module is imported, before the runtime starts
+  (:mod:`tfdist.autostart`, armed by ``import tfdist``).
 - :data:`START`, right after the engine starts: :func:`install` (called by
   :func:`tfdist.backends.create`) runs each planned row's installer, in the inventory's order.
 - :data:`CREATE`, while MultiWorkerMirroredStrategy is created, and undone after:
@@ -48,18 +50,20 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tfdist import verify as verify_protocol
 from tfdist.backend_facts import JAX, TF, TORCH, Backend
 from tfdist.keras.versions import AFFECTED, legacy_keras_requested
 
-__all__ = ["CALL", "CREATE", "INVENTORY", "LAZY", "PHASES", "START", "Patch", "Where", "apply",
-           "creating", "install", "installed", "markdown_table", "plan", "planned",
+__all__ = ["CALL", "CREATE", "IMPORT", "INVENTORY", "LAZY", "PHASES", "START", "Patch", "Where",
+           "apply", "creating", "install", "installed", "markdown_table", "plan", "planned",
            "planned_here", "rebinding", "scoped", "where"]
 
+IMPORT = "import"  # when TensorFlow's context module is imported (tfdist.autostart)
 START = "start"  # right after the engine starts: install(), in the inventory's order
 CREATE = "create"  # while MultiWorkerMirroredStrategy is created, undone after: creating()
 CALL = "call"  # inside another patch's wrapper, for that call only
 LAZY = "lazy"  # by another patch's wrapper the first time it is needed; it stays
-PHASES = (START, CREATE, CALL, LAZY)
+PHASES = (IMPORT, START, CREATE, CALL, LAZY)
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,15 @@ _TRAINER = "keras.src.backend.tensorflow.trainer"
 # The order is the nesting (the module's docstring): a later row wraps an earlier one's
 # attribute. Rows of one room stay together where no nesting asks otherwise.
 INVENTORY: tuple[Patch, ...] = (
+    Patch("first-op-start", "tensorflow.python.eager.context.Context.ensure_initialized",
+          "tfdist.autostart:arm",
+          "MWMS or Horovod over several processes, when TensorFlow's context module is "
+          "imported (import tfdist arms it)",
+          "multi-worker collectives and Horovod's GPU pinning can only be configured before "
+          "TensorFlow's runtime starts, at its first op; a script that makes its data or model "
+          "before strategy_scope() would stop with InitOrderError. The first op that starts the "
+          "runtime runs tfdist.init() first, with the environment's settings",
+          lambda w: w.several_processes and w.backend.framework == TF, IMPORT),
     Patch("eager-record", "tensorflow.python.eager.context.Context._context_switches",
           "tfdist.keras.keras2:install_eager_record",
           "every TensorFlow backend, where TensorFlow's eager context lost its record "
@@ -589,7 +602,7 @@ def where(backend: Backend, versions: Mapping[str, str], environ: Mapping[str, s
                  eager_record_lost=lost, cpu_replicas=settings.get("cpu_replicas") or 1,
                  collective_timeout=settings.get("collective_timeout"),
                  skip=frozenset(settings.get("skip_patches") or ()),
-                 verify=bool(environ.get("TFDIST_VERIFY_DIR")))
+                 verify=bool(environ.get(verify_protocol.DIR)))
 
 
 def _major_minor(version: str) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from tfdist import backends, quiet
 from tfdist.backends.base import Distributed, Settings
 from tfdist.env import detect
+from tfdist.errors import ConfigError
 from tfdist.replicas import HandleCache
 from tfdist.settings import resolve, skipped_patches
 
@@ -54,7 +55,17 @@ def init(backend: str | None = None, *, collective: str | None = None,
         ConfigError: an invalid setting, named with the allowed values.
     """
     settings = resolve_settings(backend, collective, threads, collective_timeout)
-    cached = _cache.get(settings)
+    try:
+        cached = _cache.get(settings)
+    except ConfigError as error:
+        if not _started_early:
+            raise
+        raise ConfigError(
+            f"tfdist started at the script's first TensorFlow op, before strategy_scope(), with "
+            f"the environment's settings; this call asks for others ({error}). Fix: give them "
+            "as variables (TFDIST_BACKEND, TFDIST_COLLECTIVE, TFDIST_NUM_THREADS, "
+            "TFDIST_COLLECTIVE_TIMEOUT), or call strategy_scope() before any TensorFlow op"
+        ) from None
     if cached is not None:
         return cached
     environment = detect()
@@ -62,9 +73,33 @@ def init(backend: str | None = None, *, collective: str | None = None,
     chosen, why = backends.choose(settings["backend"], environment, backends.keras_backend())
     if environment.is_chief:
         logger.info("tfdist: backend %s: %s", chosen, why)
-    handle = backends.create(chosen, environment, settings)
+    global _creating
+    _creating = True
+    try:
+        handle = backends.create(chosen, environment, settings)
+    finally:
+        _creating = False
     quiet.quiet_other_ranks(handle.is_chief)
     return _cache.put(handle, settings)
+
+
+_creating = False  # init is creating the handle (its own ops start nothing: tfdist.autostart)
+_started_early = False  # init ran at the script's first TensorFlow op (tfdist.autostart)
+
+
+def creating() -> bool:
+    """Whether :func:`init` is creating the handle now."""
+    return _creating
+
+
+def start_at_first_op() -> None:
+    """:func:`init` from the environment's settings, at the script's first TensorFlow op,
+    unless tfdist is initialised or creating its handle (:mod:`tfdist.autostart`)."""
+    global _started_early
+    if _creating or _cache.handle is not None:
+        return
+    _started_early = True
+    init()
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ class Regression(keras.Model):
             else:
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
         grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
         return {"loss": loss if PLANT in ("half", "double") else loss * replicas}
 
 

@@ -385,7 +385,8 @@ def too_late(environment: ClusterEnvironment) -> InitOrderError:
         f"TensorFlow's runtime was already initialised when tfdist set up {environment.world_size}"
         "-worker training. Something ran a TensorFlow op first: creating a tensor or a "
         "tf.data.Dataset, building or loading a Keras model, or tf.config.list_logical_devices(). "
-        "Multi-worker collectives can only be configured before that. Fix: make "
-        "`with tfdist.strategy_scope() as dist:` (or `tfdist.init()`) the first TensorFlow "
-        "work in main() and build datasets and models after it. Safe before it: imports, "
-        "tf.random.set_seed, keras.utils.set_random_seed, tf.config.list_physical_devices.")
+        "Multi-worker collectives can only be configured before that. Fix: import tfdist "
+        "before the first TensorFlow op (`from tfdist import strategy_scope` at the top: tfdist "
+        "then starts at that op), or make `with tfdist.strategy_scope() as dist:` the first "
+        "TensorFlow work in main(). Safe before it: imports, tf.random.set_seed, "
+        "keras.utils.set_random_seed, tf.config.list_physical_devices.")

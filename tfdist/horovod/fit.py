@@ -196,7 +196,10 @@ def _build_hook(original: Any) -> Any:
     @functools.wraps(original)
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         if self._distribute_strategy is None and (iterator is not None or data_batch is not None):
-            from tfdist.keras.keras3 import peeked_batch
+            from tfdist.keras.keras3 import build_without_call, lacks_call, peeked_batch
+
+            if lacks_call(self):
+                return build_without_call(self)
 
             peeked = peeked_batch(iterator) if data_batch is None else None
             if peeked is not None:  # a PyDataset's or generator's: not drawn from the iterator

@@ -24,6 +24,12 @@ tfdist keeps each worker's own per-step logs unless a callback reads them
    ``tf.function`` instead, each drawing its batch with ``get_next``: it knows from the epoch
    iterator how many steps the epoch has left, so the last, shorter chunk gets its own trace.
 
+4. Under any tf.distribute strategy Keras builds the model from a batch before the first step,
+   which a model without ``call()`` (a VAE or GAN that calls the models it holds in its own
+   ``train_step``) cannot do: "Unable to automatically build the model". One process defers
+   the build and trains; :func:`build_without_call` builds what the step cannot create
+   itself, the optimizer, and leaves the rest to the first step, as one process does.
+
 All fixes wrap the upstream functions and defer to them everywhere else (they act on a
 multi-worker strategy only). tfdist.init installs them under MWMS on the Keras versions in
 ``AFFECTED``, one installer per row of :data:`tfdist.patches.INVENTORY`;
@@ -34,6 +40,7 @@ moved the patched functions. ``TFDIST_SKIP_PATCHES=keras3-symbolic-build,...`` l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -46,9 +53,10 @@ from tfdist.settings import resolve, skipped_patches
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["LOG_SAFE_CALLBACKS", "apply", "install_epoch_chunks", "install_reduce_per_replica",
-           "install_step_logs", "install_steps_per_execution", "install_symbolic_build",
-           "peeked_batch", "step_logs_global", "steps_in_chunk"]
+__all__ = ["LOG_SAFE_CALLBACKS", "apply", "build_without_call", "install_epoch_chunks",
+           "install_reduce_per_replica", "install_step_logs", "install_steps_per_execution",
+           "install_symbolic_build", "lacks_call", "peeked_batch", "step_logs_global",
+           "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -121,9 +129,33 @@ def _is_multi_worker(strategy: Any) -> bool:
             and strategy.extended._in_multi_worker_mode())
 
 
+def lacks_call(model: Any) -> bool:
+    """Whether ``model`` is a Keras 3 model without a ``call()`` of its own (a VAE or GAN that
+    only calls the models it holds, in its own ``train_step``)."""
+    import keras
+
+    return getattr(type(model), "call", None) is getattr(keras.Model, "call", object())
+
+
+def build_without_call(model: Any) -> None:
+    """What Keras's symbolic build would do for a model without ``call()``, which it cannot
+    build from a batch (under any tf.distribute strategy it stops with "Unable to automatically
+    build the model"; one process defers the build to the first step and trains): the optimizer
+    is built over the trainable variables, in the strategy's scope. The models it holds are
+    built by the script (its ``train_step`` calls them), as in one process."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or getattr(optimizer, "built", True):
+        return
+    strategy = getattr(model, "_distribute_strategy", None)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        optimizer.build(model.trainable_variables)
+
+
 def _wrap_symbolic_build(original: Any) -> Any:
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         strategy = self._distribute_strategy
+        if strategy is not None and lacks_call(self):
+            return build_without_call(self)
         if iterator is None or strategy is None or not _is_multi_worker(strategy):
             return original(self, iterator=iterator, data_batch=data_batch)
         import tensorflow as tf

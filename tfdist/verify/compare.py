@@ -309,9 +309,8 @@ def _logs(ranks: Sequence[Record], call: str, index: int, kind: str) -> dict[str
 
 def _compare_call(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
                   walk: _Walk) -> Verdict | None:
-    name, n = call["name"], walk.n
+    name = call["name"]
     theirs = ranks[0].call(name) or {}
-    random_layers = call.get("random_layers") or []
     if call["kind"] == "evaluate":
         return _compare_values(f"{name}", call.get("result", {}), theirs.get("result", {}),
                                walk)
@@ -322,6 +321,22 @@ def _compare_call(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
                        f"{len(ranks)} workers, {len(call['steps'])} in one process: the workers "
                        "see another number of batches (an input split or repeated otherwise)",
                        where=f"{name} steps")
+    verdict = _compare_steps(call, ref, ranks, walk)
+    if verdict is not None:
+        return verdict
+    for index, logs in enumerate(call["epochs"]):
+        verdict = _compare_values(f"{name} epoch {index + 1}", logs,
+                                  _logs(ranks, name, index, "epochs"), walk)
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def _compare_steps(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
+                   walk: _Walk) -> Verdict | None:
+    """A fit call's steps, in order: the first that differs beyond rounding, diagnosed."""
+    name, n = call["name"], walk.n
+    random_layers = call.get("random_layers") or []
     previous = f"{name}/initial"
     before_equal = True
     mine0, theirs0 = ref.weights(previous), ranks[0].weights(previous)
@@ -363,11 +378,6 @@ def _compare_call(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
                            f"likely cause: {cause}", largest=size, step=step, where=where,
                            cause=cause, steps=walk.steps)
         previous = label if mine is not None else previous
-    for index, logs in enumerate(call["epochs"]):
-        verdict = _compare_values(f"{name} epoch {index + 1}", logs,
-                                  _logs(ranks, name, index, "epochs"), walk)
-        if verdict is not None:
-            return verdict
     return None
 
 
