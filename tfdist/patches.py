@@ -221,6 +221,18 @@ INVENTORY: tuple[Patch, ...] = (
           "and warns that clipping applies to each replica's gradients; refuses a compiled "
           "metric object made outside the scope (its state would stay each worker's own)",
           _keras3_fix),
+    Patch("keras3-loss-scaling", "keras.src.losses.loss.scale_loss_for_distribution/"
+          "reduce_values, keras.src.metrics.reduction_metrics.Mean/Sum.update_state, "
+          f"{_TRAINER}.TensorFlowTrainer._make_function",
+          "tfdist.keras.loss_scaling:install_loss_scaling",
+          "Keras 3 under MWMS on several workers or MirroredStrategy",
+          "Keras divides a loss object's mean by the replicas for their gradients' sum; a "
+          "custom train_step that logs that value (returned, or fed to a Mean tracker) logs "
+          "1/N of one process's loss: the very tensor Keras scaled is logged unscaled. A "
+          "loss whose call() returns one number is left unscaled by Keras (N times the "
+          "gradient): scaled like the others, with one warning",
+          lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
+          and (w.several_processes or w.backend.name == "mirrored")),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras.checks:install_mixed_keras",
           "MWMS or Horovod on several processes, TF_USE_LEGACY_KERAS=1 and Keras 3 imported "

@@ -349,9 +349,7 @@ def _compare_steps(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
         step = index + 1
         walk.steps += 1
         many_logs = _logs(ranks, name, index, "steps")
-        loss_ratio = None
-        if "loss" in logs and "loss" in many_logs and abs(logs["loss"]) > ATOL:
-            loss_ratio = many_logs["loss"] / logs["loss"]
+        loss_ratio = _loss_ratio(logs, many_logs)
         label = f"{name}/step{step}"
         mine, their_w = ref.weights(label), ranks[0].weights(label)
         where, size = "", 0.0
@@ -379,6 +377,14 @@ def _compare_steps(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
                            cause=cause, steps=walk.steps)
         previous = label if mine is not None else previous
     return None
+
+
+def _loss_ratio(one: Mapping[str, float], many: Mapping[str, float]) -> float | None:
+    """The workers' loss over one process's at a step, from the values named like a loss
+    (``loss``, ``d_loss``, ``step_loss``): one that differs first, ``loss`` before others."""
+    keys = [k for k in one if k in many and k.endswith("loss") and abs(one[k]) > ATOL]
+    keys.sort(key=lambda k: (relative_difference(many[k], one[k]) <= RTOL, k != "loss"))
+    return many[keys[0]] / one[keys[0]] if keys else None
 
 
 def _compare_values(where: str, mine: Mapping[str, float], theirs: Mapping[str, float],

@@ -1,0 +1,147 @@
+"""Keras 3's losses scaled for the replicas' sum, made one process's where Keras leaves them off.
+
+Under a tf.distribute strategy the replicas' gradients are summed, so Keras 3 divides a loss
+object's mean by the number of replicas (``scale_loss_for_distribution``): the sum is then the
+global batch's mean, as in one process. Two places where that goes wrong on several workers,
+measured on 2 MWMS workers against one process with the same global batch:
+
+- **A scaled loss logged.** A custom ``train_step`` that calls a ``keras.losses`` object and
+  returns its value, or feeds it to a ``keras.metrics.Mean`` tracker (the DCGAN, WGAN and
+  distillation examples' shape), logs the scaled value: 1/N of one process's loss. Keras's own
+  ``train_step`` unscales before its tracker; the user's cannot know. tfdist remembers each
+  tensor the scaling made, in the step being traced, and where that very tensor is logged (a
+  value the step returns, a ``Mean``/``Sum`` metric's update) it puts the unscaled one: the
+  gradient keeps the scaled loss, the logs read one process's numbers.
+- **A loss that returns one number.** A ``keras.losses.Loss`` subclass whose ``call`` reduces
+  over the batch itself (a contrastive loss over the batch's pairs) reaches Keras's reduction
+  as a scalar, which Keras returns unscaled: the replicas' sum is N times one process's
+  gradient. tfdist scales it like every other mean, once, and says so in one warning: each
+  replica computes such a loss over its own rows only (pairs across replicas are missing), so
+  it stays near one process's, not equal.
+
+Installed (patch ``keras3-loss-scaling``) under MWMS over several workers on Keras 3; a loss
+the script computes by hand (``ops.mean`` of its own) is the script's: ``tfdist verify`` names
+a gradient N times one process's with the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from tfdist import patches
+
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["install_loss_scaling", "unscaled"]
+
+logger = logging.getLogger("tfdist")
+# scaled tensor's ref -> the unscaled tensor, for the step being traced (a thread's own: Keras
+# may trace on several threads). Cleared at each step function's trace.
+_local = threading.local()
+_warned: set[str] = set()
+
+
+def _made() -> dict[Any, Any]:
+    made: dict[Any, Any] | None = getattr(_local, "made", None)
+    if made is None:
+        made = _local.made = {}
+    return made
+
+
+def unscaled(value: Any) -> Any:
+    """The unscaled loss if ``value`` is a loss Keras scaled for the replicas in this trace,
+    else ``value``."""
+    ref = getattr(value, "ref", None)
+    if ref is None:
+        return value
+    try:
+        return _made().get(ref(), value)
+    except TypeError:  # not hashable: no tensor of ours
+        return value
+
+
+def install_loss_scaling(where: Where, dist: Any) -> None:
+    """Patch ``keras3-loss-scaling``'s installer (MWMS, several workers, Keras 3; once)."""
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.losses import loss as loss_module
+    from keras.src.metrics import reduction_metrics
+
+    patches.apply("keras3-loss-scaling", loss_module, "scale_loss_for_distribution",
+                  _remembering)
+    patches.apply("keras3-loss-scaling", loss_module, "reduce_values",
+                  functools.partial(_scalars_scaled, scale=loss_module))
+    for metric in (reduction_metrics.Mean, reduction_metrics.Sum):
+        patches.apply("keras3-loss-scaling", metric, "update_state", _metric_unscaled)
+    patches.apply("keras3-loss-scaling", trainer.TensorFlowTrainer, "_make_function",
+                  _step_unscaled)
+
+
+def _remembering(original: Any) -> Any:
+    @functools.wraps(original)
+    def scale_loss_for_distribution(value: Any) -> Any:
+        scaled = original(value)
+        if scaled is not value and hasattr(scaled, "ref"):
+            _made()[scaled.ref()] = value
+        return scaled
+
+    return scale_loss_for_distribution
+
+
+def _scalars_scaled(original: Any, scale: Any) -> Any:
+    @functools.wraps(original)
+    def reduce_values(values: Any, sample_weight: Any = None,
+                      reduction: Any = "sum_over_batch_size") -> Any:
+        result = original(values, sample_weight, reduction)
+        if (tuple(getattr(values, "shape", (0,))) == ()
+                and reduction in ("sum_over_batch_size", "mean", "mean_with_sample_weight")):
+            _warn_scalar()
+            return scale.scale_loss_for_distribution(result)
+        return result
+
+    return reduce_values
+
+
+def _warn_scalar() -> None:
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if "scalar" in _warned or context is None or context.num_replicas_in_sync < 2:
+        return
+    _warned.add("scalar")
+    if tf.distribute.get_strategy().extended.should_checkpoint:  # the chief
+        logger.warning(
+            "tfdist: a loss of yours returns one number for the batch (its call() reduces "
+            "over the rows): each of the %d replicas computes it over its own rows only; tfdist "
+            "scales it for the replicas' sum as Keras scales its own losses, so the gradient "
+            "has one process's size, but a loss over pairs of rows (contrastive) misses the "
+            "pairs across replicas and stays near one process's, not equal. For one process's "
+            "numbers: a loss per row (call() returning one value per example)",
+            context.num_replicas_in_sync)
+
+
+def _metric_unscaled(original: Any) -> Any:
+    @functools.wraps(original)
+    def update_state(self: Any, values: Any, sample_weight: Any = None) -> Any:
+        return original(self, unscaled(values), sample_weight=sample_weight)
+
+    return update_state
+
+
+def _step_unscaled(original: Any) -> Any:
+    @functools.wraps(original)
+    def _make_function(self: Any, step_function: Any) -> Any:
+        @functools.wraps(step_function)
+        def step(data: Any) -> Any:
+            _made().clear()
+            outputs = step_function(data)
+            if isinstance(outputs, dict):
+                outputs = {key: unscaled(value) for key, value in outputs.items()}
+            return outputs
+
+        return original(self, step)
+
+    return _make_function
