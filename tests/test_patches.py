@@ -112,13 +112,16 @@ WRITERS = ["user-writers", "save-once"]
     ("single", "3.15.1", False, False, ["keras3-input-position", *TF_TAIL]),
     ("mirrored", "2.15.0", False, True, ["keras2-input-position", *TF_TAIL]),
     ("mwms", "3.15.1", True, True, [
-        *KERAS3_MWMS, "predict-on-batch", "epoch-results", "input-end-check", "arrays-one-order",
+        *KERAS3_MWMS, "keras3-loss-scaling", "keras3-global-draws",
+        "predict-on-batch", "epoch-results",
+        "input-end-check", "arrays-one-order",
         "sequence-one-order", "generator-copies", "keras3-input-position", *TF_TAIL, *WRITERS,
         "failure-line"]),
     ("mwms", "3.15.1", True, False, [
-        *KERAS3_MWMS, "predict-on-batch", "epoch-results", "input-end-check",
-        "host-input-iterator", "arrays-one-order", "sequence-one-order", "generator-copies",
-        "compile-without-xla", "keras3-input-position", *TF_TAIL, *WRITERS, "failure-line"]),
+        *KERAS3_MWMS, "keras3-loss-scaling", "keras3-global-draws", "predict-on-batch",
+        "epoch-results", "input-end-check", "host-input-iterator", "arrays-one-order",
+        "sequence-one-order", "generator-copies", "compile-without-xla", "keras3-input-position",
+        *TF_TAIL, *WRITERS, "failure-line"]),
     ("mwms", "2.15.0", True, False, [
         "keras2-step-results", "epoch-results", "input-end-check", "host-input-iterator",
         "arrays-one-order", "sequence-one-order", "generator-copies", "compile-without-xla",

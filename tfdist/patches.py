@@ -233,6 +233,17 @@ INVENTORY: tuple[Patch, ...] = (
           "gradient): scaled like the others, with one warning",
           lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
           and (w.several_processes or w.backend.name == "mirrored")),
+    Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"
+          f"truncated_normal/dropout, {_TRAINER}.TensorFlowTrainer._make_function",
+          "tfdist.keras.random_draws:install_global_draws",
+          "Keras 3 under MWMS on several workers or MirroredStrategy (acts for 2 to 8 "
+          "replicas, one per worker)",
+          "each replica draws Dropout's mask, noise and a random layer's per-row values for "
+          "its own rows with the seed one process uses for the whole batch, so every replica "
+          "gets the first rows' values; each draws the global batch's values and keeps its "
+          "own rows: one process's draw",
+          lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
+          and (w.several_processes or w.backend.name == "mirrored")),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras.checks:install_mixed_keras",
           "MWMS or Horovod on several processes, TF_USE_LEGACY_KERAS=1 and Keras 3 imported "

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LOG_SAFE_CALLBACKS", "apply", "build_without_call", "install_epoch_chunks",
            "install_reduce_per_replica", "install_step_logs", "install_steps_per_execution",
-           "install_symbolic_build", "lacks_call", "peeked_batch", "step_logs_global",
+           "install_symbolic_build", "lacks_call", "peeked_batch", "spec_batch",
+           "step_logs_global",
            "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
@@ -163,6 +164,8 @@ def _wrap_symbolic_build(original: Any) -> Any:
 
         data_batch = peeked_batch(iterator)
         if data_batch is None:
+            data_batch = spec_batch(iterator)
+        if data_batch is None:
             for _, _, it in iterator:
                 data_batch = next(it)
                 break
@@ -175,6 +178,36 @@ def _wrap_symbolic_build(original: Any) -> Any:
         return original(self, iterator=None, data_batch=tree.map_structure(local, data_batch))
 
     return _maybe_symbolic_build
+
+
+def spec_batch(iterator: Any) -> Any:
+    """The shapes and dtypes of a tf.data input's batches (``tf.TensorSpec`` leaves, the batch
+    dimension unknown), for the symbolic build, or None for another input. Reading a batch
+    would make an iterator before training's: a shuffle that reshuffles each pass would then
+    train epoch 1 on its second order, where one process trains on its first."""
+    import tensorflow as tf
+
+    adapter = getattr(iterator, "data_adapter", None)
+    try:
+        dataset = adapter.get_tf_dataset() if adapter is not None else None
+    except Exception:  # an adapter that makes no dataset: read a batch instead
+        return None
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def leaf(value: Any) -> Any:
+        components = getattr(value, "_component_specs", None)
+        if components and not isinstance(value, tf.TensorSpec):  # a replica's of several
+            value = components[0]
+        if not isinstance(value, tf.TensorSpec) or value.shape.rank in (None, 0):
+            raise TypeError(value)
+        return tf.TensorSpec([None, *value.shape[1:]], value.dtype)
+
+    try:
+        return tf.nest.map_structure(leaf, spec)
+    except (TypeError, ValueError):
+        return None
 
 
 def peeked_batch(iterator: Any) -> Any:

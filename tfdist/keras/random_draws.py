@@ -1,0 +1,216 @@
+"""Keras 3's random draws over a batch made one process's on several replicas.
+
+A Keras random draw whose first dimension is the batch (Dropout's mask, GaussianNoise, a
+random augmentation layer's per-image draw, a VAE's ``keras.random.normal((batch, dim))``)
+is made by each replica for its own rows. Every replica draws with the same seed, so each
+takes the first rows of what one process would draw for the global batch: replica 1's rows get
+replica 0's mask. Measured on 2 MWMS workers against one process (tests/corpus): the weights
+differ from the first step (1 % of a kernel's scale after one Dropout step).
+
+Each replica here draws the global batch's values with the seed one process uses and keeps its
+own rows (replica ``r`` of ``N``, ``b`` rows each: rows ``r*b`` to ``(r+1)*b``, the rows
+``dist.shard`` gives it): the draw one process makes, N times the values to draw. Keras's
+stateless draws (its TensorFlow backend's ``normal``, ``uniform``, ``truncated_normal``,
+``dropout``) are redone here with the same TensorFlow ops and seeds, so the values are one
+process's bit for bit. A draw counts as over the batch when its first dimension is the
+replica's number of rows (for dropout: a noise shape that does not broadcast over the batch).
+
+Where it does not act: more than :data:`MAX_REPLICAS` replicas (the draw grows with them; the
+draws stay each replica's own, and one warning says so), several replicas per worker
+(the rows' order over a worker's devices is not the replica order), an uneven last batch (its
+step only), TensorFlow's own ``tf.random`` ops and tf_keras's generators (each replica's own:
+``tfdist verify`` names them).
+
+Installed (patch ``keras3-global-draws``) on Keras 3 under MWMS over several workers and
+MirroredStrategy.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from tfdist import patches
+
+if TYPE_CHECKING:
+    from tfdist.patches import Where
+
+__all__ = ["MAX_REPLICAS", "install_global_draws"]
+
+logger = logging.getLogger("tfdist")
+# Up to this many replicas each draws the global batch's values (N times its own).
+MAX_REPLICAS = 8
+_local = threading.local()  # .rows: (dynamic rows tensor, static rows or None) of the step traced
+_warned: set[str] = set()
+
+
+def install_global_draws(where: Where, dist: Any) -> None:
+    """Patch ``keras3-global-draws``'s installer (Keras 3, MWMS or MirroredStrategy; once)."""
+    from keras.src.backend.tensorflow import random as backend_random
+    from keras.src.backend.tensorflow import trainer
+
+    patches.apply("keras3-global-draws", trainer.TensorFlowTrainer, "_make_function",
+                  _with_rows)
+    for name in ("normal", "uniform", "truncated_normal"):
+        patches.apply("keras3-global-draws", backend_random, name,
+                      functools.partial(_global_draw, name=name))
+    patches.apply("keras3-global-draws", backend_random, "dropout", _global_dropout)
+
+
+def _with_rows(original: Any) -> Any:
+    @functools.wraps(original)
+    def _make_function(self: Any, step_function: Any) -> Any:
+        @functools.wraps(step_function)
+        def step(data: Any) -> Any:
+            import tensorflow as tf
+
+            leaves = [t for t in tf.nest.flatten(data) if hasattr(t, "shape") and t.shape.rank]
+            previous = getattr(_local, "rows", None)
+            _local.rows = (tf.shape(leaves[0])[0], leaves[0].shape[0]) if leaves else None
+            try:
+                return step_function(data)
+            finally:
+                _local.rows = previous
+
+        return original(self, step)
+
+    return _make_function
+
+
+def _plan(first: Any) -> tuple[int, Any, Any, Any] | None:
+    """``(replicas, this replica's index, its rows, when)`` for a draw whose first dimension is
+    ``first``, made here for the global batch: ``when`` is None where ``first`` is the
+    replica's rows for sure, else a boolean tensor (a first dimension known only when the step
+    runs: the draw is the global one where it equals the rows). None: a draw of its own."""
+    import tensorflow as tf
+
+    rows = getattr(_local, "rows", None)
+    context = tf.distribute.get_replica_context()
+    if rows is None or context is None or tf.distribute.in_cross_replica_context():
+        return None
+    replicas = context.num_replicas_in_sync
+    if replicas < 2 or not _one_replica_per_worker():
+        return None
+    dynamic, static = rows
+    when = None
+    known = first if isinstance(first, int) else tf.get_static_value(first)
+    if known is not None:
+        if static is None:
+            when = tf.equal(dynamic, int(known))
+        elif int(known) != static:
+            return None
+    elif first is not dynamic:
+        when = tf.equal(tf.cast(first, dynamic.dtype), dynamic)
+    if replicas > MAX_REPLICAS:
+        _warn_once(replicas)
+        return None
+    return replicas, context.replica_id_in_sync_group, dynamic, when
+
+
+def _drawn(plan: tuple[int, Any, Any, Any], make: Any, shape: Any) -> Any:
+    """The replica's rows of ``make(global shape)``, or ``make(shape)`` where the plan's
+    condition says the draw is not over the batch."""
+    import tensorflow as tf
+
+    replicas, index, rows, when = plan
+    if isinstance(shape, tf.Tensor):
+        global_shape = tf.concat([[rows * replicas], tf.cast(shape[1:], rows.dtype)], 0)
+    else:
+        global_shape = [rows * replicas, *shape[1:]]
+
+    def whole() -> Any:
+        return make(global_shape)[index * rows:(index + 1) * rows]
+
+    if when is None:
+        return whole()
+    return tf.cond(when, whole, lambda: make(shape))
+
+
+def _one_replica_per_worker() -> bool:
+    import tensorflow as tf
+
+    extended = tf.distribute.get_strategy().extended
+    return len(getattr(extended, "worker_devices", ())) <= 1 or not getattr(
+        extended, "_in_multi_worker_mode", lambda: False)()
+
+
+def _warn_once(replicas: int) -> None:
+    import tensorflow as tf
+
+    if "many" in _warned or not tf.distribute.get_strategy().extended.should_checkpoint:
+        return
+    _warned.add("many")
+    logger.warning("tfdist: %d replicas: Keras's random draws over the batch (Dropout, noise, "
+                   "random augmentation) stay each replica's own for its rows (one process "
+                   "draws one set for the global batch); `tfdist verify` measures the "
+                   "difference", replicas)
+
+
+def _seed(seed: Any) -> Any:
+    from keras.src.backend.tensorflow.random import _cast_seed
+    from keras.src.random.seed_generator import draw_seed
+
+    return _cast_seed(draw_seed(seed))
+
+
+def _global_draw(original: Any, name: str) -> Any:
+    @functools.wraps(original)
+    def draw(shape: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = _plan(shape[0]) if isinstance(shape, (list, tuple)) and shape else None
+        if plan is None:
+            return original(shape, *args, **kwargs)
+        import inspect
+
+        import tensorflow as tf
+        from keras.src.backend.config import floatx
+
+        bound = inspect.signature(original).bind(shape, *args, **kwargs)
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        dtype = options["dtype"] or floatx()
+        seed = _seed(options["seed"])  # drawn once: the seed generator moves once
+
+        def make(size: Any) -> Any:
+            if name == "uniform":
+                return tf.random.stateless_uniform(
+                    shape=size, minval=tf.cast(options["minval"], dtype),
+                    maxval=tf.cast(options["maxval"], dtype), dtype=dtype, seed=seed)
+            op = (tf.random.stateless_normal if name == "normal"
+                  else tf.random.stateless_truncated_normal)
+            return op(shape=size, mean=options["mean"], stddev=options["stddev"], dtype=dtype,
+                      seed=seed)
+
+        return _drawn(plan, make, list(shape))
+
+    return draw
+
+
+def _global_dropout(original: Any) -> Any:
+    @functools.wraps(original)
+    def dropout(inputs: Any, rate: Any, noise_shape: Any = None, seed: Any = None) -> Any:
+        import tensorflow as tf
+
+        if rate in (0.0, 1.0) or (noise_shape is not None and noise_shape[0] is not None):
+            return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        from keras.src.backend.tensorflow.random import _get_concrete_noise_shape
+
+        rows = getattr(_local, "rows", None)
+        first = inputs.shape[0] if inputs.shape[0] is not None else (rows[0] if rows else None)
+        plan = _plan(first) if first is not None else None
+        if plan is None:
+            return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        concrete = _get_concrete_noise_shape(inputs, noise_shape)
+        seed_value = _seed(seed)
+
+        def sampler(shape: Any, dtype: Any) -> Any:
+            def make(size: Any) -> Any:
+                return tf.random.stateless_uniform(shape=size, dtype=dtype, seed=seed_value)
+
+            return _drawn(plan, make, shape)
+
+        return tf.nn.experimental.general_dropout(inputs, rate=rate, uniform_sampler=sampler,
+                                                  noise_shape=concrete)
+
+    return dropout
