@@ -1,6 +1,6 @@
-"""Runs the corpus: every Keras program here, in one process and on 2 workers, compared.
+"""Runs the corpus: every Keras program in ``programs/``, in one process and on 2 workers.
 
-Each program in this folder is a Keras script shaped like the ones users write (its docstring
+Each program in ``programs/`` is a Keras script shaped like the ones users write (its docstring
 names the public program it follows), changed only as the README says. Its ``# corpus:`` line
 lists where it runs: ``mwms-k3`` (MultiWorkerMirroredStrategy, Keras 3), ``mwms-k2`` (tf_keras),
 ``hvd-k3``, ``hvd-k2`` (Horovod) and ``jax`` (Keras 3 on JAX). For each, ``tfdist verify``'s
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PROGRAMS = HERE / "programs"
 ROOT = HERE.parent.parent
 DOC = ROOT / "docs" / "corpus.md"
 sys.path.insert(0, str(ROOT))
@@ -66,12 +67,10 @@ class Cell:
     seconds: float = 0.0
 
 
-def programs(folder: Path = HERE) -> dict[str, list[str]]:
+def programs(folder: Path = PROGRAMS) -> dict[str, list[str]]:
     """Every program of the corpus, by name: the runs its ``# corpus:`` line lists."""
     found = {}
     for path in sorted(folder.glob("*.py")):
-        if path.name == "run.py":
-            continue
         match = _LINE.search(path.read_text(encoding="utf-8"))
         if match is None:
             raise SystemExit(f"{path}: no '# corpus: RUN ...' line (runs: {', '.join(RUNS)})")
@@ -99,7 +98,7 @@ def run_cell(name: str, run: str, timeout_s: float = 300.0) -> Cell:
     environ = {**os.environ, **variables, "PYTHONHASHSEED": "0"}
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.monotonic()
-    verdict, _, many = verify(str(HERE / f"{name}.py"), [], Options(
+    verdict, _, many = verify(str(PROGRAMS / f"{name}.py"), [], Options(
         backend=backend, steps=0, timeout_s=timeout_s, python=str(ROOT / python)), environ)
     stepped = any(r is not None and any(c["steps"] for c in r.calls) for r in many.records)
     refused = (verdict.outcome == CRASHED and not stepped

@@ -21,6 +21,7 @@ cannot be compiled by XLA).
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -118,7 +119,8 @@ def install_horovod_fit(where: Where, dist: Any) -> None:
     own installers."""
     model_class = keras.Model
     rank, world_size = int(dist.rank), int(dist.world_size)
-    if not patches.apply("horovod-fit", compile_owner(model_class), "compile", _compile_hook):
+    if not patches.apply("horovod-fit", compile_owner(model_class), "compile",
+                         lambda original: _compile_hook(original, world_size)):
         return  # installed already
     patches.apply("horovod-fit", model_class, "fit",
                   lambda original: _fit_hook(original, rank, world_size))
@@ -143,9 +145,42 @@ def _predict_hook(original: Any) -> Any:
     return predict
 
 
-def _compile_hook(original: Any) -> Any:
+def summed_over_ranks(loss: Any, world_size: int) -> Any:
+    """A compiled loss object with ``reduction="sum"`` made to sum over the job's rows: each
+    rank's values times ``world_size``, which Horovod's average of the ranks' gradients (and
+    of their logged losses) turns into the sum one process takes over the global batch. Any
+    other loss (and a dict or list of them, each) as given."""
+    if isinstance(loss, dict):
+        return {key: summed_over_ranks(value, world_size) for key, value in loss.items()}
+    if isinstance(loss, list | tuple):
+        return type(loss)(summed_over_ranks(value, world_size) for value in loss)
+    reduction = str(getattr(loss, "reduction", "")).lower()
+    if world_size > 1 and reduction == "mean_with_sample_weight":
+        logger.warning(
+            "tfdist: Horovod: %s(reduction='mean_with_sample_weight') divides each rank's "
+            "weighted sum by its own weights' sum; averaged over the ranks that is not one "
+            "process's weighted mean where the ranks' weights differ. Fix: "
+            "reduction='sum_over_batch_size', or the backend mwms (which divides by every "
+            "rank's weights)", type(loss).__name__)
+    if world_size < 2 or reduction not in ("sum", "reduction.sum"):
+        return loss
+    scaled = copy.copy(loss)
+    call = loss.call
+
+    def summed(y_true: Any, y_pred: Any) -> Any:
+        return call(y_true, y_pred) * world_size
+
+    scaled.call = summed
+    return scaled
+
+
+def _compile_hook(original: Any, world_size: int) -> Any:
     @functools.wraps(original)
     def compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
+        if "loss" in kwargs:
+            kwargs["loss"] = summed_over_ranks(kwargs["loss"], world_size)
+        elif args:
+            args = (summed_over_ranks(args[0], world_size), *args[1:])
         if not is_keras3():  # Horovod's wrapper must be in place before compile uses it
             optimizer = DistributedOptimizer(keras.optimizers.get(optimizer))
         else:

@@ -12,6 +12,10 @@ measured on 2 MWMS workers against one process with the same global batch:
   tensor the scaling made, in the step being traced, and where that very tensor is logged (a
   value the step returns, a ``Mean``/``Sum`` metric's update) it puts the unscaled one: the
   gradient keeps the scaled loss, the logs read one process's numbers.
+- **Weights summed per replica.** ``reduction="mean_with_sample_weight"`` divides each
+  replica's weighted sum by its own weights' sum; averaged over the replicas that is not the
+  global batch's weighted mean when their weights differ. tfdist divides by every replica's
+  weights (one scalar all-reduce a step).
 - **A loss that returns one number.** A ``keras.losses.Loss`` subclass whose ``call`` reduces
   over the batch itself (a contrastive loss over the batch's pairs) reaches Keras's reduction
   as a scalar, which Keras returns unscaled: the replicas' sum is N times one process's
@@ -95,6 +99,10 @@ def _scalars_scaled(original: Any, scale: Any) -> Any:
     @functools.wraps(original)
     def reduce_values(values: Any, sample_weight: Any = None,
                       reduction: Any = "sum_over_batch_size") -> Any:
+        if reduction == "mean_with_sample_weight" and sample_weight is not None:
+            weighted = _over_the_job_weights(values, sample_weight)
+            if weighted is not None:
+                return weighted
         result = original(values, sample_weight, reduction)
         if (tuple(getattr(values, "shape", (0,))) == ()
                 and reduction in ("sum_over_batch_size", "mean", "mean_with_sample_weight")):
@@ -103,6 +111,24 @@ def _scalars_scaled(original: Any, scale: Any) -> Any:
         return result
 
     return reduce_values
+
+
+def _over_the_job_weights(values: Any, sample_weight: Any) -> Any:
+    """``reduction="mean_with_sample_weight"`` over the global batch: the replica's weighted
+    sum over the sum of every replica's weights (one scalar all-reduce), which the replicas'
+    sum makes one process's mean (each replica's own mean, averaged, is not when the replicas'
+    weights differ). None outside a replica context of several replicas."""
+    import tensorflow as tf
+    from keras.src import ops
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync < 2 or tuple(values.shape) == ():
+        return None
+    total = ops.sum(values)
+    weights = context.all_reduce("sum", ops.cast(ops.sum(sample_weight), total.dtype))
+    loss = ops.divide_no_nan(total, weights)
+    _made()[loss.ref()] = loss * context.num_replicas_in_sync  # the job's mean, as logged
+    return loss
 
 
 def _warn_scalar() -> None:

@@ -135,10 +135,24 @@ def _read_as_given(original: Any, model: Any, logs: Any, *, keras3: bool,
         from tfdist.keras.checks import own_step
 
         step = own_step(model)
-        if step:
+        if step and not metric_results_renamed(model, logs):
             _named.add(type(model))
             logger.warning("tfdist: %s", own_step_line(type(model).__name__, step, keras3))
     return result
+
+
+def metric_results_renamed(model: Any, logs: dict[str, Any]) -> bool:
+    """Whether every value a custom step returned is one of the model's metrics' results under
+    another name (``{"loss": self.total_loss_tracker.result()}``): Keras then logs the last
+    step's values, which are those results, over all workers."""
+    try:
+        results = [float(v) for v in model.get_metrics_result().values()]
+        values = [float(v) for v in logs.values()]
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return bool(values) and all(
+        any(abs(value - result) <= 1e-6 * max(1.0, abs(result)) for result in results)
+        for value in values)
 
 
 def own_step_line(model: str, step: str, keras3: bool) -> str:
