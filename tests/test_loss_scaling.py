@@ -1,8 +1,10 @@
-"""Keras 3's losses scaled for the replicas (tfdist/keras/loss_scaling.py), on 2 real MWMS
-workers against one process with the same global batch, by ``tfdist verify``'s comparison: a
-custom ``train_step`` that logs a ``keras.losses`` object's value, and a loss whose ``call``
-returns one number. The control, the same script with the patch left out, must show the
-defects (the logged loss halved, the gradient doubled), so the test knows it exercises them.
+"""Keras 3's losses and random draws on several replicas made one process's
+(tfdist/keras/loss_scaling.py, tfdist/keras/random_draws.py, the symbolic build of a model
+without ``call()``, Horovod's ``reduction="sum"``), on 2 real workers against one process with
+the same global batch, by ``tfdist verify``'s comparison. The worker
+(tests/workers/loss_scaling_worker.py) trains five user-shaped models; the control, the same
+script with the two patches left out, must show the defects (the logged loss halved, the
+gradient doubled, the random draws per replica), so the test knows it exercises them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import WORKERS, clean_env
+from helpers import HOROVOD_PYTHON, WORKERS, clean_env, require
 
 from tfdist.verify.compare import DIFFERS, ROUNDING, Record, Run, compare
 from tfdist.verify.run import run_once
 
 WORKER = str(WORKERS / "loss_scaling_worker.py")
+STEPS = 16  # each fit: 2 epochs of 8 batches
 pytestmark = pytest.mark.multiprocess
 
 
@@ -29,23 +32,40 @@ def only(run: Run, call: str) -> Run:
     return Run(run.returncode, run.output, records)
 
 
-def test_logged_losses_and_one_number_losses_are_one_processs(tmp_path: Path) -> None:
-    env = clean_env(TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="0",
-                    TFDIST_VERIFY_SEED="0", TFDIST_STEP_LOGS="global")
+def _env() -> dict[str, str]:
+    return clean_env(TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="0", TFDIST_VERIFY_SEED="0",
+                     TFDIST_STEP_LOGS="global")
+
+
+def test_mwms_every_model_is_one_processs_and_the_control_is_not(tmp_path: Path) -> None:
+    env = _env()
     one = run_once([sys.executable, WORKER], str(tmp_path / "one"), 1, env, 240)
     launch = [sys.executable, "-m", "tfdist", "launch", "-n", "2", WORKER]
     fixed = run_once(launch, str(tmp_path / "fixed"), 2, env, 240)
-    control = run_once(launch, str(tmp_path / "control"), 2,
-                       {**env, "TFDIST_SKIP_PATCHES": "keras3-loss-scaling"}, 240)
+    control = run_once(launch, str(tmp_path / "control"), 2, {
+        **env, "TFDIST_SKIP_PATCHES": "keras3-loss-scaling,keras3-global-draws"}, 240)
     for run in (one, fixed, control):
         assert run.returncode == 0, run.output[-3000:]
-    logged, one_number = compare(only(one, "fit1"), only(fixed, "fit1")), compare(
-        only(one, "fit2"), only(fixed, "fit2"))
-    assert logged.outcome == ROUNDING and logged.steps == 16, logged.line
-    assert one_number.outcome == ROUNDING and one_number.steps == 16, one_number.line
-    assert any("returns one number for the batch" in line for line in one_number.told)
+    verdict = compare(one, fixed)
+    assert verdict.outcome == ROUNDING and verdict.steps == 5 * STEPS, verdict.line
+    assert any("returns one number for the batch" in line for line in verdict.told)
     halved = compare(only(one, "fit1"), only(control, "fit1"))
     assert (halved.outcome, halved.where) == (DIFFERS, "fit1 step_loss"), halved.line
     assert "the logged loss is 1/2 of one process's" in halved.cause
     doubled = compare(only(one, "fit2"), only(control, "fit2"))
     assert doubled.outcome == DIFFERS and "the gradient is 2 times" in doubled.cause, doubled.line
+    drawn = compare(only(one, "fit4"), only(control, "fit4"))
+    assert drawn.outcome == DIFFERS and "random draws are made per replica" in drawn.cause, (
+        drawn.line)
+
+
+def test_horovod_every_model_is_one_processs(tmp_path: Path) -> None:
+    require("horovod", python=HOROVOD_PYTHON)
+    env = _env()
+    python = str(HOROVOD_PYTHON)
+    one = run_once([python, WORKER], str(tmp_path / "one"), 1, env, 240)
+    many = run_once([python, "-m", "tfdist", "launch", "--backend", "horovod", "-n", "2",
+                     WORKER], str(tmp_path / "horovod"), 2, env, 300)
+    assert one.returncode == 0 and many.returncode == 0, many.output[-3000:]
+    verdict = compare(one, many)
+    assert verdict.outcome == ROUNDING and verdict.steps == 5 * STEPS, verdict.line

@@ -52,10 +52,10 @@ def test_the_users_metrics_with_a_state_are_found(case):
 
 
 @pytest.mark.parametrize(("keras3", "says"), [
-    (True, "Keras averaged them over the replicas each step and logs the last step's. A loss "
-           "from compute_loss is divided by the number of replicas under tf.distribute, any "
-           "other value is not, so a compute_loss value reads 1/replicas of one process's."),
-    (False, "Keras summed them over the replicas each step and logs the last step's. A loss "
+    (True, "Keras averages them over the replicas each step and logs the last step's: one "
+           "process's for a mean over the batch's rows (a Keras loss's value too: tfdist logs "
+           "it unscaled), not for a sum, a maximum or a count."),
+    (False, "Keras sums them over the replicas each step and logs the last step's. A loss "
             "from compute_loss is divided by the number of replicas under tf.distribute, any "
             "other value is not, so any other value reads replicas times one process's."),
 ])

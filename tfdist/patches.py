@@ -236,13 +236,13 @@ INVENTORY: tuple[Patch, ...] = (
     Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"
           f"truncated_normal/dropout, {_TRAINER}.TensorFlowTrainer._make_function",
           "tfdist.keras.random_draws:install_global_draws",
-          "Keras 3 under MWMS on several workers or MirroredStrategy (acts for 2 to 8 "
-          "replicas, one per worker)",
+          "Keras 3 under MWMS or Horovod on several processes, or MirroredStrategy (acts "
+          "for 2 to 8 replicas, one per process)",
           "each replica draws Dropout's mask, noise and a random layer's per-row values for "
           "its own rows with the seed one process uses for the whole batch, so every replica "
           "gets the first rows' values; each draws the global batch's values and keeps its "
           "own rows: one process's draw",
-          lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
+          lambda w: w.keras3 and w.backend.framework == TF
           and (w.several_processes or w.backend.name == "mirrored")),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras.checks:install_mixed_keras",

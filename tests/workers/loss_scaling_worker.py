@@ -5,9 +5,15 @@
   returned as it is, and through a ``keras.metrics.Mean`` tracker;
 - ``fit2``: a compiled ``keras.losses.Loss`` subclass whose ``call`` returns one number for the
   batch (the supervised-contrastive example's shape; here a mean over rows, so one process's
-  number is reachable).
+  number is reachable);
+- ``fit3``: a model without ``call()`` that holds another and trains it in its own step (the
+  VAE and GAN examples' shape), with a Mean tracker;
+- ``fit4``: Dropout and a ``keras.random.normal`` draw over the batch (a VAE's sampling), on a
+  dataset reshuffled each epoch with a seed;
+- ``fit5``: a compiled loss with ``reduction="sum"``.
 
-Run by ``tfdist verify``'s machinery in one process and on 2 workers; nothing random.
+Run by ``tfdist verify``'s machinery in one process and on 2 workers (MWMS, or Horovod); the
+random draws are seeded.
 """
 
 from __future__ import annotations
@@ -54,10 +60,60 @@ def dense(model_class):  # type: ignore[no-untyped-def]
     return model_class(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, "relu")(inputs)))
 
 
+class NoCall(keras.Model):
+    def __init__(self, inner):  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.inner = inner
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):  # type: ignore[no-untyped-def]
+        return [self.tracker]
+
+    def train_step(self, batch):  # type: ignore[no-untyped-def]
+        features, target = batch
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.inner(features) - target))
+            scaled = loss / tf.distribute.get_strategy().num_replicas_in_sync
+        grads = tape.gradient(scaled, self.inner.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.inner.trainable_variables, strict=True))
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+class Noisy(keras.layers.Layer):
+    def __init__(self):  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.seeds = keras.random.SeedGenerator(7)
+
+    def call(self, inputs, training=False):  # type: ignore[no-untyped-def]
+        if not training:
+            return inputs
+        batch = keras.ops.shape(inputs)[0]
+        return inputs + 0.1 * keras.random.normal((batch, 16), seed=self.seeds)
+
+
+def random_model():  # type: ignore[no-untyped-def]
+    inputs = keras.Input((8,))
+    hidden = Noisy()(keras.layers.Dense(16, "relu")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dropout(0.3)(hidden)))
+
+
 with strategy_scope() as dist:
     logged = dense(LoggedLoss)
     logged.compile(optimizer=keras.optimizers.SGD(0.05))
     one_number = dense(keras.Model)
     one_number.compile(optimizer=keras.optimizers.SGD(0.05), loss=OneNumber())
+    no_call = NoCall(dense(keras.Model))
+    no_call.compile(optimizer=keras.optimizers.SGD(0.05))
+    noisy = random_model()
+    noisy.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    summed = dense(keras.Model)
+    summed.compile(optimizer=keras.optimizers.SGD(0.002),
+                   loss=keras.losses.MeanSquaredError(reduction="sum"))
 logged.fit(dist.shard(data), epochs=2, verbose=0)
 one_number.fit(dist.shard(data), epochs=2, verbose=0)
+no_call.fit(dist.shard(data), epochs=2, verbose=0)
+shuffled = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=3).batch(32)
+noisy.fit(dist.shard(shuffled), epochs=2, verbose=0)
+summed.fit(dist.shard(data), epochs=2, verbose=0)

@@ -231,13 +231,21 @@ def _build_hook(original: Any) -> Any:
     @functools.wraps(original)
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         if self._distribute_strategy is None and (iterator is not None or data_batch is not None):
-            from tfdist.keras.keras3 import build_without_call, lacks_call, peeked_batch
+            from tfdist.keras.keras3 import (
+                build_without_call,
+                lacks_call,
+                peeked_batch,
+                spec_batch,
+            )
 
             if lacks_call(self):
                 return build_without_call(self)
-
+            # a PyDataset's or generator's batch, or a tf.data input's specs: not drawn from
+            # the iterator (a reshuffling dataset would train epoch 1 on its second order)
             peeked = peeked_batch(iterator) if data_batch is None else None
-            if peeked is not None:  # a PyDataset's or generator's: not drawn from the iterator
+            if peeked is None and data_batch is None:
+                peeked = spec_batch(iterator)
+            if peeked is not None:
                 return self._symbolic_build(data_batch=peeked)
             return self._symbolic_build(iterator=iterator, data_batch=data_batch)
         return original(self, iterator=iterator, data_batch=data_batch)

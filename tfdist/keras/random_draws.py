@@ -21,8 +21,9 @@ draws stay each replica's own, and one warning says so), several replicas per wo
 step only), TensorFlow's own ``tf.random`` ops and tf_keras's generators (each replica's own:
 ``tfdist verify`` names them).
 
-Installed (patch ``keras3-global-draws``) on Keras 3 under MWMS over several workers and
-MirroredStrategy.
+Installed (patch ``keras3-global-draws``) on Keras 3 under MWMS over several workers,
+MirroredStrategy and Horovod over several ranks (a rank's rows are its part of the batch, as
+``dist.shard`` and ``fit``'s arrays split it).
 """
 
 from __future__ import annotations
@@ -44,12 +45,16 @@ logger = logging.getLogger("tfdist")
 MAX_REPLICAS = 8
 _local = threading.local()  # .rows: (dynamic rows tensor, static rows or None) of the step traced
 _warned: set[str] = set()
+_ranks: list[int] = []  # Horovod: [world size, rank]; empty under tf.distribute
 
 
 def install_global_draws(where: Where, dist: Any) -> None:
     """Patch ``keras3-global-draws``'s installer (Keras 3, MWMS or MirroredStrategy; once)."""
     from keras.src.backend.tensorflow import random as backend_random
     from keras.src.backend.tensorflow import trainer
+
+    if where.backend.horovod:  # one replica per rank, its rows the rank's part of the batch
+        _ranks[:] = [int(dist.world_size), int(dist.rank)]
 
     patches.apply("keras3-global-draws", trainer.TensorFlowTrainer, "_make_function",
                   _with_rows)
@@ -87,11 +92,18 @@ def _plan(first: Any) -> tuple[int, Any, Any, Any] | None:
     import tensorflow as tf
 
     rows = getattr(_local, "rows", None)
-    context = tf.distribute.get_replica_context()
-    if rows is None or context is None or tf.distribute.in_cross_replica_context():
+    if rows is None:
         return None
-    replicas = context.num_replicas_in_sync
-    if replicas < 2 or not _one_replica_per_worker():
+    if _ranks:
+        replicas, index = _ranks
+    else:
+        context = tf.distribute.get_replica_context()
+        if context is None or tf.distribute.in_cross_replica_context():
+            return None
+        replicas, index = context.num_replicas_in_sync, context.replica_id_in_sync_group
+        if not _one_replica_per_worker():
+            return None
+    if replicas < 2:
         return None
     dynamic, static = rows
     when = None
@@ -106,7 +118,7 @@ def _plan(first: Any) -> tuple[int, Any, Any, Any] | None:
     if replicas > MAX_REPLICAS:
         _warn_once(replicas)
         return None
-    return replicas, context.replica_id_in_sync_group, dynamic, when
+    return replicas, index, dynamic, when
 
 
 def _drawn(plan: tuple[int, Any, Any, Any], make: Any, shape: Any) -> Any:

@@ -131,20 +131,23 @@ def _read_as_given(original: Any, model: Any, logs: Any, *, keras3: bool,
     """MWMS: the results as Keras reads them, and one warning on the chief when they are a
     custom step's own values."""
     result = original(model, logs)
-    if result is logs and isinstance(logs, dict) and is_chief and type(model) not in _named:
+    if result is logs and isinstance(logs, dict) and type(model) not in _named:
         from tfdist.keras.checks import own_step
 
         step = own_step(model)
-        if step and not metric_results_renamed(model, logs):
+        if step:
+            # Every rank: reading the metrics runs collectives under MWMS.
             _named.add(type(model))
-            logger.warning("tfdist: %s", own_step_line(type(model).__name__, step, keras3))
+            if not metric_results_renamed(model, logs) and is_chief:
+                logger.warning("tfdist: %s", own_step_line(type(model).__name__, step, keras3))
     return result
 
 
 def metric_results_renamed(model: Any, logs: dict[str, Any]) -> bool:
     """Whether every value a custom step returned is one of the model's metrics' results under
     another name (``{"loss": self.total_loss_tracker.result()}``): Keras then logs the last
-    step's values, which are those results, over all workers."""
+    step's values, which are those results, over all workers. Reads the metrics: call it on
+    every rank (MWMS sums their states with collectives)."""
     try:
         results = [float(v) for v in model.get_metrics_result().values()]
         values = [float(v) for v in logs.values()]
@@ -158,14 +161,20 @@ def metric_results_renamed(model: Any, logs: dict[str, Any]) -> bool:
 def own_step_line(model: str, step: str, keras3: bool) -> str:
     """The warning for a model whose own step returns values other than its metrics' results,
     on several MultiWorkerMirroredStrategy replicas (pure)."""
-    how, off = (("averaged", "a compute_loss value reads 1/replicas of") if keras3 else
-                ("summed", "any other value reads replicas times"))
+    if keras3:
+        return (f"{model}'s own {step} returns values that are not its metrics' results: Keras "
+                "averages them over the replicas each step and logs the last step's: one "
+                "process's for a mean over the batch's rows (a Keras loss's value too: tfdist "
+                "logs it unscaled), not for a sum, a maximum or a count. For one process's "
+                "numbers whatever they are, update metrics in the step and return their "
+                "results ({m.name: m.result() for m in self.metrics}): Keras reads those over "
+                "all workers")
     return (f"{model}'s own {step} returns values that are not its metrics' results: Keras "
-            f"{how} them over the replicas each step and logs the last step's. A loss from "
+            "sums them over the replicas each step and logs the last step's. A loss from "
             "compute_loss is divided by the number of replicas under tf.distribute, any other "
-            f"value is not, so {off} one process's. For one process's numbers, update metrics "
-            "in the step and return their results ({m.name: m.result() for m in "
-            "self.metrics}): Keras reads those over all workers")
+            "value is not, so any other value reads replicas times one process's. For one "
+            "process's numbers, update metrics in the step and return their results "
+            "({m.name: m.result() for m in self.metrics}): Keras reads those over all workers")
 
 
 @contextlib.contextmanager
