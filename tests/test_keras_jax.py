@@ -152,6 +152,10 @@ def test_two_ranks_seeded_apart_end_bit_identical_and_as_one_process(runs):
         shape, total = dist[rank]["predicted"]
         assert shape == one["predicted"][0] == [256, 2]  # every row on every rank
         np.testing.assert_allclose(total, one["predicted"][1], rtol=1e-5)
+        for (shape, total), (one_shape, one_total) in zip(dist[rank]["few"], one["few"],
+                                                          strict=True):
+            assert shape == one_shape  # 1 row, 33 rows: every row
+            np.testing.assert_allclose(total, one_total, rtol=1e-5)
         # The custom train_step's values are the global batch's, as on one process, on arrays
         # and on a PyDataset, whose batches each rank splits (the step sees 32 rows, not 64).
         assert dist[rank]["custom"]["rows"] == one["custom"]["rows"] == [32.0, 32.0]

@@ -203,6 +203,8 @@ def test_update_ratio_by_projection() -> None:
     ({"loss_ratio": 0.5}, "the logged loss is 1/2"),
     ({"loss_ratio": 2.0}, "the logged loss is 2 times"),
     ({"random_layers": ["Dropout 'dropout'"]}, "random draws are made per replica"),
+    ({"random_layers": ["Dropout 'd'", "BatchNormalization 'bn' (batch statistics)"]},
+     "BatchNormalization normalises over each replica's rows"),
     ({"loss_ratio": 0.8}, "the batch differs"),
     ({"weights_before_equal": False, "first_step": True}, "the initial weights differ"),
     ({}, "the cause is none tfdist recognises"),

@@ -233,6 +233,7 @@ def _build_hook(original: Any) -> Any:
         if self._distribute_strategy is None and (iterator is not None or data_batch is not None):
             from tfdist.keras.keras3 import (
                 build_without_call,
+                built_or_deferred,
                 lacks_call,
                 peeked_batch,
                 spec_batch,
@@ -246,8 +247,9 @@ def _build_hook(original: Any) -> Any:
             if peeked is None and data_batch is None:
                 peeked = spec_batch(iterator)
             if peeked is not None:
-                return self._symbolic_build(data_batch=peeked)
-            return self._symbolic_build(iterator=iterator, data_batch=data_batch)
+                return built_or_deferred(lambda: self._symbolic_build(data_batch=peeked), self)
+            return built_or_deferred(
+                lambda: self._symbolic_build(iterator=iterator, data_batch=data_batch), self)
         return original(self, iterator=iterator, data_batch=data_batch)
 
     return _maybe_symbolic_build

@@ -96,9 +96,50 @@ def install_inputs_by_rank(where: Where, dist: Any) -> None:
     def wrap_other(original: Any) -> Any:
         return patches.rebinding(original, lambda bound: split(bound.arguments, shuffle=False))
 
+    def wrap_predict(original: Any) -> Any:
+        def predict(self: Any, *args: Any, **kwargs: Any) -> Any:
+            import inspect
+
+            bound = inspect.signature(original).bind(self, *args, **kwargs)
+            x = bound.arguments.get("x")
+            if not fit_inputs.is_arrays(x):
+                return wrap_other(original)(self, *args, **kwargs)
+            rows = len(jax_tree_leaves(x)[0])
+            batch = int(bound.arguments.get("batch_size") or 32)
+            bound.arguments["x"] = padded(x, rows, batch)
+            outputs = wrap_other(original)(*bound.args, **bound.kwargs)
+            return _tree_map(lambda a: a[:rows], outputs)
+
+        return predict
+
     patches.apply("jax-inputs-by-rank", keras.Model, "fit", wrap_fit)
     patches.apply("jax-inputs-by-rank", keras.Model, "evaluate", wrap_other)
-    patches.apply("jax-inputs-by-rank", keras.Model, "predict", wrap_other)
+    patches.apply("jax-inputs-by-rank", keras.Model, "predict", wrap_predict)
+
+
+def jax_tree_leaves(x: Any) -> list[Any]:
+    import jax
+
+    return list(jax.tree_util.tree_leaves(x))
+
+
+def _tree_map(function: Any, tree: Any) -> Any:
+    import jax
+
+    return jax.tree_util.tree_map(function, tree)
+
+
+def padded(x: Any, rows: int, batch: int) -> Any:
+    """``x``'s arrays with their last row repeated up to a multiple of ``batch`` rows: every
+    rank then predicts a part of every batch (a rank left without rows would never join the
+    gather of the batch's outputs, and the job would hang); the outputs are cut back."""
+    import numpy as np
+
+    extra = (-rows) % batch
+    if not extra or rows == 0:
+        return x
+    return _tree_map(lambda a: np.concatenate([np.asarray(a),
+                                               np.repeat(np.asarray(a)[-1:], extra, 0)]), x)
 
 
 GENERATOR = (

@@ -53,11 +53,10 @@ from tfdist.settings import resolve, skipped_patches
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["LOG_SAFE_CALLBACKS", "apply", "build_without_call", "install_epoch_chunks",
-           "install_reduce_per_replica", "install_step_logs", "install_steps_per_execution",
-           "install_symbolic_build", "lacks_call", "peeked_batch", "spec_batch",
-           "step_logs_global",
-           "steps_in_chunk"]
+__all__ = ["LOG_SAFE_CALLBACKS", "apply", "build_without_call", "built_or_deferred",
+           "install_epoch_chunks", "install_reduce_per_replica", "install_step_logs",
+           "install_steps_per_execution", "install_symbolic_build", "lacks_call",
+           "peeked_batch", "spec_batch", "step_logs_global", "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -175,9 +174,25 @@ def _wrap_symbolic_build(original: Any) -> Any:
                 return strategy.experimental_local_results(value)[0]
             return value
 
-        return original(self, iterator=None, data_batch=tree.map_structure(local, data_batch))
+        return built_or_deferred(lambda: original(
+            self, iterator=None, data_batch=tree.map_structure(local, data_batch)), self)
 
     return _maybe_symbolic_build
+
+
+def built_or_deferred(build: Any, model: Any) -> Any:
+    """``build()``, Keras's symbolic build from a batch; for a model with its own
+    ``train_step`` whose batch Keras cannot read as ``(x, y, sample_weight)`` (three inputs and
+    no targets: ``x`` would be the first only), what one process does instead: the optimizer
+    built, the rest at the first step, which reads the batch its own way."""
+    try:
+        return build()
+    except (ValueError, RuntimeError, TypeError):
+        if not own_step(model):
+            raise
+        logger.debug("tfdist: %s is built at its first step, as in one process",
+                     type(model).__name__)
+        return build_without_call(model)
 
 
 def spec_batch(iterator: Any) -> Any:

@@ -63,6 +63,13 @@ class Record:
             arrays = {key: npz[key] for key in npz.files}
         return cls(rank, data["meta"], data["calls"], arrays)
 
+    def moments(self, key: str) -> list[np.ndarray] | None:
+        """The optimizers' first moments recorded with the weights under ``key``."""
+        names = self.meta.get("moments", {}).get(key)
+        if not names:
+            return None
+        return [self.arrays[f"{key}#moment/{i}"] for i in range(len(names))]
+
     def weights(self, key: str) -> list[np.ndarray] | None:
         """The weights recorded under ``key`` (``"fit1/step3"``, ``"final/model"``), in order."""
         names = self.meta.get("variables", {}).get(key)
@@ -184,6 +191,12 @@ def diagnose(n: int, *, loss_ratio: float | None, update: float | None,
     if _near(loss_ratio, float(n)):
         return (f"the logged loss is {n} times one process's: the replicas' losses are summed "
                 "where one process's is a mean; fix: average per example, as Keras's losses do")
+    statistics = [layer for layer in random_layers if "(batch statistics)" in layer]
+    if statistics:
+        return (f"BatchNormalization normalises over each replica's rows "
+                f"({', '.join(statistics[:3])}), one process over the whole batch; expected, "
+                "of the size shown; for one process's numbers: "
+                "BatchNormalization(synchronized=True)")
     if random_layers:
         return (f"random draws are made per replica ({', '.join(random_layers[:3])}): each "
                 "replica draws its own values for its rows, one process one set for the whole "
@@ -337,6 +350,8 @@ def _compare_steps(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
     """A fit call's steps, in order: the first that differs beyond rounding, diagnosed."""
     name, n = call["name"], walk.n
     random_layers = call.get("random_layers") or []
+    if "keras3-global-draws" in ranks[0].meta.get("patches", []):  # Keras's draws: global
+        random_layers = [layer for layer in random_layers if "(batch statistics)" in layer]
     previous = f"{name}/initial"
     before_equal = True
     mine0, theirs0 = ref.weights(previous), ranks[0].weights(previous)
@@ -364,10 +379,7 @@ def _compare_steps(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
                 if walk.seen(difference) and not where:
                     where, size = f"{name} {key}", difference
         if where:
-            prior = ref.weights(previous)
-            update = (update_ratio(prior, mine, their_w)
-                      if prior is not None and mine is not None and their_w is not None
-                      else None)
+            update = _gradient_ratio(ref, ranks[0], previous, label)
             cause = diagnose(n, loss_ratio=loss_ratio, update=update,
                              weights_before_equal=before_equal, random_layers=random_layers,
                              first_step=step == 1)
@@ -376,6 +388,22 @@ def _compare_steps(call: dict[str, Any], ref: Record, ranks: Sequence[Record],
                            f"likely cause: {cause}", largest=size, step=step, where=where,
                            cause=cause, steps=walk.steps)
         previous = label if mine is not None else previous
+    return None
+
+
+def _gradient_ratio(ref: Record, rank0: Record, before: str, after: str) -> float | None:
+    """How many times one process's gradient the workers' was in a step, from the optimizers'
+    first moments (linear in the gradient, Adam's too) where recorded, else from the weights'
+    update (SGD's)."""
+    for read in (ref.moments, ref.weights):
+        prior, mine = read(before), read(after)
+        theirs = (rank0.moments if read == ref.moments else rank0.weights)(after)
+        if before.endswith("/initial") and read == ref.moments and mine is not None:
+            prior = [np.zeros_like(m) for m in mine]  # moments start at zero
+        if prior is not None and mine is not None and theirs is not None:
+            ratio = update_ratio(prior, mine, theirs)
+            if ratio is not None:
+                return ratio
     return None
 
 

@@ -79,6 +79,12 @@ class Book:
         key = f"{entry['name']}/{label}"
         self._put_weights(key, model)
         entry["weights"].append(label)
+        moments = _moments(model)
+        if moments:  # an optimizer's first moments: the gradient's scale, under Adam too
+            names, values = zip(*moments, strict=True)
+            self.meta.setdefault("moments", {})[key] = list(names)
+            for i, value in enumerate(values):
+                self.arrays[f"{key}#moment/{i}"] = value
 
     def _put_weights(self, key: str, model: Any) -> None:
         values = [np.asarray(v) for v in model.get_weights()]
@@ -120,6 +126,35 @@ class Book:
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(data, f, default=_plain)
         os.replace(path + ".tmp", path)
+
+
+def _moments(model: Any) -> list[tuple[str, np.ndarray]]:
+    """The first-moment (momentum) variables of the model's optimizers, by name: linear in the
+    gradients, so their ratio to one process's is the gradient's even where the update is not
+    (Adam's first step). Small models only (the weights' bound)."""
+    found: list[tuple[str, np.ndarray]] = []
+    seen: set[int] = set()
+    for optimizer in _optimizers(model):
+        for variable in getattr(optimizer, "variables", []) or []:
+            name = _variable_name(variable)
+            if id(variable) in seen or not any(m in name.lower() for m in _MOMENT_NAMES):
+                continue
+            seen.add(id(variable))
+            value = np.asarray(variable)
+            if value.size and sum(v.size for _, v in found) + value.size <= MAX_VALUES:
+                found.append((name, value))
+    return found
+
+
+_MOMENT_NAMES = ("momentum", "/m/", "_m:", "/m:")
+
+
+def _optimizers(model: Any) -> list[Any]:
+    """The model's optimizer and any other it holds as an attribute (a GAN's two)."""
+    found = [getattr(model, "optimizer", None)]
+    found += [v for v in vars(model).values()
+              if hasattr(v, "apply_gradients") and hasattr(v, "variables")]
+    return [o for i, o in enumerate(found) if o is not None and o not in found[:i]]
 
 
 def _variable_name(variable: Any) -> str:
@@ -228,6 +263,7 @@ class _Warnings(logging.Handler):
 
 
 def _write(book: Book, folder: str) -> None:
+    book.meta["patches"] = [patch.key for patch in patches.installed()]
     try:
         book.final()
     finally:
@@ -246,6 +282,8 @@ def _random_layers(model: Any) -> list[str]:
         kind = type(layer).__name__
         if kind in _RANDOM_LAYERS or kind.startswith("Random"):
             names.append(f"{kind} '{getattr(layer, 'name', '?')}'")
+        elif kind == "BatchNormalization" and not getattr(layer, "synchronized", False):
+            names.append(f"{kind} '{getattr(layer, 'name', '?')}' (batch statistics)")
         stack.extend(getattr(layer, "layers", None) or getattr(layer, "_layers", None) or [])
         stack.extend(v for v in vars(layer).values()
                      if type(v).__module__.split(".")[0] in ("keras", "tf_keras")
