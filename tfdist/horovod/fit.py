@@ -34,6 +34,7 @@ from tfdist import patches
 from tfdist.horovod import ops
 from tfdist.keras.checks import compile_owner
 from tfdist.keras.fit_inputs import (
+    ARRAYS_ORDER,
     GENERATOR,
     is_arrays,
     is_generator,
@@ -204,6 +205,8 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
         if world_size > 1 and is_arrays(x):
             if rank == 0:
                 warn_about_arrays(bound.arguments, world_size)
+                if bound.arguments.get("shuffle", True):
+                    warn_once(ARRAYS_ORDER)
             bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
         elif world_size > 1 and is_sequence(x):  # each rank its part of every global batch
             bound.arguments["x"] = sequence_slices(x, rank, world_size)

@@ -76,6 +76,8 @@ def install_inputs_by_rank(where: Where, dist: Any) -> None:
             return
         if is_chief:
             fit_inputs.warn_about_arrays(arguments, num_replicas)
+            if shuffle and arguments.get("shuffle", True):
+                fit_inputs.warn_once(fit_inputs.ARRAYS_ORDER)
         given = {**arguments, "shuffle": shuffle and arguments.get("shuffle", True)}
         changed = fit_inputs.arrays_as_dataset(given, size)  # validation_split: arrays again
         changed["x"] = by_rank.shard(changed["x"], rank, size)

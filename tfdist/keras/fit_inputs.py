@@ -68,13 +68,23 @@ def arrays_as_dataset(arguments: Mapping[str, Any], world_size: int) -> dict[str
         x, y, weights = (tf.nest.map_structure(lambda a: a[:cut], v) if v is not None else None
                          for v in (x, y, weights))
         rows = cut
-    data = tuple(v for v in (x, y, weights) if v is not None)
+    data = tuple(_as_structure(v) for v in (x, y, weights) if v is not None)
     dataset = tf.data.Dataset.from_tensor_slices(data if len(data) > 1 else data[0])
     if arguments.get("shuffle", True):
         dataset = _agreed_shuffle(dataset, rows)
     changed["x"] = dataset.batch(batch)
     changed["shuffle"] = False
     return changed
+
+
+def _as_structure(value: Any) -> Any:
+    """A list of arrays (``fit(x, [y1, y2])``: one per output) as the tuple Keras reads it;
+    tf.data would read a list as one tensor and fail on arrays of different shapes."""
+    if isinstance(value, list):
+        return tuple(_as_structure(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _as_structure(v) for k, v in value.items()}
+    return value
 
 
 def _agreed_shuffle(dataset: Any, rows: int) -> Any:
@@ -156,6 +166,8 @@ def install_arrays_one_order(where: Where, dist: Any) -> None:
         if is_arrays(x) and is_chief:
             warn_about_arrays(bound.arguments, num_replicas)
         if bound.arguments.get("shuffle", True) and is_arrays(x):
+            if is_chief:
+                warn_once(ARRAYS_ORDER)
             # world_size 1: MWMS splits any global batch, evenly or not
             bound.arguments.update(arrays_as_dataset(bound.arguments, 1))
 
@@ -166,6 +178,13 @@ def install_arrays_one_order(where: Where, dist: Any) -> None:
 
 
 _warned: set[str] = set()
+
+ARRAYS_ORDER = (
+    "fit shuffles your arrays with one permutation every rank agrees on (Keras would shuffle "
+    "with each rank's own random state), not the one Keras draws in one process: every row "
+    "once an epoch, in another order than one process's, so the numbers differ from one "
+    "process's by the order only. For one process's order: shuffle=False, or a tf.data "
+    "pipeline with a seeded shuffle through dist.shard")
 
 
 LOADER_PROCESSES = (
