@@ -16,7 +16,8 @@ local workers and gives one outcome:
 Usage (from the repository root)::
 
     python tests/corpus/run.py                  # every program, every run it lists: the table
-    python tests/corpus/run.py --write          # ... and rewrite docs/corpus.md from it
+    python tests/corpus/run.py --write          # ... keep the cells (results.json) and
+                                                # rewrite docs/corpus.md's table from them
     python tests/corpus/run.py vae_sampling --runs mwms-k3   # some programs, some runs
 
 docs/corpus.md holds the table of the last full run; tests/test_corpus.py runs a few cells of
@@ -26,6 +27,8 @@ it in CI and checks each against the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import re
 import sys
@@ -145,6 +148,21 @@ def read_table(text: str) -> dict[tuple[str, str], str]:
     return found
 
 
+RESULTS = HERE / "results.json"  # every cell's last outcome: --write keeps it, renders the doc
+
+
+def load_results(path: Path = RESULTS) -> list[Cell]:
+    """The cells of earlier runs (``--write``), or none."""
+    if not path.exists():
+        return []
+    return [Cell(**cell) for cell in json.loads(path.read_text(encoding="utf-8"))]
+
+
+def save_results(cells: Iterable[Cell], path: Path = RESULTS) -> None:
+    rows = sorted((dataclasses.asdict(c) for c in cells), key=lambda c: (c["program"], c["run"]))
+    path.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+
+
 _BEGIN, _END = "<!-- corpus table: begin -->", "<!-- corpus table: end -->"
 
 
@@ -173,10 +191,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             cells.append(cell)
             print(f"{name:34} {run:8} {cell.outcome:16} {cell.seconds:5.0f} s  "
                   f"{_one_line(cell.line)[:160]}", flush=True)
-    table = markdown(cells, {n: listed[n] for n in names})
-    print(table)
+    print(markdown(cells, {n: listed[n] for n in names}))
     if args.write:
-        write_doc(table)
+        kept = {(c.program, c.run): c for c in load_results()}
+        kept.update({(c.program, c.run): c for c in cells})
+        cells_now = [c for key, c in kept.items() if key[0] in listed and key[1] in listed[key[0]]]
+        save_results(cells_now)
+        write_doc(markdown(cells_now, listed))
     silent = [c for c in cells if c.outcome in (DIFFERS, CRASHED)]
     print(f"{len(cells)} runs: " + ", ".join(
         f"{sum(c.outcome == o for c in cells)} {o}" for o in OUTCOMES))

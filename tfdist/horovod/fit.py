@@ -219,12 +219,31 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
                 type(c).__name__ in _BROADCASTS for c in given or ()):
             # A script's own fit, without dist.callbacks(): rank 0's initial state and the
             # epoch's averaged logs all the same, or the ranks would train apart.
-            bound.arguments["callbacks"] = [*callbacks(), *(given or ())]
+            given = bound.arguments["callbacks"] = [*callbacks(), *(given or ())]
+        if world_size > 1 and isinstance(given, list | tuple):
+            from tfdist.keras.keras3 import reads_step_logs
+
+            if reads_step_logs(given):
+                # each rank's step logs are its own rows'; a callback that reads them (and
+                # stops the training at a threshold) would act on some ranks only: a hang
+                bound.arguments["callbacks"] = [_StepLogsAveraged(), *given]
 
     return patches.rebinding(original, split)
 
 
 _BROADCASTS = ("BroadcastInitialState", "BroadcastGlobalVariablesCallback")
+
+
+class _StepLogsAveraged(keras.callbacks.Callback):  # type: ignore[misc,name-defined]
+    """First among a fit's callbacks where one reads each step's logs: they are averaged over
+    the ranks, in place, before any other callback reads them (Horovod's logs are each rank's
+    own rows'; MWMS averages them itself)."""
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        ops.average_logs(logs, "tfdist_step_logs")
+
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+        ops.average_logs(logs, "tfdist_test_step_logs")
 
 
 def _build_hook(original: Any) -> Any:

@@ -56,7 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["LOG_SAFE_CALLBACKS", "apply", "build_without_call", "built_or_deferred",
            "install_epoch_chunks", "install_reduce_per_replica", "install_step_logs",
            "install_steps_per_execution", "install_symbolic_build", "lacks_call",
-           "peeked_batch", "spec_batch", "step_logs_global", "steps_in_chunk"]
+           "peeked_batch", "reads_step_logs", "spec_batch", "step_logs_global",
+           "steps_in_chunk"]
 
 logger = logging.getLogger("tfdist")
 
@@ -300,13 +301,22 @@ def step_logs_global(mode: str, callbacks: Any, model: Any = None) -> tuple[bool
     step = own_step(model)
     if step:
         return True, f"{type(model).__name__} has its own {step}, whose results Keras logs"
+    reader = reads_step_logs(callbacks)
+    if reader:
+        return True, f"the callback {reader} reads each step's logs"
+    return False, "no callback reads each step's logs"
+
+
+def reads_step_logs(callbacks: Any) -> str | None:
+    """The name of the first callback (tfdist's wrappers looked through) that reads each step's
+    logs, or None."""
     for callback in getattr(callbacks, "callbacks", callbacks) or ():
         inner = callback
         while type(inner).__module__.startswith("tfdist.") and hasattr(inner, "callback"):
             inner = inner.callback
         if _reads_step_logs(inner):
-            return True, f"the callback {type(inner).__name__} reads each step's logs"
-    return False, "no callback reads each step's logs"
+            return type(inner).__name__
+    return None
 
 
 def _reads_step_logs(callback: Any) -> bool:

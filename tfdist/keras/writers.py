@@ -101,8 +101,10 @@ _fitting = 0
 def _fit(original: Any, dist: Handle) -> Any:
     def route(bound: inspect.BoundArguments) -> None:
         given = bound.arguments.get("callbacks")
+        own = per_rank_writers(dist, given if isinstance(given, Sequence) else ())
         if isinstance(given, Sequence):
-            routed = [callbacks.route_writer(dist, c, announce=True) for c in given]
+            routed = [c if i in own else callbacks.route_writer(dist, c, announce=True)
+                      for i, c in enumerate(given)]
             bound.arguments["callbacks"] = routed
             if dist.save_on_every_rank:
                 check_same_savers(dist, routed)
@@ -119,6 +121,40 @@ def _fit(original: Any, dist: Handle) -> Any:
             _fitting -= 1
 
     return fit
+
+
+# A fit's writers whose paths are compared over the ranks: at most this many (one sum).
+_COMPARED = 8
+_WRITER_PATHS = ("filepath", "filename", "log_dir", "backup_dir", "_backup_dir")
+
+
+def per_rank_writers(dist: Handle, given: Sequence[Any]) -> set[int]:
+    """The indices of ``given``'s file writers whose path differs from rank to rank (a
+    ``tempfile.mkdtemp()`` per rank): each rank writes its own, as given, and reads it back
+    after ``fit``; the others are routed (one file, from the chief). One sum over the ranks of
+    a fixed size, every fit call on every rank: the writers' count and, for each of the first
+    :data:`_COMPARED`, its path's fingerprint and its square (the values are all equal exactly
+    when the squared sum is the ranks times the sum of squares)."""
+    found = [(i, _writer_path(c)) for i, c in enumerate(given)]
+    paths = [(i, p) for i, p in found if p][:_COMPARED]
+    values = [float(len(paths)), float(len(paths)) ** 2]
+    for slot in range(_COMPARED):
+        mark = float(_fingerprint(paths[slot][1]) % (1 << 20)) if slot < len(paths) else 0.0
+        values += [mark, mark * mark]
+    sums = dist.sum_over_ranks(values)
+    n = dist.world_size
+    if round(sums[0]) ** 2 != n * round(sums[1]):  # the ranks pass other writers: route all
+        return set()
+    return {i for slot, (i, _) in enumerate(paths)
+            if round(sums[2 + 2 * slot]) ** 2 != n * round(sums[3 + 2 * slot])}
+
+
+def _writer_path(callback: Any) -> str | None:
+    for name in _WRITER_PATHS:
+        value = getattr(callback, name, None)
+        if isinstance(value, str | os.PathLike) and str(value):
+            return str(value)
+    return None
 
 
 def check_same_savers(dist: Handle, given: Sequence[Any]) -> None:
