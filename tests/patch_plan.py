@@ -16,12 +16,14 @@ from typing import Any
 
 def assert_installed_as_planned(record: Mapping[str, Any], reached: Sequence[str] = (),
                                 not_reached: Sequence[str] = ()) -> None:
-    """The process installed the creation's planned rows, then the start's, in the inventory's
+    """The process installed the import's planned row (tfdist.autostart), the creation's, then
+    the start's, in the inventory's
     order, then ``reached``: the rows of the later phases (``call``, ``lazy``) that its own
     calls installed, in that order. Every planned row of a later phase is accounted for, in
     ``reached`` or in ``not_reached`` (planned, but the run made no call that installs it)."""
     planned = record["planned"]
-    assert record["installed"] == [*planned["create"], *planned["start"], *reached], record
+    assert record["installed"] == [*planned.get("import", []), *planned["create"],
+                                   *planned["start"], *reached], record
     later = [*planned["call"], *planned["lazy"]]
     assert sorted([*reached, *not_reached]) == sorted(later), (
         f"the later phases' rows {later} must each be reached or not: {record}")

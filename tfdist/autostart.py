@@ -78,8 +78,9 @@ def _wanted() -> bool:
     if "tfdist.torch" in sys.modules:
         return False
     from tfdist import backends, strategy
+    from tfdist.backend_facts import TF, backend
     from tfdist.env import detect
-    from tfdist.settings import skipped_patches
+    from tfdist.settings import resolve, skipped_patches
 
     if strategy.current() is not None:
         return False
@@ -87,9 +88,14 @@ def _wanted() -> bool:
         if "first-op-start" in skipped_patches():
             return False
         environment = detect()
+        keras = backends.keras_backend()
+        if not environment.is_distributed or keras != "tensorflow":
+            return False
+        chosen, _ = backends.choose(resolve("backend"), environment, keras)
     except Exception:  # a bad setting or launch: tfdist.init says so, with the fix
         return False
-    return environment.is_distributed and backends.keras_backend() == "tensorflow"
+    row = backend(chosen)
+    return row.framework == TF and row.crosses_processes  # the backend tfdist.init will make
 
 
 def _wrap(module: ModuleType) -> None:

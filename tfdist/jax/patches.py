@@ -98,25 +98,30 @@ def install_inputs_by_rank(where: Where, dist: Any) -> None:
     def wrap_other(original: Any) -> Any:
         return patches.rebinding(original, lambda bound: split(bound.arguments, shuffle=False))
 
-    def wrap_predict(original: Any) -> Any:
-        def predict(self: Any, *args: Any, **kwargs: Any) -> Any:
-            import inspect
-
-            bound = inspect.signature(original).bind(self, *args, **kwargs)
-            x = bound.arguments.get("x")
-            if not fit_inputs.is_arrays(x):
-                return wrap_other(original)(self, *args, **kwargs)
-            rows = len(jax_tree_leaves(x)[0])
-            batch = int(bound.arguments.get("batch_size") or 32)
-            bound.arguments["x"] = padded(x, rows, batch)
-            outputs = wrap_other(original)(*bound.args, **bound.kwargs)
-            return _tree_map(lambda a: a[:rows], outputs)
-
-        return predict
-
     patches.apply("jax-inputs-by-rank", keras.Model, "fit", wrap_fit)
     patches.apply("jax-inputs-by-rank", keras.Model, "evaluate", wrap_other)
-    patches.apply("jax-inputs-by-rank", keras.Model, "predict", wrap_predict)
+    patches.apply("jax-inputs-by-rank", keras.Model, "predict",
+                  lambda original: _predict_padded(original, wrap_other(original)))
+
+
+def _predict_padded(original: Any, split: Any) -> Any:
+    """``predict`` (``split``: the original with its arrays split by rank) on arrays padded to
+    whole batches, its outputs cut back to the rows given (:func:`padded`)."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def predict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        x = bound.arguments.get("x")
+        if not fit_inputs.is_arrays(x):
+            return split(self, *args, **kwargs)
+        rows = len(jax_tree_leaves(x)[0])
+        bound.arguments["x"] = padded(x, rows, int(bound.arguments.get("batch_size") or 32))
+        outputs = split(*bound.args, **bound.kwargs)
+        return _tree_map(lambda a: a[:rows], outputs)
+
+    return predict
 
 
 def jax_tree_leaves(x: Any) -> list[Any]:
