@@ -409,3 +409,19 @@ def test_tfdist_env_lists_the_patches_of_the_launch():
                            capture_output=True, text=True, timeout=60, check=False,
                            env={**clean_env(), "TF_CONFIG": json.dumps(config)})
     assert f"patches: {len(shown)} change(s) to library internals here" in plain.stdout
+
+
+def test_undo_puts_back_the_original_where_the_wrapper_is_outermost():
+    class Owner:
+        @staticmethod
+        def ensure_initialized():
+            return "original"
+
+    original = Owner.ensure_initialized
+    assert patches.apply("first-op-start", Owner, "ensure_initialized",
+                         lambda f: lambda: "wrapped")
+    assert Owner.ensure_initialized() == "wrapped"
+    assert "first-op-start" in [p.key for p in patches.installed()]
+    patches.undo("first-op-start")
+    assert Owner.ensure_initialized is original
+    assert "first-op-start" not in [p.key for p in patches.installed()]

@@ -56,7 +56,7 @@ from tfdist.keras.versions import AFFECTED, legacy_keras_requested
 
 __all__ = ["CALL", "CREATE", "IMPORT", "INVENTORY", "LAZY", "PHASES", "START", "Patch", "Where",
            "apply", "creating", "install", "installed", "markdown_table", "plan", "planned",
-           "planned_here", "rebinding", "scoped", "where"]
+           "planned_here", "rebinding", "scoped", "undo", "where"]
 
 IMPORT = "import"  # when TensorFlow's context module is imported (tfdist.autostart)
 START = "start"  # right after the engine starts: install(), in the inventory's order
@@ -450,6 +450,8 @@ _BY_KEY = {patch.key: patch for patch in INVENTORY}
 _MARK = "__tfdist_patch__"
 _marks: dict[int, tuple[str, Any]] = {}
 _installed: list[Patch] = []
+# key -> what apply() replaced: (owner, attribute, replacement, original), for undo()
+_applied: dict[str, list[tuple[Any, str, Any, Any]]] = {}
 
 
 def apply(key: str, owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
@@ -475,9 +477,20 @@ def apply(key: str, owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
     replacement = wrap(original)
     _mark(replacement, key, original)
     setattr(owner, name, replacement)
+    _applied.setdefault(key, []).append((owner, name, replacement, original))
     if patch not in _installed:
         _installed.append(patch)
     return True
+
+
+def undo(key: str) -> None:
+    """Puts back what row ``key`` replaced where its wrapper is still the outermost, and
+    forgets the row: an :data:`IMPORT` row armed before :func:`tfdist.init` chose a backend
+    that does not plan it (``init(backend="single")`` in a launch of several processes)."""
+    for owner, name, replacement, original in _applied.pop(key, []):
+        if getattr(owner, name, None) is replacement:
+            setattr(owner, name, original)
+    _installed[:] = [patch for patch in _installed if patch.key != key]
 
 
 def _mark(replacement: Any, key: str, original: Any) -> None:
@@ -550,6 +563,9 @@ def install(where: Where, handle: Any) -> list[Patch]:
     its installer (``installer(where, handle)``), and keeps ``where`` as this process's plan
     (:func:`plan`) for the rows of later phases. Returns the rows."""
     _plan[:] = [where]
+    armed = [p for p in _installed if p.phase_in(where) == IMPORT and p not in planned(where)]
+    for patch in armed:  # armed at TensorFlow's import for a backend init did not choose
+        undo(patch.key)
     rows = planned(where, START)
     for patch in rows:
         _installer(patch)(where, handle)
