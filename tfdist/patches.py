@@ -234,7 +234,8 @@ INVENTORY: tuple[Patch, ...] = (
           lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
           and (w.several_processes or w.backend.name == "mirrored")),
     Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"
-          f"truncated_normal/dropout, {_TRAINER}.TensorFlowTrainer._make_function",
+          f"truncated_normal/dropout, {_TRAINER}.TensorFlowTrainer._make_function, "
+          "tensorflow.random.normal/uniform/truncated_normal (a warning only)",
           "tfdist.keras.random_draws:install_global_draws",
           "Keras 3 under MWMS or Horovod on several processes, or MirroredStrategy (acts "
           "for 2 to 8 replicas, one per process)",

@@ -36,6 +36,7 @@ from tfdist.keras.checks import compile_owner
 from tfdist.keras.fit_inputs import (
     ARRAYS_ORDER,
     GENERATOR,
+    SEQUENCE_ORDER,
     is_arrays,
     is_generator,
     is_sequence,
@@ -209,6 +210,8 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
                     warn_once(ARRAYS_ORDER)
             bound.arguments.update(shard_arrays(bound.arguments, rank, world_size))
         elif world_size > 1 and is_sequence(x):  # each rank its part of every global batch
+            if rank == 0 and bound.arguments.get("shuffle", True):
+                warn_once(SEQUENCE_ORDER)
             bound.arguments["x"] = sequence_slices(x, rank, world_size)
         elif world_size > 1 and is_generator(x):
             if rank == 0:

@@ -67,6 +67,8 @@ def install_inputs_by_rank(where: Where, dist: Any) -> None:
         x = arguments.get("x")
         fit_inputs.loader_threads(arguments, is_chief)  # a fork beside JAX's threads can hang
         if fit_inputs.is_sequence(x):  # each rank its part of every batch, in one agreed order
+            if is_chief and shuffle and arguments.get("shuffle", True):
+                fit_inputs.warn_once(fit_inputs.SEQUENCE_ORDER)
             arguments["x"] = by_rank.sequence_slices(x, rank, size)
         elif fit_inputs.is_generator(x):
             if is_chief:

@@ -165,6 +165,8 @@ def install_arrays_one_order(where: Where, dist: Any) -> None:
             warn_once(GENERATOR)
         if is_arrays(x) and is_chief:
             warn_about_arrays(bound.arguments, num_replicas)
+        if bound.arguments.get("shuffle", True) and is_sequence(x) and is_chief:
+            warn_once(SEQUENCE_ORDER)
         if bound.arguments.get("shuffle", True) and is_arrays(x):
             if is_chief:
                 warn_once(ARRAYS_ORDER)
@@ -178,6 +180,13 @@ def install_arrays_one_order(where: Where, dist: Any) -> None:
 
 
 _warned: set[str] = set()
+
+SEQUENCE_ORDER = (
+    "fit shuffles your PyDataset's batches with one seeded stream every rank shares (Keras "
+    "would shuffle with each rank's own Python random), not Keras's order in one process: "
+    "every batch once an epoch, in another order than one process's. For one process's order: "
+    "shuffle=False (shuffle inside your PyDataset with a seed), or a tf.data pipeline through "
+    "dist.shard")
 
 ARRAYS_ORDER = (
     "fit shuffles your arrays with one permutation every rank agrees on (Keras would shuffle "

@@ -18,8 +18,9 @@ replica's number of rows (for dropout: a noise shape that does not broadcast ove
 Where it does not act: more than :data:`MAX_REPLICAS` replicas (the draw grows with them; the
 draws stay each replica's own, and one warning says so), several replicas per worker
 (the rows' order over a worker's devices is not the replica order), an uneven last batch (its
-step only), TensorFlow's own ``tf.random`` ops and tf_keras's generators (each replica's own:
-``tfdist verify`` names them).
+step only), TensorFlow's own ``tf.random`` ops in a step (each replica's own, their seeds
+from the graph: one warning names the fix) and tf_keras's generators (``tfdist verify``
+measures them).
 
 Installed (patch ``keras3-global-draws``) on Keras 3 under MWMS over several workers,
 MirroredStrategy and Horovod over several ranks (a rank's rows are its part of the batch, as
@@ -62,6 +63,36 @@ def install_global_draws(where: Where, dist: Any) -> None:
         patches.apply("keras3-global-draws", backend_random, name,
                       functools.partial(_global_draw, name=name))
     patches.apply("keras3-global-draws", backend_random, "dropout", _global_dropout)
+    import tensorflow as tf
+
+    for name in ("normal", "uniform", "truncated_normal"):  # TensorFlow's own: told, kept
+        patches.apply("keras3-global-draws", tf.random, name, _told_per_replica)
+
+
+def _told_per_replica(original: Any) -> Any:
+    """``tf.random``'s stateful draws in a step: each replica draws its own (their seeds come
+    from the graph, not a state one process shares); one warning names the fix."""
+    @functools.wraps(original)
+    def draw(shape: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "rows", None) is not None and "tf.random" not in _warned:
+            import tensorflow as tf
+
+            context = tf.distribute.get_replica_context()
+            several = _ranks or (context is not None and context.num_replicas_in_sync > 1)
+            chief = (_ranks[1] == 0) if _ranks else (
+                tf.distribute.get_strategy().extended.should_checkpoint)
+            if several and chief:
+                _warned.add("tf.random")
+                logger.warning(
+                    "tfdist: tf.random.%s in a training step draws each replica's own values "
+                    "(its seed comes from the graph), one process one set for the whole batch: "
+                    "the numbers differ from one process's. For one process's draws: "
+                    "keras.random.%s(shape, seed=a keras.random.SeedGenerator), which tfdist "
+                    "draws for the global batch", original.__name__.replace("random_", ""),
+                    original.__name__.replace("random_", ""))
+        return original(shape, *args, **kwargs)
+
+    return draw
 
 
 def _with_rows(original: Any) -> Any:
