@@ -19,8 +19,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["as_given", "atomic_path", "remove_scratch_dirs", "save_atomically", "save_once",
-           "scratch_dir", "throwaway", "writes_as_given"]
+__all__ = ["as_given", "atomic_path", "keeps_config", "own_file", "remove_scratch_dirs",
+           "save_atomically", "save_once", "scratch_dir", "throwaway", "writes_as_given"]
 
 _made: list[str] = []
 
@@ -110,21 +110,62 @@ def throwaway(rank: int, path: str) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def keeps_config(model: Any) -> bool:
+    """Whether ``model.save`` can write ``model``'s config: a model whose constructor takes
+    other models (a VAE, a GAN, a distiller) has no ``get_config`` (NotImplementedError)."""
+    try:
+        model.get_config()
+    except NotImplementedError:
+        return False
+    except Exception:  # any other failure: model.save says it
+        return True
+    return True
+
+
+def own_file(model: Any, path: str) -> str:
+    """Where tfdist's own save of ``model`` to ``path`` (``checkpoint.keras``, the exact
+    state's ``model.keras``) goes: ``path``, or for a model without a config its weights and
+    optimizer's state beside it (``.weights.h5``: what ``load_weights`` reads back)."""
+    if path.endswith(".keras") and not keeps_config(model):
+        _built_by_its_layers(model)
+        return path[: -len(".keras")] + ".weights.h5"
+    return path
+
+
+def _built_by_its_layers(model: Any) -> None:
+    """A model without ``call()`` is never built by Keras, though the models it holds are
+    (its step called them): it is, for ``save_weights``, once every layer it holds is."""
+    layers = getattr(model, "_flatten_layers", None)
+    if getattr(model, "built", True) or layers is None:
+        return
+    held = [layer for layer in layers(include_self=False) if layer is not model]
+    if held and all(getattr(layer, "built", False) for layer in held):
+        model.built = True
+
+
+def _save_to(model: Any, path: str) -> None:
+    if path.endswith(".weights.h5"):
+        model.save_weights(path)
+    else:
+        model.save(path)
+
+
 def save_atomically(model: Any, path: str) -> None:
-    """``model.save(path)`` under a temporary name, renamed when complete, written as given."""
+    """``model.save(path)`` (``save_weights`` for a ``.weights.h5`` path) under a temporary
+    name, renamed when complete, written as given."""
     with atomic_path(path) as partial, as_given():
-        model.save(partial)
+        _save_to(model, partial)
 
 
 def save_once(is_chief: bool, rank: int, every_rank: bool, model: Any, path: str) -> bool:
-    """``model.save(path)`` once, from the chief, atomically; where a save runs collectives
-    (``every_rank``) the other ranks save into a scratch folder removed at once, so that every
-    rank runs the same collectives; elsewhere they return at once. Whether this process wrote
-    ``path``."""
+    """``model.save(path)`` (``save_weights`` for a ``.weights.h5`` path) once, from the chief,
+    atomically; where a save runs collectives (``every_rank``) the other ranks save into a
+    scratch folder removed at once, so that every rank runs the same collectives; elsewhere
+    they return at once. Whether this process wrote ``path``."""
     if is_chief:
         save_atomically(model, path)
         return True
     if every_rank:
         with throwaway(rank, path) as copy:
-            model.save(copy)
+            _save_to(model, copy)
     return False

@@ -42,7 +42,7 @@ from tfdist.keras import (
     warmup,
 )
 from tfdist.keras.plan import CallbackOptions
-from tfdist.scratch import save_atomically, save_once, scratch_dir
+from tfdist.scratch import own_file, save_atomically, save_once, scratch_dir
 from tfdist.throughput import StepMeter, throughput_file
 
 if TYPE_CHECKING:
@@ -80,7 +80,9 @@ _CLASSES = routing.Classes(ChiefOnly, ChiefWrites, PerRankFiles)
 
 
 class AtomicCheckpoint(keras.callbacks.Callback):
-    """Saves the whole model (``.keras``) at each epoch end, atomically.
+    """Saves the whole model (``.keras``) at each epoch end, atomically; a model without a
+    config (its constructor takes other models) as its weights and optimizer's state
+    (``.weights.h5`` beside it), with one line saying so.
 
     The file is written under a temporary name and renamed, so a job killed mid-save leaves the
     previous checkpoint loadable.
@@ -93,8 +95,16 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.path = path
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        path = own_file(self.model, self.path)
+        if path != self.path and not getattr(self, "_told", False):
+            self._told = True
+            logger.warning(
+                "tfdist: %s has no get_config() (its constructor takes other models), so "
+                "%s cannot hold it: its weights and optimizer's state go to %s (build the "
+                "model, then model.load_weights(that file))", type(self.model).__name__,
+                os.path.basename(self.path), path)
         try:
-            save_atomically(self.model, self.path)
+            save_atomically(self.model, path)
         except OSError as error:  # the previous checkpoint stays (the write was to a new name)
             raise StorageError(
                 f"could not write the epoch's checkpoint {self.path}: "

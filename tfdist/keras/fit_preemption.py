@@ -22,7 +22,7 @@ from tfdist import model_dir as layout
 from tfdist import ownership, preemption, walltime
 from tfdist.errors import StorageError
 from tfdist.keras import input_position, keras2
-from tfdist.scratch import save_once
+from tfdist.scratch import own_file, save_once
 from tfdist.settings import resolve
 
 if TYPE_CHECKING:
@@ -198,7 +198,8 @@ class PreemptionCallback:
             sync()
 
         def write(folder: str) -> None:
-            save_model(self.dist, self.model, os.path.join(folder, "model.keras"))
+            save_model(self.dist, self.model, own_file(self.model,
+                                                       os.path.join(folder, "model.keras")))
             # What the model file leaves out, per rank: the random generators' states
             # (Dropout's seed generator), without which the resumed run would draw other masks.
             import numpy as np
@@ -308,7 +309,10 @@ class PreemptionCallback:
                         f"with another model_dir or rm -r "
                         f"{layout.path(self.model_dir, layout.PREEMPTED)}*")
             try:
-                self.model.load_weights(os.path.join(state["path"], "model.keras"))
+                saved = os.path.join(state["path"], "model.keras")
+                if not os.path.exists(saved):  # a model without a config: its weights
+                    saved = os.path.join(state["path"], "model.weights.h5")
+                self.model.load_weights(saved)
                 self._restore_unsaved(state["path"])
             except Exception as error:  # damaged: a truncated file, a half-copied folder
                 failures.append(f"{state['path']}: {type(error).__name__}: {error}"[:300])
