@@ -12,7 +12,8 @@ processes whose Keras runs on TensorFlow, the ``first-op-start`` patch wraps
 ``strategy_scope()`` later returns that handle; a call with other settings is refused with the
 fix. What remains an error: an op before ``import tfdist``.
 
-Nothing happens in one process, under Keras 3 on JAX, in a torch script (``tfdist.torch``), or
+Nothing happens in one process, under Keras 3 on JAX, in a torch script (``tfdist.torch``),
+in the ``tfdist`` command itself (:func:`off`: ``tfdist doctor`` makes its own collectives), or
 once tfdist is initialised.
 """
 
@@ -26,11 +27,17 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MODULE", "arm"]
+__all__ = ["MODULE", "arm", "off"]
 
 MODULE = "tensorflow.python.eager.context"
 _lock = threading.Lock()
 _state = {"decided": False}
+
+
+def off() -> None:
+    """Nothing starts at TensorFlow's first op in this process: the ``tfdist`` command's own
+    (``tfdist doctor`` makes its own collectives, ``tfdist env`` reads the launch)."""
+    _state["decided"] = True
 
 
 def arm() -> None:

@@ -57,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: the subcommand's, or 2 for a :class:`TfdistError` (printed as
         ``tfdist: <message>``, without a traceback). Bad flags exit 2 through argparse.
     """
+    from tfdist import autostart
+
+    autostart.off()  # the command's own TensorFlow work (doctor's collectives) starts no strategy
     words = list(sys.argv[1:] if argv is None else argv)
     try:
         if words[:1] == ["job"]:  # `--sbatch-arg --qos high`: see tfdist.jobs.cli
