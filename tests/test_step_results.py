@@ -67,3 +67,36 @@ def test_a_custom_steps_own_values_are_explained_with_the_fix(keras3, says):
                            f"results: {says}"), line
     assert line.endswith("return their results ({m.name: m.result() for m in self.metrics}): "
                          "Keras reads those over all workers")
+
+
+def test_per_rank_writer_paths_are_found_by_a_float32_sum():
+    """tfdist.keras.writers.per_rank_writers on two ranks, their sum taken in float32 as the
+    backends take it: the same paths are routed, a path per rank (a tempfile.mkdtemp() each)
+    is left to its rank, other numbers of writers route every one."""
+    import numpy as np
+
+    from tfdist.keras import writers
+
+    class Writer:
+        def __init__(self, path):
+            self.filename = path
+
+    def on_two_ranks(per_rank):
+        vectors = []
+
+        class Rank:
+            world_size = 2
+
+            def sum_over_ranks(self, values):
+                vectors.append(np.asarray(values, np.float32))
+                return [float(v) for v in np.sum(vectors, axis=0, dtype=np.float32)]
+
+        writers.per_rank_writers(Rank(), per_rank[0])  # rank 0's vector, kept
+        return writers.per_rank_writers(Rank(), per_rank[1])  # rank 1's, summed with it
+
+    same = [Writer("/runs/a/log.csv"), Writer("/runs/a/ckpt.keras")]
+    assert on_two_ranks([same, same]) == set()
+    apart = [[Writer("/tmp/tmpa1/log.csv"), Writer("/runs/a/ckpt.keras")],
+             [Writer("/tmp/tmpb2/log.csv"), Writer("/runs/a/ckpt.keras")]]
+    assert on_two_ranks(apart) == {0}
+    assert on_two_ranks([same, same[:1]]) == set()

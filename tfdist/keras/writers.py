@@ -133,20 +133,35 @@ def per_rank_writers(dist: Handle, given: Sequence[Any]) -> set[int]:
     ``tempfile.mkdtemp()`` per rank): each rank writes its own, as given, and reads it back
     after ``fit``; the others are routed (one file, from the chief). One sum over the ranks of
     a fixed size, every fit call on every rank: the writers' count and, for each of the first
-    :data:`_COMPARED`, its path's fingerprint and its square (the values are all equal exactly
-    when the squared sum is the ranks times the sum of squares)."""
+    :data:`_COMPARED`, three bytes of its path's fingerprint and their squares (values are all
+    equal exactly when the squared sum is the ranks times the sum of squares; bytes keep the
+    float32 sums exact up to 256 ranks, beyond which every writer is routed)."""
     found = [(i, _writer_path(c)) for i, c in enumerate(given)]
     paths = [(i, p) for i, p in found if p][:_COMPARED]
     values = [float(len(paths)), float(len(paths)) ** 2]
     for slot in range(_COMPARED):
-        mark = float(_fingerprint(paths[slot][1]) % (1 << 20)) if slot < len(paths) else 0.0
-        values += [mark, mark * mark]
-    sums = dist.sum_over_ranks(values)
+        marks = _marks(paths[slot][1]) if slot < len(paths) else [0.0] * _MARKS
+        for mark in marks:
+            values += [mark, mark * mark]
     n = dist.world_size
-    if round(sums[0]) ** 2 != n * round(sums[1]):  # the ranks pass other writers: route all
+    sums = dist.sum_over_ranks(values)
+    if n > 256 or round(sums[0]) ** 2 != n * round(sums[1]):  # other writers per rank: route
         return set()
-    return {i for slot, (i, _) in enumerate(paths)
-            if round(sums[2 + 2 * slot]) ** 2 != n * round(sums[3 + 2 * slot])}
+
+    def apart(slot: int) -> bool:
+        start = 2 + 2 * _MARKS * slot
+        return any(round(sums[start + 2 * j]) ** 2 != n * round(sums[start + 2 * j + 1])
+                   for j in range(_MARKS))
+
+    return {i for slot, (i, _) in enumerate(paths) if apart(slot)}
+
+
+_MARKS = 3  # bytes of a path's fingerprint compared: two paths agree on all by chance 2**-24
+
+
+def _marks(path: str) -> list[float]:
+    digest = _fingerprint(path) & 0xFFFFFF
+    return [float(((digest >> (8 * j)) & 0xFF) + 1) for j in range(_MARKS)]
 
 
 def _writer_path(callback: Any) -> str | None:
