@@ -106,8 +106,12 @@ def _wanted() -> bool:
 
 
 def _wrap(module: ModuleType) -> None:
+    import os
+
+    from tfdist import verify
+
     context_class = getattr(module, "Context", None)
-    if context_class is None or not _wanted():
+    if context_class is None or not (_wanted() or os.environ.get(verify.SEED)):
         return
     from tfdist import patches
 
@@ -117,12 +121,13 @@ def _wrap(module: ModuleType) -> None:
 def _starting(original: Any) -> Any:
     def ensure_initialized(self: Any) -> Any:
         if not self._initialized and not _state["decided"]:
-            from tfdist import strategy
+            from tfdist import strategy, verify
 
             with _lock:
-                if not strategy.creating() and not _state["decided"]:
+                if not _state["decided"]:
                     _state["decided"] = True
-                    if _wanted():
+                    verify.seed_once()  # a `tfdist verify` run: both runs seeded here
+                    if not strategy.creating() and _wanted():
                         strategy.start_at_first_op()
         return original(self)
 

@@ -108,6 +108,11 @@ def _fit(original: Any, dist: Handle) -> Any:
             bound.arguments["callbacks"] = routed
             if dist.save_on_every_rank:
                 check_same_savers(dist, routed)
+        if given is None or isinstance(given, Sequence):
+            averaged = _batch_statistics_averaged(dist, bound.arguments.get("self"),
+                                                  bound.arguments.get("callbacks") or [])
+            if averaged is not None:
+                bound.arguments["callbacks"] = averaged
 
     routed_fit = patches.rebinding(original, route)
 
@@ -170,6 +175,34 @@ def _writer_path(callback: Any) -> str | None:
         if isinstance(value, str | os.PathLike) and str(value):
             return str(value)
     return None
+
+
+_told_statistics: set[type] = set()
+
+
+def _batch_statistics_averaged(dist: Handle, model: Any,
+                               given: Sequence[Any]) -> list[Any] | None:
+    """``given`` with the BatchNormalization statistics averaged at each epoch's end, for a
+    model that has unsynchronised ones and a fit without ``dist.callbacks()``: the ranks would
+    end with other moving statistics (apart, each its own rows'); one line on the chief says
+    what still differs from one process. None: nothing to add."""
+    from tfdist.keras import batch_statistics as statistics
+    from tfdist.settings import resolve
+
+    if (model is None or not statistics.averages_batch_statistics(dist)
+            or not resolve("batch_statistics") or not statistics.batch_statistics(model)):
+        return None
+    if dist.is_chief and type(model) not in _told_statistics:
+        _told_statistics.add(type(model))
+        logger.warning(
+            "tfdist: %s's BatchNormalization layers normalise each replica's rows with their "
+            "own batch statistics (one process normalises over the whole batch), so the numbers "
+            "differ from one process's; their moving statistics are averaged over the replicas "
+            "at each epoch's end. For one process's numbers: "
+            "BatchNormalization(synchronized=True)", type(model).__name__)
+    if any(isinstance(c, statistics.BatchStatisticsAverage) for c in given):
+        return None
+    return [*given, statistics.BatchStatisticsAverage(dist)]
 
 
 def check_same_savers(dist: Handle, given: Sequence[Any]) -> None:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tfdist import patches
-from tfdist.verify import DIR, SEED, STEPS
+from tfdist.verify import DIR, STEPS, seed_once
 
 if TYPE_CHECKING:
     from tfdist.handle import Handle
@@ -233,9 +233,7 @@ def install_record(where: Where, dist: Handle) -> None:
     book = Book(dist.rank, meta)
     _book.append(book)
     logging.getLogger("tfdist").addHandler(_Warnings(book))
-    seed = os.environ.get(SEED, "")
-    if seed.isdigit():
-        keras.utils.set_random_seed(int(seed))
+    seed_once()  # where TensorFlow's first op has not seeded the run already
     steps = int(os.environ.get(STEPS, "0") or 0)
     folder = os.environ[DIR]
     model_class = keras.Model
