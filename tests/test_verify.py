@@ -125,7 +125,7 @@ def test_other_initial_weights_are_named() -> None:
 def test_ranks_apart_come_first() -> None:
     verdict = compare(ONE, run(record(0), record(1, scale=2.0)))
     assert verdict.where == "ranks"
-    assert "rank 1's dense/kernel is not rank 0's at fit1 step1" in verdict.line
+    assert "rank 1's dense/kernel is not rank 0's at fit1 end" in verdict.line
 
 
 def test_horovods_own_step_logs_are_averaged_over_the_ranks() -> None:

@@ -103,7 +103,8 @@ def _fit(original: Any, dist: Handle) -> Any:
         given = bound.arguments.get("callbacks")
         own = per_rank_writers(dist, given if isinstance(given, Sequence) else ())
         if isinstance(given, Sequence):
-            routed = [c if i in own else callbacks.route_writer(dist, c, announce=True)
+            routed = [callbacks.PerRankFiles(c) if i in own
+                      else callbacks.route_writer(dist, c, announce=True)
                       for i, c in enumerate(given)]
             bound.arguments["callbacks"] = routed
             if dist.save_on_every_rank:
@@ -135,8 +136,9 @@ _WRITER_PATHS = ("filepath", "filename", "log_dir", "backup_dir", "_backup_dir")
 
 def per_rank_writers(dist: Handle, given: Sequence[Any]) -> set[int]:
     """The indices of ``given``'s file writers whose path differs from rank to rank (a
-    ``tempfile.mkdtemp()`` per rank): each rank writes its own, as given, and reads it back
-    after ``fit``; the others are routed (one file, from the chief). One sum over the ranks of
+    ``tempfile.mkdtemp()`` per rank): each rank writes its own, as given
+    (:class:`tfdist.keras.callbacks.PerRankFiles`), and reads it back after ``fit``; the others
+    are routed (one file, from the chief). One sum over the ranks of
     a fixed size, every fit call on every rank: the writers' count and, for each of the first
     :data:`_COMPARED`, three bytes of its path's fingerprint and their squares (values are all
     equal exactly when the squared sum is the ranks times the sum of squares; bytes keep the
