@@ -110,8 +110,11 @@ def _fit(original: Any, dist: Handle) -> Any:
             if dist.save_on_every_rank:
                 check_same_savers(dist, routed)
         if given is None or isinstance(given, Sequence):
+            # dist.callbacks() among them: its average_batch_statistics= decides
+            planned = any(type(c).__module__.startswith("tfdist.") for c in given or ())
             averaged = _batch_statistics_averaged(dist, bound.arguments.get("self"),
-                                                  bound.arguments.get("callbacks") or [])
+                                                  bound.arguments.get("callbacks") or [],
+                                                  add=not planned)
             if averaged is not None:
                 bound.arguments["callbacks"] = averaged
 
@@ -182,8 +185,8 @@ def _writer_path(callback: Any) -> str | None:
 _told_statistics: set[type] = set()
 
 
-def _batch_statistics_averaged(dist: Handle, model: Any,
-                               given: Sequence[Any]) -> list[Any] | None:
+def _batch_statistics_averaged(dist: Handle, model: Any, given: Sequence[Any], *,
+                               add: bool = True) -> list[Any] | None:
     """``given`` with the BatchNormalization statistics averaged at each epoch's end, for a
     model that has unsynchronised ones and a fit without ``dist.callbacks()``: the ranks would
     end with other moving statistics (apart, each its own rows'); one line on the chief says
@@ -200,9 +203,10 @@ def _batch_statistics_averaged(dist: Handle, model: Any,
             "tfdist: %s's BatchNormalization layers normalise each replica's rows with their "
             "own batch statistics (one process normalises over the whole batch), so the numbers "
             "differ from one process's; their moving statistics are averaged over the replicas "
-            "at each epoch's end. For one process's numbers: "
+            "at each epoch's end (unless dist.callbacks(average_batch_statistics=False)). For "
+            "one process's numbers: "
             "BatchNormalization(synchronized=True)", type(model).__name__)
-    if any(isinstance(c, statistics.BatchStatisticsAverage) for c in given):
+    if not add or any(isinstance(c, statistics.BatchStatisticsAverage) for c in given):
         return None
     return [*given, statistics.BatchStatisticsAverage(dist)]
 
