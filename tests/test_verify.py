@@ -252,3 +252,18 @@ def test_verify_passes_a_correct_script_and_names_planted_defects(tmp_path: Path
         assert (verdict.outcome, verdict.step) == (DIFFERS, 1), (plant, verdict, many.output)
         assert expected in verdict.cause, (plant, verdict.line)
     assert not os.path.exists(tmp_path / "one" / "record-1.json")
+
+
+def test_a_missing_script_is_one_line_with_the_fix(tmp_path: Path) -> None:
+    import contextlib
+    import io
+
+    from tfdist import cli
+
+    missing = str(tmp_path / "trian.py")
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = cli.main(["verify", missing])
+    assert code == 2
+    assert said.getvalue() == (f"tfdist: verify: no script {missing!r}: give the path of a .py "
+                               "file\n")
