@@ -202,6 +202,7 @@ def test_the_batch_line_names_a_batch_that_looks_per_worker(case):
     line, looks_per_worker = batch_line(batch, replicas)
     assert line.startswith(start) and looks_per_worker == odd, line
     assert ("GLOBAL batch size" in line) == odd, line
+    assert ("no step's gradient is one process's" in line) == odd, line
 
 
 LAST_BATCHES = {
@@ -210,10 +211,8 @@ LAST_BATCHES = {
     "splits evenly": (4, 2, None),
     "one replica": (3, 1, None),
     "uneven": (3, 2, "3 rows, which do not split evenly over 2 replicas (1 replica(s) get 2 "
-               "rows, the others 1): that step's gradient is not one process's. Batch"),
-    "a replica gets none": (1, 2, "(1 of the 2 replicas get no rows): that step's gradient is "
-                            "not one process's, and BatchNormalization's statistics on an "
-                            "empty replica, then every weight, become NaN"),
+               "rows, the others 1)"),
+    "a replica gets none": (1, 2, "(1 of the 2 replicas get no rows)"),
 }
 
 
@@ -222,11 +221,17 @@ def test_a_last_batch_that_does_not_split_evenly_is_named(case):
     from tfdist.replicas import last_batch_line
 
     rows, replicas, part = LAST_BATCHES[case]
-    line = last_batch_line(rows, replicas)
-    assert (line is None) if part is None else (part in line and "drop_remainder=True" in line)
+    gradient = "that step's gradient is not one process's"
+    nan = "BatchNormalization's statistics on an empty replica, then every weight, become NaN"
+    line = last_batch_line(rows, replicas)  # a dataset: it may be evaluate's or predict's
+    assert (line is None) if part is None else (
+        part in line and f"if fit trains on it, {gradient}" in line
+        and "(evaluate's and predict's numbers are)" in line and "drop_remainder=True" in line
+        and (nan in line) == (case == "a replica gets none"))
     line = last_batch_line(rows, replicas, arrays=True)  # fit's arrays: a number of rows
     assert (line is None) if part is None else (
-        part.replace(". Batch", "") in line and "x[:len(x) // batch_size * batch_size]" in line)
+        part in line and f"): {gradient}" in line
+        and "x[:len(x) // batch_size * batch_size]" in line)
 
 
 ARRAYS_ROWS_LEFT = {

@@ -426,8 +426,9 @@ def test_a_last_batch_that_does_not_split_evenly_is_warned_once(run, alone):
     found = run.case("short_last_batch")
     assert found[0] == alone["short_last_batch"] == {"100": 4, "99": 3, "arrays_epochs": 1}
     line = "each epoch's last batch holds 3 rows, which do not split evenly over 2 replicas"
-    datasets = line + " (1 replica(s) get 2 rows, the others 1): that step's gradient is not " \
-        "one process's. Batch with drop_remainder=True"
+    datasets = line + " (1 replica(s) get 2 rows, the others 1): if fit trains on it, that " \
+        "step's gradient is not one process's (evaluate's and predict's numbers are). Batch " \
+        "with drop_remainder=True"
     arrays = line + " (1 replica(s) get 2 rows, the others 1): that step's gradient is not " \
         "one process's. Pass a number of rows that the global batch divides"
     for said in (datasets, arrays):  # dist.shard of a dataset; fit on arrays

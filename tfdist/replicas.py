@@ -131,7 +131,8 @@ class HandleCache(Generic[_Handle]):
 
 def batch_line(global_batch: int, num_replicas: int) -> tuple[str, bool]:
     """The line ``dist.shard`` logs on the chief about the batch it splits, and whether the
-    batch looks per-worker (it cannot be split evenly over the replicas) (pure).
+    batch cannot be split evenly over the replicas (a warning: a per-worker batch, or every
+    step's shares unequal) (pure).
 
     A per-worker batch that happens to split evenly (``ds.batch(64 // world_size)``) cannot be
     told from a small global one: the line shows the per-replica batch, so the numbers say it.
@@ -142,11 +143,15 @@ def batch_line(global_batch: int, num_replicas: int) -> tuple[str, bool]:
     if left == 0:
         return (f"global batch {global_batch} = {each} per replica x {num_replicas} "
                 "replicas (dist.shard splits the dataset's batch)"), False
+    lower, upper = each * num_replicas, (each + 1) * num_replicas
     return (f"global batch {global_batch} does not split over {num_replicas} replicas "
-            f"({'some get no examples' if each == 0 else f'{each} or {each + 1} each'}): it "
-            f"looks per-worker. Batch the dataset with the GLOBAL batch size, "
-            f"per-replica batch x {num_replicas} (dist.global_batch_size(n)); dist.shard "
-            "splits it"), True
+            f"({'some get no examples' if each == 0 else f'{each} or {each + 1} each'}): on "
+            "every step the replicas' unequal shares are averaged with equal weights, so no "
+            "step's gradient is one process's. If it is the batch per worker, batch the "
+            f"dataset with the GLOBAL batch size, per-replica batch x {num_replicas} "
+            "(dist.global_batch_size(n)), which dist.shard splits; else pick a global batch "
+            f"that {num_replicas} divides ({' or '.join(str(b) for b in (lower, upper) if b)})"
+            ), True
 
 
 def last_batch_line(rows_left: int, num_replicas: int, *, arrays: bool = False) -> str | None:
@@ -168,6 +173,8 @@ def last_batch_line(rows_left: int, num_replicas: int, *, arrays: bool = False) 
              "become NaN" if not each else "")
     fix = ("Pass a number of rows that the global batch divides (x[:len(x) // batch_size * "
            "batch_size])" if arrays else "Batch with drop_remainder=True")
+    trains, note = ("", "") if arrays else (
+        "if fit trains on it, ", " (evaluate's and predict's numbers are)")
     return (f"each epoch's last batch holds {rows_left} rows, which do not split evenly over "
-            f"{num_replicas} replicas ({shares}): that step's gradient is not one process's"
-            f"{empty}. {fix}, or pick a global batch that divides the rows")
+            f"{num_replicas} replicas ({shares}): {trains}that step's gradient is not one "
+            f"process's{empty}{note}. {fix}, or pick a global batch that divides the rows")
