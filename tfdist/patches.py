@@ -132,6 +132,13 @@ def _mwms(w: Where) -> bool:
     return _mwms_backend(w) and w.several_processes
 
 
+def _replicas_in_one_process(w: Where) -> bool:
+    """A tf.distribute strategy over the devices of one process (MirroredStrategy)."""
+    row = w.backend
+    return (row.framework == TF and not row.crosses_processes
+            and row.devices_per_process == "several")
+
+
 def _horovod(w: Where) -> bool:
     return w.backend.framework == TF and w.backend.horovod
 
@@ -232,7 +239,7 @@ INVENTORY: tuple[Patch, ...] = (
           "loss whose call() returns one number is left unscaled by Keras (N times the "
           "gradient): scaled like the others, with one warning",
           lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
-          and (w.several_processes or w.backend.name == "mirrored")),
+          and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"
           f"truncated_normal/dropout, {_TRAINER}.TensorFlowTrainer._make_function, "
           "tensorflow.random.normal/uniform/truncated_normal (a warning only)",
@@ -244,7 +251,7 @@ INVENTORY: tuple[Patch, ...] = (
           "gets the first rows' values; each draws the global batch's values and keeps its "
           "own rows: one process's draw",
           lambda w: w.keras3 and w.backend.framework == TF
-          and (w.several_processes or w.backend.name == "mirrored")),
+          and (w.several_processes or _replicas_in_one_process(w))),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras.checks:install_mixed_keras",
           "MWMS or Horovod on several processes, TF_USE_LEGACY_KERAS=1 and Keras 3 imported "
