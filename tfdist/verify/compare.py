@@ -397,10 +397,10 @@ def _gradient_ratio(ref: Record, rank0: Record, before: str, after: str) -> floa
     """How many times one process's gradient the workers' was in a step, from the optimizers'
     first moments (linear in the gradient, Adam's too) where recorded, else from the weights'
     update (SGD's)."""
-    for read in (ref.moments, ref.weights):
-        prior, mine = read(before), read(after)
-        theirs = (rank0.moments if read == ref.moments else rank0.weights)(after)
-        if before.endswith("/initial") and read == ref.moments and mine is not None:
+    for kind in ("moments", "weights"):
+        prior, mine = getattr(ref, kind)(before), getattr(ref, kind)(after)
+        theirs = getattr(rank0, kind)(after)
+        if kind == "moments" and before.endswith("/initial") and mine is not None:
             prior = [np.zeros_like(m) for m in mine]  # moments start at zero
         if prior is not None and mine is not None and theirs is not None:
             ratio = update_ratio(prior, mine, theirs)
