@@ -6,11 +6,13 @@ Imported by name (`from helpers import launch`); conftest.py only loads pytest p
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -144,12 +146,60 @@ def clean_env(*drop: str, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def _unassigned_range() -> tuple[int, int]:
+    """Ports the kernel never hands out on its own (outside its ephemeral range, whose ports an
+    outgoing connection may take at any moment) and outside the block tfdist derives from Slurm
+    job ids (tfdist.env.slurm.PORT_RANGE), which other tests use."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return (high + 1, 65535) if high < 64000 else (10000, min(low, 20000) - 1)
+
+
+def port_block(count: int = 4) -> int:
+    """The first of ``count`` consecutive free ports that no other test of this machine got.
+
+    Why not ``tfdist.launch.free_ports``: a port the kernel picked (bind to port 0) is in the
+    ephemeral range, so between the pick and the worker's bind another process's outgoing
+    connection, or another test worker's pick, may take it ("Address already in use"). These come
+    from outside that range, handed out in turn under a lock shared by every pytest worker.
+    """
+    first, last = _unassigned_range()
+    with open(Path("/tmp") / f"tfdist-test-ports-{os.getuid()}", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        text = handle.read().strip()
+        start = int(text) if text.isdigit() else first
+        for _ in range((last - first) // count):
+            if start + count - 1 > last:
+                start = first
+            if all(_bindable(port) for port in range(start, start + count)):
+                handle.seek(0)
+                handle.truncate()
+                handle.write(str(start + count))
+                return start
+            start += count
+    raise RuntimeError(f"no {count} consecutive free ports in {first}..{last}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def launch(args: list[str], *, n: int = 2, env: dict[str, str] | None = None,
            timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Runs `python -m tfdist launch -n N ARGS...` and returns its merged output."""
+    """Runs `python -m tfdist launch -n N ARGS...` on ports from `port_block` and returns its
+    merged output."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     full_env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", str(n), *args],
+    ports = [] if "--port-base" in args else ["--port-base", str(port_block(2 * n + 2))]
+    return subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", str(n), *ports, *args],
                           cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout, check=False)
 

@@ -25,12 +25,11 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, WORKERS, clean_env
+from helpers import ROOT, WORKERS, clean_env, port_block
 from test_horovod import HVD_PY, needs_horovod
 
 from tfdist.env import ClusterEnvironment
 from tfdist.failures import explain, failed_host, failed_ranks, silent_message
-from tfdist.launch import free_ports
 
 # The TensorFlow 2.15 lane has no torch.
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
@@ -268,7 +267,7 @@ def _step_and_signal(python: str, script: str, sig: signal.Signals, env: dict[st
     """Starts ``script`` as the 2 tasks of a simulated srun step (no launcher that would stop
     the survivor); once rank 1 announces, sends it ``sig``. Returns rank 0's output, seconds
     from the signal until rank 0 exited, and rank 0's exit code."""
-    port = free_ports(1)[0]
+    port = port_block()
     procs = [subprocess.Popen([python, script], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env={**env, **_srun_step(rank, port)})
              for rank in (0, 1)]

@@ -33,7 +33,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, ROOT, WORKERS, clean_env, load_weights, needs
+from helpers import (
+    EXAMPLE_NEEDS,
+    HOROVOD_PYTHON,
+    ROOT,
+    WORKERS,
+    clean_env,
+    load_weights,
+    needs,
+    port_block,
+)
 from patch_plan import assert_installed_as_planned
 
 HVD_PY = HOROVOD_PYTHON
@@ -110,9 +119,7 @@ def run(launcher: str, args: list[str], env: dict[str, str] | None = None,
         return subprocess.run(_command(launcher, args), cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               timeout=TIMEOUT, check=False)
-    from tfdist.launch import free_ports
-
-    port = free_ports(1)[0]
+    port = port_block()
     procs = [subprocess.Popen([str(HVD_PY), *args], cwd=ROOT, text=True,
                               env={**env, **_srun_variables(rank, port)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
