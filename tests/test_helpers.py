@@ -203,6 +203,13 @@ def test_the_batch_line_names_a_batch_that_looks_per_worker(case):
     assert line.startswith(start) and looks_per_worker == odd, line
     assert ("GLOBAL batch size" in line) == odd, line
     assert ("no step's gradient is one process's" in line) == odd, line
+    weighted, warned = batch_line(batch, replicas, weighted=True)  # Keras 3's fit on MWMS
+    if odd and batch >= replicas:  # fit weighs each replica by its rows: one process's step
+        assert not warned and "fit weighs each replica's loss by its rows" in weighted, weighted
+        assert "a custom loop" in weighted and "global batch that 2 divides (32 or 34)" in (
+            weighted), weighted
+    else:  # nothing to weigh, or a replica without rows: as unweighted
+        assert (weighted, warned) == (line, looks_per_worker)
 
 
 LAST_BATCHES = {
@@ -232,6 +239,9 @@ def test_a_last_batch_that_does_not_split_evenly_is_named(case):
     assert (line is None) if part is None else (
         part in line and f"): {gradient}" in line
         and "x[:len(x) // batch_size * batch_size]" in line)
+    # Keras 3's fit on MWMS weighs each replica by its rows: no step to warn of (a
+    # BatchNormalization model leaving a replica without rows is refused by fit itself)
+    assert last_batch_line(rows, replicas, weighted=True) is None
 
 
 ARRAYS_ROWS_LEFT = {

@@ -152,6 +152,23 @@ def test_a_signal_never_acted_on_goes_to_the_previous_handler():
         signal.signal(signal.SIGUSR2, previous)
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_late_signal_is_named_as_it_ended(monkeypatch, caplog, failed):
+    # A signal after fit ended (a preemption in the script's last work, or a launcher's SIGTERM
+    # after another rank failed): "ends normally" only where no exception went uncaught.
+    monkeypatch.setitem(preemption._late, "signal", signal.SIGTERM)
+    if failed:  # what Python sets when an exception reached the top
+        monkeypatch.setattr(sys, "last_type", RuntimeError, raising=False)
+    else:
+        monkeypatch.delattr(sys, "last_type", raising=False)
+    with caplog.at_level("WARNING", logger="tfdist"):
+        preemption._say_late(1)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("tfdist: rank 1: SIGTERM came after training had ended"), line
+    assert ("ends normally" in line) != failed, line
+    assert ("while the script ended with an error (RuntimeError" in line) == failed, line
+
+
 def test_commit_keeps_the_newest_and_the_one_before_complete_at_every_moment(tmp_path):
     def state(folder: Path, step: int) -> Path:
         folder.mkdir()

@@ -211,7 +211,7 @@ _USERS_SCRIPT = textwrap.dedent("""
         model.compile(optimizer="sgd", loss="mse")
     data = tf.data.Dataset.from_tensor_slices((np.zeros((64, 4), "float32"),
                                                np.zeros((64, 1), "float32")))
-    dist.shard(data.batch(33))  # does not split over 2 replicas: a warning
+    dist.shard(data.batch(33))  # does not split over 2 replicas: a line
     model.fit(dist.shard(data.batch(16)), epochs=2, verbose=0, callbacks=dist.callbacks())
 """)
 
@@ -236,7 +236,9 @@ def test_tfdists_own_lines_show_in_a_users_script_once():
 
         one("tfdist: backend mirrored")
         one("tfdist: global batch 16 = 8 per replica x 2 replicas")
-        assert "If it is the batch per worker" in one("tfdist: global batch 33 does not split")
+        # Keras 3: fit weighs each replica's loss by its rows (16 and 17: one process's step)
+        assert "fit weighs each replica's loss by its rows" in one(
+            "tfdist: global batch 33 = 16 or 17 per replica x 2 replicas")
         one("tfdist: epoch 1: ")
         one("tfdist: epoch 2: ")
         assert not [line for line in lines if line.startswith(prefix[how] + "tfdist: epoch 0")]

@@ -229,7 +229,8 @@ INVENTORY: tuple[Patch, ...] = (
           "metric object made outside the scope (its state would stay each worker's own)",
           _keras3_fix),
     Patch("keras3-loss-scaling", "keras.src.losses.loss.scale_loss_for_distribution/"
-          "reduce_values, keras.src.metrics.reduction_metrics.Mean/Sum.update_state, "
+          "unscale_loss_for_distribution/reduce_values, "
+          "keras.src.metrics.reduction_metrics.Mean/Sum.update_state, "
           f"{_TRAINER}.TensorFlowTrainer._make_function",
           "tfdist.keras.loss_scaling:install_loss_scaling",
           "Keras 3 under MWMS on several workers or MirroredStrategy",
@@ -237,7 +238,9 @@ INVENTORY: tuple[Patch, ...] = (
           "custom train_step that logs that value (returned, or fed to a Mean tracker) logs "
           "1/N of one process's loss: the very tensor Keras scaled is logged unscaled. A "
           "loss whose call() returns one number is left unscaled by Keras (N times the "
-          "gradient): scaled like the others, with one warning",
+          "gradient): scaled like the others, with one warning. fit scales by each replica's "
+          "share of the batch's rows, not 1/N (a global batch that does not divide: 17 and "
+          "16 rows weighed 1:1), and weighs each step's logs by the rows each replica counted",
           lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
           and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"
@@ -392,7 +395,9 @@ INVENTORY: tuple[Patch, ...] = (
           "the ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard a script passes "
           "straight to fit would all write one path from every rank; routes them as "
           "dist.callbacks() does (the chief writes; a backup folder per rank), and refuses "
-          "checkpoints passed on some ranks only where a save runs collectives",
+          "checkpoints passed on some ranks only where a save runs collectives; before the "
+          "first step, refuses a BatchNormalization model whose last batch leaves a replica "
+          "no rows (its statistics, then every weight, would be NaN)",
           lambda w: w.several_processes and w.backend.framework == TF),
     Patch("save-once", "keras.Model.save/save_weights, tensorflow.saved_model.save",
           "tfdist.keras.writers:install_save_once", "several processes, every TensorFlow backend",
@@ -608,6 +613,14 @@ def planned_here(key: str) -> bool:
     patch = _BY_KEY[key]
     return not _plan or patch in planned(_plan[0])
 
+
+def is_planned(key: str) -> bool:
+    """Whether this process's plan holds row ``key`` (False where no plan was made)."""
+    return bool(_plan) and _BY_KEY[key] in planned(_plan[0])
+
+
+# The row whose fit weighs each replica's loss by its rows (an uneven split is one process's).
+ROWS_WEIGHTED = "keras3-loss-scaling"
 
 _plan: list[Where] = []
 

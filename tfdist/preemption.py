@@ -39,6 +39,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -370,7 +371,16 @@ def _record_late(signum: int, frame: FrameType | None) -> None:
 
 def _say_late(rank: int) -> None:
     late = _late["signal"]
-    if late is not None:
+    if late is None:
+        return
+    # Set by Python when an exception went uncaught (a peer's crash failing this rank's
+    # collective, after which a launcher's SIGTERM arrives too): then nothing ended normally.
+    failed = getattr(sys, "last_type", None)
+    if failed is not None:
+        logger.warning("tfdist: rank %d: %s came after training had ended, while the script "
+                       "ended with an error (%s, above): nothing saved or requeued for the "
+                       "signal", rank, late.name, failed.__name__)
+    else:
         logger.warning("tfdist: rank %d: %s came after training had ended: the script finished "
                        "its work and ends normally (training is complete: nothing to save, no "
                        "requeue)", rank, late.name)

@@ -129,10 +129,13 @@ class HandleCache(Generic[_Handle]):
         return handle
 
 
-def batch_line(global_batch: int, num_replicas: int) -> tuple[str, bool]:
-    """The line ``dist.shard`` logs on the chief about the batch it splits, and whether the
-    batch cannot be split evenly over the replicas (a warning: a per-worker batch, or every
-    step's shares unequal) (pure).
+def batch_line(global_batch: int, num_replicas: int, *, weighted: bool = False
+               ) -> tuple[str, bool]:
+    """The line ``dist.shard`` logs on the chief about the batch it splits, and whether it is a
+    warning: the batch cannot be split evenly over the replicas (a per-worker batch, or every
+    step's shares unequal) and ``fit`` does not weigh each replica's loss by its rows
+    (``weighted``: tfdist's Keras 3 loss scaling does, which makes such a step one process's)
+    (pure).
 
     A per-worker batch that happens to split evenly (``ds.batch(64 // world_size)``) cannot be
     told from a small global one: the line shows the per-replica batch, so the numbers say it.
@@ -144,27 +147,37 @@ def batch_line(global_batch: int, num_replicas: int) -> tuple[str, bool]:
         return (f"global batch {global_batch} = {each} per replica x {num_replicas} "
                 "replicas (dist.shard splits the dataset's batch)"), False
     lower, upper = each * num_replicas, (each + 1) * num_replicas
+    divides = " or ".join(str(b) for b in (lower, upper) if b)
+    if weighted and each:
+        return (f"global batch {global_batch} = {each} or {each + 1} per replica x "
+                f"{num_replicas} replicas: fit weighs each replica's loss by its rows, so "
+                "every step is one process's; a loss you average by hand (a custom loop, "
+                "ops.mean in a train_step) weighs the replicas equally: there pick a global "
+                f"batch that {num_replicas} divides ({divides})"), False
     return (f"global batch {global_batch} does not split over {num_replicas} replicas "
             f"({'some get no examples' if each == 0 else f'{each} or {each + 1} each'}): on "
             "every step the replicas' unequal shares are averaged with equal weights, so no "
             "step's gradient is one process's. If it is the batch per worker, batch the "
             f"dataset with the GLOBAL batch size, per-replica batch x {num_replicas} "
             "(dist.global_batch_size(n)), which dist.shard splits; else pick a global batch "
-            f"that {num_replicas} divides ({' or '.join(str(b) for b in (lower, upper) if b)})"
-            ), True
+            f"that {num_replicas} divides ({divides})"), True
 
 
-def last_batch_line(rows_left: int, num_replicas: int, *, arrays: bool = False) -> str | None:
+def last_batch_line(rows_left: int, num_replicas: int, *, arrays: bool = False,
+                    weighted: bool = False) -> str | None:
     """The warning for an epoch whose last batch (``rows_left`` rows; 0: none short) does not
     split evenly over the replicas, or ``None`` (pure). ``arrays``: the input is ``fit``'s
-    in-memory arrays, whose fix is a number of rows, not ``drop_remainder``.
+    in-memory arrays, whose fix is a number of rows, not ``drop_remainder``. ``weighted``:
+    ``fit`` weighs each replica's loss by its rows (see :func:`batch_line`), which makes that
+    step one process's: no warning (a BatchNormalization model that would leave a replica
+    without rows is refused by ``fit`` itself).
 
     Each replica's loss is the mean over its own rows, and the replicas' gradients are averaged
     with equal weights: with unequal shares that step's gradient is not one process's (2
     replicas, rows [2, 1]: the lone row weighs twice). A replica with no rows at all gives
     BatchNormalization an empty batch, whose statistics (then every weight) become NaN.
     """
-    if rows_left <= 0 or num_replicas <= 1 or rows_left % num_replicas == 0:
+    if weighted or rows_left <= 0 or num_replicas <= 1 or rows_left % num_replicas == 0:
         return None
     each, more = divmod(rows_left, num_replicas)
     shares = (f"{more} replica(s) get {each + 1} rows, the others {each}" if each else

@@ -41,7 +41,8 @@ them all), and writes ``result-RANK.json``: per case either its observations or
   of 3, 3 and 2) must end with the weights of ``steps_per_execution=1`` from the same start.
 - ``batch_norm``: a model with BatchNormalization; with tfdist's callbacks every rank ends
   with the same moving statistics, and without the average (the control) they differ where
-  Keras leaves them per rank (all but tf_keras under MWMS).
+  Keras leaves them per rank (all but tf_keras under MWMS). Then a fit whose last batch of one
+  row would leave rank 1 without rows: refused on every rank before its first step.
 - The feature matrix, each a short ``fit`` whose weights must be equal on both ranks:
   ``validation`` (``validation_data`` and ``validation_split``: equal validation losses too),
   ``weights`` (``class_weight`` and ``sample_weight``), ``dropout``, ``callbacks``
@@ -460,6 +461,16 @@ def _batch_norm(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
                   callbacks=dist.callbacks(average_batch_statistics=average))
         found["digest" if average else "control"] = digest(
             model_variables(model, include_batch_statistics=True))
+    # A last batch of one row leaves rank 1 without rows: refused before the first step
+    # (BatchNormalization's statistics on an empty batch, then every weight, would be NaN).
+    _, x, y = _data(tf)
+    try:
+        model.fit(x[:GLOBAL_BATCH + 1], y[:GLOBAL_BATCH + 1], batch_size=GLOBAL_BATCH,
+                  epochs=1, verbose=0, shuffle=False)
+        found["empty_replica"] = None
+    except tfdist.ConfigError as error:
+        found["empty_replica"] = str(error)
+    found["steps_after"] = int(model.optimizer.iterations.numpy())
     return found
 
 

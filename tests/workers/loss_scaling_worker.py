@@ -10,13 +10,18 @@
   VAE and GAN examples' shape), with a Mean tracker;
 - ``fit4``: Dropout and a ``keras.random.normal`` draw over the batch (a VAE's sampling), on a
   dataset reshuffled each epoch with a seed;
-- ``fit5``: a compiled loss with ``reduction="sum"``.
+- ``fit5``: a compiled loss with ``reduction="sum"``;
+- ``fit6`` (with ``uneven``, MWMS): a global batch of 33 on 199 rows, split 17/16 on every
+  step and the last batch's one row leaving a replica none: Keras's losses weighed by each
+  replica's rows (and the logs by the rows each replica counted).
 
 Run by ``tfdist verify``'s machinery in one process and on 2 workers (MWMS, or Horovod); the
 random draws are seeded.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -117,3 +122,9 @@ no_call.fit(dist.shard(data), epochs=2, verbose=0)
 shuffled = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=3).batch(32)
 noisy.fit(dist.shard(shuffled), epochs=2, verbose=0)
 summed.fit(dist.shard(data), epochs=2, verbose=0)
+if "uneven" in sys.argv[1:]:
+    with dist.scope():
+        uneven = dense(keras.Model)
+        uneven.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    rows = tf.data.Dataset.from_tensor_slices((x[:199], y[:199]))
+    uneven.fit(dist.shard(rows.batch(33)), epochs=2, verbose=0)

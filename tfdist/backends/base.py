@@ -129,14 +129,15 @@ class Distributed(ReplicaMath):
         batch (for the throughput meter), one line on the chief about the split, and a warning
         when the dataset shuffles without a seed (each worker would shuffle its own way) or its
         last batch does not split evenly over the replicas."""
-        from tfdist import sharding, throughput
+        from tfdist import patches, sharding, throughput
         from tfdist.replicas import batch_line
 
         self.sharded_batch_size = throughput.batch_size_of(dataset)
         if not self.is_chief or policy == "off":
             return
         if self.sharded_batch_size:
-            line, odd = batch_line(self.sharded_batch_size, self.num_replicas)
+            line, odd = batch_line(self.sharded_batch_size, self.num_replicas,
+                                   weighted=patches.is_planned(patches.ROWS_WEIGHTED))
             self._log_once(logging.WARNING if odd else logging.INFO, line)
         if self.world_size > 1 and sharding.unseeded_shuffle(dataset):
             self._log_once(logging.WARNING, sharding.UNSEEDED_SHUFFLE)
@@ -145,9 +146,11 @@ class Distributed(ReplicaMath):
     def look_at_last_batch(self, rows_left: int | None) -> None:
         """One warning on the chief when each epoch's last batch, of ``rows_left`` rows, does
         not split evenly over the replicas (:func:`tfdist.replicas.last_batch_line`)."""
+        from tfdist import patches
         from tfdist.replicas import last_batch_line
 
-        line = last_batch_line(rows_left or 0, self.num_replicas)
+        line = last_batch_line(rows_left or 0, self.num_replicas,
+                               weighted=patches.is_planned(patches.ROWS_WEIGHTED))
         if line and self.is_chief:
             self._log_once(logging.WARNING, line)
 
@@ -390,3 +393,4 @@ def too_late(environment: ClusterEnvironment) -> InitOrderError:
         "then starts at that op), or make `with tfdist.strategy_scope() as dist:` the first "
         "TensorFlow work in main(). Safe before it: imports, tf.random.set_seed, "
         "keras.utils.set_random_seed, tf.config.list_physical_devices.")
+

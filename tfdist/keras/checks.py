@@ -18,9 +18,10 @@ from tfdist import patches
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["MIXED_KERAS", "check_metrics", "check_optimizer", "compile_owner",
+__all__ = ["MIXED_KERAS", "check_empty_replicas", "check_metrics", "check_optimizer",
+           "compile_owner",
            "compile_without_xla", "install_compile_without_xla", "install_mixed_keras",
-           "own_step"]
+           "optimizers", "own_step"]
 
 logger = logging.getLogger("tfdist")
 
@@ -64,16 +65,58 @@ def check_optimizer(optimizer: Any, is_chief: bool = True) -> None:
     clipping = {name: getattr(optimizer, name, None)
                 for name in ("clipnorm", "global_clipnorm", "clipvalue")}
     clipping = {name: value for name, value in clipping.items() if value is not None}
-    if clipping and is_chief and "clipping" not in _optimizer_warned:
-        _optimizer_warned.add("clipping")
+    if clipping and is_chief and id(optimizer) not in _optimizer_warned:
+        _optimizer_warned.add(id(optimizer))
         logger.warning(
-            "tfdist: %s clips each replica's gradients before they are averaged (Keras 3 "
+            "tfdist: %s (%s) clips each replica's gradients before they are averaged (Keras 3 "
             "under tf.distribute), not their average as one process does: the weights differ "
             "from one process's while clipping is active. backend='horovod' or tf_keras clip "
-            "the averaged gradients", ", ".join(f"{k}={v}" for k, v in clipping.items()))
+            "the averaged gradients", getattr(optimizer, "name", type(optimizer).__name__),
+            ", ".join(f"{k}={v}" for k, v in clipping.items()))
 
 
-_optimizer_warned: set[str] = set()
+_optimizer_warned: set[int] = set()
+
+
+def optimizers(model: Any) -> list[Any]:
+    """``model.optimizer`` and every other optimizer the model holds as an attribute (a GAN's
+    ``d_optimizer`` and ``g_optimizer``), each once, in that order."""
+    found: list[Any] = []
+    candidates = [getattr(model, "optimizer", None), *vars(model).values()]
+    for value in candidates:
+        is_optimizer = callable(getattr(value, "apply_gradients", None)) and hasattr(
+            value, "iterations")
+        if is_optimizer and all(value is not seen for seen in found):
+            found.append(value)
+    return found
+
+
+def check_empty_replicas(model: Any, rows_left: int | None, num_replicas: int) -> None:
+    """Refuses, before the first step, an epoch whose last batch (``rows_left`` rows) leaves a
+    replica no rows when ``model`` has a BatchNormalization layer that normalises each
+    replica's own rows: the empty batch's statistics are NaN, then its moving statistics and,
+    averaged, every replica's.
+
+    Raises:
+        ConfigError: naming the layer, the rows and the fix.
+    """
+    if not rows_left or rows_left >= num_replicas or num_replicas < 2:
+        return
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=False)) if callable(flatten) else []
+    normalising = next((layer for layer in layers
+                        if any(c.__name__ == "BatchNormalization" for c in type(layer).__mro__)
+                        and not getattr(layer, "synchronized", False)), None)
+    if normalising is None:
+        return
+    from tfdist.errors import ConfigError
+
+    raise ConfigError(
+        f"each epoch's last batch holds {rows_left} row(s) for {num_replicas} replicas, so "
+        f"{num_replicas - rows_left} of them get none, and BatchNormalization "
+        f"({normalising.name}) on an empty batch makes its statistics, then every weight, NaN. "
+        "Batch with drop_remainder=True (arrays: pass a number of rows the batch size "
+        "divides), or pick a batch size that leaves at least one row per replica")
 
 
 def check_metrics(model: Any) -> None:

@@ -229,9 +229,11 @@ def warn_once(line: str) -> None:
 def warn_about_arrays(arguments: Mapping[str, Any], num_replicas: int) -> None:
     """One warning when ``fit``'s arrays end each epoch in a batch that does not split evenly
     over ``num_replicas`` replicas; call it on the chief."""
+    from tfdist import patches
     from tfdist.replicas import last_batch_line
 
-    line = last_batch_line(arrays_rows_left(arguments), num_replicas, arrays=True)
+    line = last_batch_line(arrays_rows_left(arguments), num_replicas, arrays=True,
+                           weighted=patches.is_planned(patches.ROWS_WEIGHTED))
     if line:
         warn_once(line)
 

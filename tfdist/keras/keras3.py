@@ -46,7 +46,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
-from tfdist.keras.checks import check_metrics, check_optimizer, own_step
+from tfdist.keras.checks import (
+    check_metrics,
+    check_optimizer,
+    optimizers,
+    own_step,
+)
 from tfdist.keras.versions import needs_fix
 from tfdist.settings import resolve, skipped_patches
 
@@ -356,9 +361,9 @@ def _wrap_logs_mode(original: Any) -> Any:
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_multi_worker(self.distribute_strategy):
             return original(self, *args, **kwargs)
-        if training:
-            check_optimizer(getattr(self, "optimizer", None),
-                            self.distribute_strategy.extended.should_checkpoint)
+        if training:  # every optimizer the model holds: a GAN's two
+            for optimizer in optimizers(self):
+                check_optimizer(optimizer, self.distribute_strategy.extended.should_checkpoint)
         check_metrics(self)
         try:
             callbacks = signature.bind_partial(self, *args, **kwargs).arguments.get("callbacks")

@@ -16,6 +16,12 @@ measured on 2 MWMS workers against one process with the same global batch:
   replica's weighted sum by its own weights' sum; averaged over the replicas that is not the
   global batch's weighted mean when their weights differ. tfdist divides by every replica's
   weights (one scalar all-reduce a step).
+- **A batch that does not divide.** Keras divides by N whatever each replica's rows: a global
+  batch of 33 on 2 replicas weighs 17 rows and 16 rows 1:1 (and an uneven last batch, or a
+  replica left without rows, likewise). In ``fit``'s step tfdist scales by the replica's share
+  of the batch's rows instead (its rows over the job's, one scalar all-reduce a step), which
+  is 1/N when the batch divides, and weighs each step's logged means by the rows each replica
+  counted (one more all-reduce): the step is one process's.
 - **A loss that returns one number.** A ``keras.losses.Loss`` subclass whose ``call`` reduces
   over the batch itself (a contrastive loss over the batch's pairs) reaches Keras's reduction
   as a scalar, which Keras returns unscaled: the replicas' sum is N times one process's
@@ -76,6 +82,8 @@ def install_loss_scaling(where: Where, dist: Any) -> None:
 
     patches.apply("keras3-loss-scaling", loss_module, "scale_loss_for_distribution",
                   _remembering)
+    patches.apply("keras3-loss-scaling", loss_module, "unscale_loss_for_distribution",
+                  _unscaling)
     patches.apply("keras3-loss-scaling", loss_module, "reduce_values",
                   functools.partial(_scalars_scaled, scale=loss_module))
     for metric in (reduction_metrics.Mean, reduction_metrics.Sum):
@@ -87,12 +95,65 @@ def install_loss_scaling(where: Where, dist: Any) -> None:
 def _remembering(original: Any) -> Any:
     @functools.wraps(original)
     def scale_loss_for_distribution(value: Any) -> Any:
-        scaled = original(value)
+        share = getattr(_local, "share", None)
+        if share is None:
+            scaled = original(value)
+        else:
+            from keras.src import ops
+
+            scaled = ops.multiply(value, ops.cast(share, value.dtype))
         if scaled is not value and hasattr(scaled, "ref"):
             _made()[scaled.ref()] = value
         return scaled
 
     return scale_loss_for_distribution
+
+
+def _unscaling(original: Any) -> Any:
+    @functools.wraps(original)
+    def unscale_loss_for_distribution(value: Any) -> Any:
+        made = unscaled(value)
+        if made is not value:
+            return made
+        share = getattr(_local, "share", None)
+        if share is None:
+            return original(value)
+        from keras.src import ops
+
+        return ops.divide_no_nan(value, ops.cast(share, value.dtype))
+
+    return unscale_loss_for_distribution
+
+
+def _replica_share(data: Any) -> Any:
+    """This replica's rows over the global batch's (one scalar all-reduce), the factor that
+    makes the replicas' summed gradients the global batch's mean when the batch splits
+    unevenly (33 rows on 2: 17/33 and 16/33, not 1/2 each). None outside a replica context of
+    several replicas, or for a batch without rows to count."""
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync < 2:
+        return None
+    rows = _rows(data)
+    if rows is None:
+        return None
+    rows = tf.cast(rows, tf.float32)
+    return tf.math.divide_no_nan(rows, context.all_reduce("sum", rows))
+
+
+def _rows(data: Any) -> Any:
+    """The batch's rows: its first batched tensor's first dimension, or None."""
+    import tensorflow as tf
+
+    for tensor in tf.nest.flatten(data):
+        if isinstance(tensor, tf.RaggedTensor):
+            return tensor.nrows()
+        if isinstance(tensor, tf.SparseTensor):
+            return tensor.dense_shape[0]
+        if getattr(tensor, "shape", None) is not None and tensor.shape.rank:
+            return tf.shape(tensor)[0]
+    return None
 
 
 def _scalars_scaled(original: Any, scale: Any) -> Any:
@@ -160,14 +221,59 @@ def _metric_unscaled(original: Any) -> Any:
 def _step_unscaled(original: Any) -> Any:
     @functools.wraps(original)
     def _make_function(self: Any, step_function: Any) -> Any:
+        # Only fit's step weighs the replicas by their rows (a collective a step: evaluate may
+        # run on one rank); evaluate's logs are one process's anyway (weighted by rows).
+        trains = getattr(step_function, "__name__", "") == "train_step"
+
         @functools.wraps(step_function)
         def step(data: Any) -> Any:
             _made().clear()
-            outputs = step_function(data)
+            _local.share = _replica_share(data) if trains else None
+            try:
+                outputs = step_function(data)
+            finally:
+                share, _local.share = _local.share, None
             if isinstance(outputs, dict):
                 outputs = {key: unscaled(value) for key, value in outputs.items()}
+                if share is not None:
+                    outputs = _weighted_by_rows(self, outputs)
             return outputs
 
         return original(self, step)
 
     return _make_function
+
+
+def _counted(metrics: Any) -> dict[str, Any]:
+    """Name -> metric for every mean-like metric (one that counts its rows) in ``metrics``,
+    looking inside Keras's compiled-metrics container."""
+    found: dict[str, Any] = {}
+    for metric in metrics:
+        if hasattr(metric, "count") and hasattr(metric, "total"):
+            found.setdefault(metric.name, metric)
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, list | tuple) and metric not in inner:
+            found.update({k: v for k, v in _counted(inner).items() if k not in found})
+    return found
+
+
+def _weighted_by_rows(model: Any, outputs: dict[str, Any]) -> dict[str, Any]:
+    """A step's logs, each mean-like metric's value weighted by the rows this replica counted
+    (one all-reduce of the counts): Keras averages the replicas' logged values with equal
+    weights, which is the global mean only while every replica has seen as many rows."""
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    counted = _counted(model.metrics)
+    keys = [key for key, value in outputs.items() if key in counted
+            and getattr(value, "shape", None) is not None and value.shape.rank == 0
+            and value.dtype.is_floating]
+    if context is None or not keys:
+        return outputs
+    local = tf.stack([tf.cast(counted[key].count, tf.float32) for key in keys])
+    weights = tf.math.divide_no_nan(local * context.num_replicas_in_sync,
+                                    context.all_reduce("sum", local))
+    weighted = dict(outputs)
+    for index, key in enumerate(keys):
+        weighted[key] = outputs[key] * tf.cast(weights[index], outputs[key].dtype)
+    return weighted

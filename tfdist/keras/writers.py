@@ -52,7 +52,7 @@ import hashlib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,6 +61,7 @@ import tensorflow as tf
 from tfdist import patches
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.keras import callbacks
+from tfdist.keras.checks import check_empty_replicas
 from tfdist.scratch import as_given, atomic_path, throwaway, writes_as_given
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ _fitting = 0
 
 def _fit(original: Any, dist: Handle) -> Any:
     def route(bound: inspect.BoundArguments) -> None:
+        check_empty_replicas(bound.arguments.get("self"), _rows_left(bound.arguments),
+                             int(dist.num_replicas))
         given = bound.arguments.get("callbacks")
         own = per_rank_writers(dist, given if isinstance(given, Sequence) else ())
         if isinstance(given, Sequence):
@@ -130,6 +133,18 @@ def _fit(original: Any, dist: Handle) -> Any:
             _fitting -= 1
 
     return fit
+
+
+def _rows_left(arguments: Mapping[str, Any]) -> int | None:
+    """The rows of the last batch of each epoch of ``fit``'s input when it is short, 0 when
+    none is, None when not known."""
+    from tfdist import sharding
+    from tfdist.keras.fit_inputs import arrays_rows_left, is_arrays
+
+    x = arguments.get("x")
+    if is_arrays(x):
+        return arrays_rows_left(arguments)
+    return sharding.last_batch_rows(x) if hasattr(x, "cardinality") else None
 
 
 # A fit's writers whose paths are compared over the ranks: at most this many (one sum).
