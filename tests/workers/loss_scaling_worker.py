@@ -11,7 +11,9 @@
 - ``fit4``: Dropout and a ``keras.random.normal`` draw over the batch (a VAE's sampling), on a
   dataset reshuffled each epoch with a seed;
 - ``fit5``: a compiled loss with ``reduction="sum"``;
-- ``fit6`` (with ``uneven``, MWMS): a global batch of 33 on 199 rows, split 17/16 on every
+- ``fit6``: an ``Embedding`` trained with Adam (sparse gradients whose rows repeat: Adam squares
+  each slice, so they must reach it as one process's slices, not summed into a dense one);
+- ``fit7`` (with ``uneven``, MWMS): a global batch of 33 on 199 rows, split 17/16 on every
   step and the last batch's one row leaving a replica none: Keras's losses weighed by each
   replica's rows (and the logs by the rows each replica counted).
 
@@ -122,6 +124,14 @@ no_call.fit(dist.shard(data), epochs=2, verbose=0)
 shuffled = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=3).batch(32)
 noisy.fit(dist.shard(shuffled), epochs=2, verbose=0)
 summed.fit(dist.shard(data), epochs=2, verbose=0)
+tokens = rng.randint(0, 16, size=(256, 4)).astype("int32")
+with dist.scope():
+    inputs = keras.Input((4,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(16, 6)(inputs))
+    embedded = keras.Model(inputs, keras.layers.Dense(1)(pooled))
+    embedded.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+embedded.fit(dist.shard(tf.data.Dataset.from_tensor_slices((tokens, y)).batch(32)), epochs=2,
+             verbose=0)
 if "uneven" in sys.argv[1:]:
     with dist.scope():
         uneven = dense(keras.Model)
