@@ -2,7 +2,7 @@
 (tfdist/keras/loss_scaling.py, tfdist/keras/random_draws.py, the symbolic build of a model
 without ``call()``, Horovod's ``reduction="sum"``), on 2 real workers against one process with
 the same global batch, by ``tfdist verify``'s comparison. The worker
-(tests/workers/loss_scaling_worker.py) trains seven user-shaped models; the control, the same
+(tests/workers/loss_scaling_worker.py) trains eight user-shaped models; the control, the same
 script with the two patches left out, must show the defects (the logged loss halved, the
 gradient doubled, the random draws per replica, the uneven split weighed 1:1), so the test
 knows it exercises them.
@@ -21,7 +21,7 @@ from tfdist.verify.run import run_once
 
 WORKER = str(WORKERS / "loss_scaling_worker.py")
 STEPS = 16  # each fit: 2 epochs of 8 batches
-UNEVEN = 14  # fit7: 2 epochs of 7 batches (6 of 33 rows, then 1)
+UNEVEN = 14  # fit8: 2 epochs of 7 batches (6 of 33 rows, then 1)
 pytestmark = pytest.mark.multiprocess
 
 
@@ -49,7 +49,7 @@ def test_mwms_every_model_is_one_processs_and_the_control_is_not(tmp_path: Path)
     for run in (one, fixed, control):
         assert run.returncode == 0, run.output[-3000:]
     verdict = compare(one, fixed)
-    assert verdict.outcome == ROUNDING and verdict.steps == 6 * STEPS + UNEVEN, verdict.line
+    assert verdict.outcome == ROUNDING and verdict.steps == 7 * STEPS + UNEVEN, verdict.line
     assert any("returns one number for the batch" in line for line in verdict.told)
     assert not any("split" in line for line in verdict.told), verdict.told  # nothing to tell
     halved = compare(only(one, "fit1"), only(control, "fit1"))
@@ -60,7 +60,9 @@ def test_mwms_every_model_is_one_processs_and_the_control_is_not(tmp_path: Path)
     drawn = compare(only(one, "fit4"), only(control, "fit4"))
     assert drawn.outcome == DIFFERS and "random draws are made per replica" in drawn.cause, (
         drawn.line)
-    equal_weights = compare(only(one, "fit7"), only(control, "fit7"))  # 17 and 16 rows as 1:1
+    penalty = compare(only(one, "fit7"), only(control, "fit7"))  # compute_loss's own term
+    assert penalty.outcome == DIFFERS, penalty.line
+    equal_weights = compare(only(one, "fit8"), only(control, "fit8"))  # 17 and 16 rows as 1:1
     assert equal_weights.outcome == DIFFERS, equal_weights.line
     assert any("does not split over 2 replicas" in line for line in equal_weights.told)
 
@@ -74,4 +76,4 @@ def test_horovod_every_model_is_one_processs(tmp_path: Path) -> None:
                      WORKER], str(tmp_path / "horovod"), 2, env, 300)
     assert one.returncode == 0 and many.returncode == 0, many.output[-3000:]
     verdict = compare(one, many)
-    assert verdict.outcome == ROUNDING and verdict.steps == 6 * STEPS, verdict.line
+    assert verdict.outcome == ROUNDING and verdict.steps == 7 * STEPS, verdict.line

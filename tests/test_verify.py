@@ -206,6 +206,9 @@ def test_update_ratio_by_projection() -> None:
     ({"random_layers": ["Dropout 'd'", "BatchNormalization 'bn' (batch statistics)"]},
      "BatchNormalization normalises over each replica's rows"),
     ({"loss_ratio": 0.8}, "the batch differs"),
+    # another batch from the same weights: an update that happens to look halved means nothing
+    ({"loss_ratio": 0.8, "update": 0.5}, "the batch differs"),
+    ({"loss_ratio": 1.0, "update": 0.5}, "the gradient is 1/2"),
     ({"weights_before_equal": False, "first_step": True}, "the initial weights differ"),
     ({}, "the cause is none tfdist recognises"),
 ])

@@ -13,7 +13,9 @@
 - ``fit5``: a compiled loss with ``reduction="sum"``;
 - ``fit6``: an ``Embedding`` trained with Adam (sparse gradients whose rows repeat: Adam squares
   each slice, so they must reach it as one process's slices, not summed into a dense one);
-- ``fit7`` (with ``uneven``, MWMS): a global batch of 33 on 199 rows, split 17/16 on every
+- ``fit7``: a model whose class overrides ``compute_loss`` to add a penalty's mean to
+  ``super().compute_loss(...)`` (the "customizing fit" guides' advice);
+- ``fit8`` (with ``uneven``, MWMS): a global batch of 33 on 199 rows, split 17/16 on every
   step and the last batch's one row leaving a replica none: Keras's losses weighed by each
   replica's rows (and the logs by the rows each replica counted).
 
@@ -60,6 +62,14 @@ class LoggedLoss(keras.Model):
 class OneNumber(keras.losses.Loss):
     def call(self, y_true, y_pred):  # type: ignore[no-untyped-def]
         return tf.reduce_mean(tf.square(y_true - y_pred))
+
+
+class Penalised(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,  # type: ignore[no-untyped-def]
+                     training=True):
+        loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                    training=training)
+        return loss + 0.5 * keras.ops.mean(keras.ops.square(y_pred))
 
 
 def dense(model_class):  # type: ignore[no-untyped-def]
@@ -132,6 +142,10 @@ with dist.scope():
     embedded.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
 embedded.fit(dist.shard(tf.data.Dataset.from_tensor_slices((tokens, y)).batch(32)), epochs=2,
              verbose=0)
+with dist.scope():
+    penalised = dense(Penalised)
+    penalised.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+penalised.fit(dist.shard(data), epochs=2, verbose=0)
 if "uneven" in sys.argv[1:]:
     with dist.scope():
         uneven = dense(keras.Model)

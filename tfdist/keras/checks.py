@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["MIXED_KERAS", "check_empty_replicas", "check_metrics", "check_optimizer",
            "compile_owner",
            "compile_without_xla", "install_compile_without_xla", "install_mixed_keras",
-           "optimizers", "own_step"]
+           "optimizers", "own_step", "owns"]
 
 logger = logging.getLogger("tfdist")
 
@@ -29,16 +29,19 @@ logger = logging.getLogger("tfdist")
 _LIBRARIES = frozenset({"keras", "tf_keras", "tensorflow", "tfdist"})
 
 
+def owns(model: Any, name: str) -> bool:
+    """Whether ``model``'s class defines method ``name`` itself, outside Keras and tfdist
+    (pure)."""
+    owner = next((c for c in type(model).__mro__ if name in vars(c)), None)
+    return owner is not None and owner.__module__.split(".")[0] not in _LIBRARIES
+
+
 def own_step(model: Any) -> str | None:
     """The name of the first of ``train_step``, ``test_step`` that ``model``'s class defines
     itself (outside Keras and tfdist), or ``None`` (pure)."""
     if model is None:
         return None
-    for name in ("train_step", "test_step"):
-        owner = next((c for c in type(model).__mro__ if name in vars(c)), None)
-        if owner is not None and owner.__module__.split(".")[0] not in _LIBRARIES:
-            return name
-    return None
+    return next((name for name in ("train_step", "test_step") if owns(model, name)), None)
 
 
 def check_optimizer(optimizer: Any, is_chief: bool = True) -> None:

@@ -22,6 +22,10 @@ measured on 2 MWMS workers against one process with the same global batch:
   of the batch's rows instead (its rows over the job's, one scalar all-reduce a step), which
   is 1/N when the batch divides, and weighs each step's logged means by the rows each replica
   counted (one more all-reduce): the step is one process's.
+- **A term of the model's own.** A model that overrides ``compute_loss`` to add a term (a
+  penalty's mean) to ``super().compute_loss(...)`` adds an unscaled number to scaled ones: the
+  term's gradient is N times one process's. tfdist lets Keras's losses stay each replica's
+  mean inside such a ``compute_loss`` and scales its total once.
 - **A loss that returns one number.** A ``keras.losses.Loss`` subclass whose ``call`` reduces
   over the batch itself (a contrastive loss over the batch's pairs) reaches Keras's reduction
   as a scalar, which Keras returns unscaled: the replicas' sum is N times one process's
@@ -88,13 +92,44 @@ def install_loss_scaling(where: Where, dist: Any) -> None:
                   functools.partial(_scalars_scaled, scale=loss_module))
     for metric in (reduction_metrics.Mean, reduction_metrics.Sum):
         patches.apply("keras3-loss-scaling", metric, "update_state", _metric_unscaled)
+    patches.apply("keras3-loss-scaling", reduction_metrics.Mean, "result", _result_noted)
     patches.apply("keras3-loss-scaling", trainer.TensorFlowTrainer, "_make_function",
                   _step_unscaled)
+    patches.apply("keras3-loss-scaling", trainer.TensorFlowTrainer, "_compute_loss",
+                  functools.partial(_scaled_once, scale=loss_module))
+
+
+def _deferred() -> bool:
+    """Whether a model's own ``compute_loss`` is running: Keras's scaling waits for its total."""
+    return bool(getattr(_local, "deferred", False))
+
+
+def _scaled_once(original: Any, scale: Any) -> Any:
+    """A model whose class overrides ``compute_loss`` (adding a term of its own to
+    ``super().compute_loss(...)``, the guides' advice) gets its total scaled once, as Keras
+    scales its own losses: inside, Keras's losses stay each replica's mean, so the user's term,
+    a mean too, is not left N times too large in the replicas' summed gradient."""
+    from tfdist.keras.checks import owns
+
+    @functools.wraps(original)
+    def _compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _deferred() or not owns(self, "compute_loss"):
+            return original(self, *args, **kwargs)
+        _local.deferred = True
+        try:
+            total = original(self, *args, **kwargs)
+        finally:
+            _local.deferred = False
+        return scale.scale_loss_for_distribution(total)
+
+    return _compute_loss
 
 
 def _remembering(original: Any) -> Any:
     @functools.wraps(original)
     def scale_loss_for_distribution(value: Any) -> Any:
+        if _deferred():
+            return value
         share = getattr(_local, "share", None)
         if share is None:
             scaled = original(value)
@@ -112,6 +147,8 @@ def _remembering(original: Any) -> Any:
 def _unscaling(original: Any) -> Any:
     @functools.wraps(original)
     def unscale_loss_for_distribution(value: Any) -> Any:
+        if _deferred():
+            return value
         made = unscaled(value)
         if made is not value:
             return made
@@ -160,7 +197,8 @@ def _scalars_scaled(original: Any, scale: Any) -> Any:
     @functools.wraps(original)
     def reduce_values(values: Any, sample_weight: Any = None,
                       reduction: Any = "sum_over_batch_size") -> Any:
-        if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        if (reduction == "mean_with_sample_weight" and sample_weight is not None
+                and not _deferred()):
             weighted = _over_the_job_weights(values, sample_weight)
             if weighted is not None:
                 return weighted
@@ -229,14 +267,16 @@ def _step_unscaled(original: Any) -> Any:
         def step(data: Any) -> Any:
             _made().clear()
             _local.share = _replica_share(data) if trains else None
+            _local.results = {}
             try:
                 outputs = step_function(data)
             finally:
                 share, _local.share = _local.share, None
+                results, _local.results = _local.results, {}
             if isinstance(outputs, dict):
                 outputs = {key: unscaled(value) for key, value in outputs.items()}
                 if share is not None:
-                    outputs = _weighted_by_rows(self, outputs)
+                    outputs = _weighted_by_rows(outputs, results)
             return outputs
 
         return original(self, step)
@@ -244,32 +284,32 @@ def _step_unscaled(original: Any) -> Any:
     return _make_function
 
 
-def _counted(metrics: Any) -> dict[str, Any]:
-    """Name -> metric for every mean-like metric (one that counts its rows) in ``metrics``,
-    looking inside Keras's compiled-metrics container."""
-    found: dict[str, Any] = {}
-    for metric in metrics:
-        if hasattr(metric, "count") and hasattr(metric, "total"):
-            found.setdefault(metric.name, metric)
-        inner = getattr(metric, "metrics", None)
-        if isinstance(inner, list | tuple) and metric not in inner:
-            found.update({k: v for k, v in _counted(inner).items() if k not in found})
-    return found
+
+def _result_noted(original: Any) -> Any:
+    @functools.wraps(original)
+    def result(self: Any) -> Any:
+        value = original(self)
+        noted = getattr(_local, "results", None)
+        if noted is not None and hasattr(value, "ref"):
+            noted[value.ref()] = self  # this step's logged means, by the metric that made them
+        return value
+
+    return result
 
 
-def _weighted_by_rows(model: Any, outputs: dict[str, Any]) -> dict[str, Any]:
-    """A step's logs, each mean-like metric's value weighted by the rows this replica counted
-    (one all-reduce of the counts): Keras averages the replicas' logged values with equal
-    weights, which is the global mean only while every replica has seen as many rows."""
+def _weighted_by_rows(outputs: dict[str, Any], results: dict[Any, Any]) -> dict[str, Any]:
+    """A step's logs, each mean metric's result weighted by the rows that metric counted on
+    this replica (one all-reduce of the counts): Keras averages the replicas' logged values
+    with equal weights, which is the global mean only while every replica has counted as many
+    rows. A value the step computed itself (not a mean metric's result) is left as it is."""
     import tensorflow as tf
 
     context = tf.distribute.get_replica_context()
-    counted = _counted(model.metrics)
-    keys = [key for key, value in outputs.items() if key in counted
-            and getattr(value, "shape", None) is not None and value.shape.rank == 0
-            and value.dtype.is_floating]
-    if context is None or not keys:
+    counted = {key: results[value.ref()] for key, value in outputs.items()
+               if hasattr(value, "ref") and value.ref() in results}
+    if context is None or not counted:
         return outputs
+    keys = list(counted)
     local = tf.stack([tf.cast(counted[key].count, tf.float32) for key in keys])
     weights = tf.math.divide_no_nan(local * context.num_replicas_in_sync,
                                     context.all_reduce("sum", local))

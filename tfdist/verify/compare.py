@@ -158,6 +158,12 @@ def _near(value: float | None, target: float) -> bool:
     return value is not None and target > 0 and abs(value / target - 1.0) <= RATIO_TOL
 
 
+_OTHER_BATCH = (
+    "the batch differs from one process's (the loss differs before any update differs): the "
+    "workers do not split one global batch in one process's order; fix: the same order on "
+    "every rank (a seeded shuffle, .cache() before it), dist.shard(ds) on the global batch")
+
+
 def diagnose(n: int, *, loss_ratio: float | None, update: float | None,
              weights_before_equal: bool, random_layers: Sequence[str],
              first_step: bool) -> str:
@@ -174,6 +180,9 @@ def diagnose(n: int, *, loss_ratio: float | None, update: float | None,
     if not weights_before_equal and first_step:
         return ("the initial weights differ: the model was built from another random state; "
                 "fix: keras.utils.set_random_seed(S) before building it, the same on every rank")
+    if loss_ratio is not None and not random_layers and not any(
+            _near(loss_ratio, ratio) for ratio in (1.0, float(n), 1.0 / n)):
+        return _OTHER_BATCH  # from the same weights: the update's ratio then means nothing
     if _near(update, n):
         return (f"the gradient is {n} times one process's: a loss that is one number for a "
                 f"replica's batch (a custom loss that reduces over the batch, reduction='sum') is "
@@ -202,10 +211,7 @@ def diagnose(n: int, *, loss_ratio: float | None, update: float | None,
                 "replica draws its own values for its rows, one process one set for the whole "
                 "batch; the difference is expected, of the size shown")
     if loss_ratio is not None and not _near(loss_ratio, 1.0):
-        return ("the batch differs from one process's (the loss differs before any update "
-                "differs): the workers do not split one global batch in one process's order; "
-                "fix: the same order on every rank (a seeded shuffle, .cache() before it), "
-                "dist.shard(ds) on the global batch")
+        return _OTHER_BATCH
     return ("the cause is none tfdist recognises (not a loss or gradient scaled by the replicas, "
             "not the input, not random layers)")
 
