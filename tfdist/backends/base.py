@@ -393,4 +393,3 @@ def too_late(environment: ClusterEnvironment) -> InitOrderError:
         "then starts at that op), or make `with tfdist.strategy_scope() as dist:` the first "
         "TensorFlow work in main(). Safe before it: imports, tf.random.set_seed, "
         "keras.utils.set_random_seed, tf.config.list_physical_devices.")
-

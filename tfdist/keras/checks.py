@@ -19,9 +19,8 @@ if TYPE_CHECKING:
     from tfdist.patches import Where
 
 __all__ = ["MIXED_KERAS", "check_empty_replicas", "check_metrics", "check_optimizer",
-           "compile_owner",
-           "compile_without_xla", "install_compile_without_xla", "install_mixed_keras",
-           "optimizers", "own_step", "owns"]
+           "compile_owner", "compile_without_xla", "install_compile_without_xla",
+           "install_mixed_keras", "optimizers", "own_step", "owns"]
 
 logger = logging.getLogger("tfdist")
 

@@ -347,6 +347,12 @@ def _reads_step_logs(callback: Any) -> bool:
 _global_step_logs: list[bool] = [True]
 
 
+def tracing_global_logs() -> bool:
+    """Whether the step function traced now reduces its logs over the workers (a collective a
+    step), not each worker's own."""
+    return _global_step_logs[-1]
+
+
 _logged_modes: set[bool] = set()
 
 

@@ -20,8 +20,9 @@ measured on 2 MWMS workers against one process with the same global batch:
   batch of 33 on 2 replicas weighs 17 rows and 16 rows 1:1 (and an uneven last batch, or a
   replica left without rows, likewise). In ``fit``'s step tfdist scales by the replica's share
   of the batch's rows instead (its rows over the job's, one scalar all-reduce a step), which
-  is 1/N when the batch divides, and weighs each step's logged means by the rows each replica
-  counted (one more all-reduce): the step is one process's.
+  is 1/N when the batch divides, and, where each step's logs are averaged over the workers,
+  weighs its logged means by the rows each replica counted (one more all-reduce): the step is
+  one process's.
 - **A term of the model's own.** A model that overrides ``compute_loss`` to add a term (a
   penalty's mean) to ``super().compute_loss(...)`` adds an unscaled number to scaled ones: the
   term's gradient is N times one process's. tfdist lets Keras's losses stay each replica's
@@ -259,6 +260,8 @@ def _metric_unscaled(original: Any) -> Any:
 def _step_unscaled(original: Any) -> Any:
     @functools.wraps(original)
     def _make_function(self: Any, step_function: Any) -> Any:
+        from tfdist.keras.keras3 import tracing_global_logs
+
         # Only fit's step weighs the replicas by their rows (a collective a step: evaluate may
         # run on one rank); evaluate's logs are one process's anyway (weighted by rows).
         trains = getattr(step_function, "__name__", "") == "train_step"
@@ -275,14 +278,13 @@ def _step_unscaled(original: Any) -> Any:
                 results, _local.results = _local.results, {}
             if isinstance(outputs, dict):
                 outputs = {key: unscaled(value) for key, value in outputs.items()}
-                if share is not None:
+                if share is not None and tracing_global_logs():  # each worker's own: as is
                     outputs = _weighted_by_rows(outputs, results)
             return outputs
 
         return original(self, step)
 
     return _make_function
-
 
 
 def _result_noted(original: Any) -> Any:
