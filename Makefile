@@ -83,7 +83,9 @@ train: $(STAMP)
 # left out (-k): tf_keras 2.15 is the same Keras 2 as its keras 2.15. No Horovod here: its own
 # compile against TensorFlow 2.15 cost a fresh machine about 4 minutes of CI's 40; Horovod on
 # Keras 2 is tested in the main run (tf_keras 2.18), on TensorFlow 2.15 it was last run on
-# 2026-11-26 (docs/versions.md).
+# 2026-11-26 (docs/versions.md). The scaling chart is drawn here too: this lane's environment has
+# matplotlib, the main one leaves it out (with scikit-learn) because Keras 3 imports both at
+# start-up when they are installed, 2.3 s of every TensorFlow process's 7.9 s import on one core.
 TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_keras_traps.py \
 	tests/test_sync.py tests/test_quiet.py \
 	"tests/test_preemption.py::test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes[mwms-keras3]" \
@@ -93,7 +95,8 @@ TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_k
 	tests/test_mirrored.py::test_auto_mirrors_one_process_over_its_devices \
 	tests/test_mirrored.py::test_two_replicas_train_as_one_with_the_same_global_batch \
 	tests/test_examples.py::test_two_workers_train_the_digits_from_a_flagfile \
-	tests/test_slurm_jobs.py::test_mwms_job_on_n9_n10_trains_in_sync_and_chief_saves_once
+	tests/test_slurm_jobs.py::test_mwms_job_on_n9_n10_trains_in_sync_and_chief_saves_once \
+	tests/test_scaling.py::test_the_plot_draws_the_reports_points
 TF215_SELECT := not tf_keras and not horovod
 
 # The three environments at once: their pip installs overlap the two Horovod compiles.

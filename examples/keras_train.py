@@ -6,8 +6,9 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras_train.py  # Horovod (auto)
     tfdist launch --backend horovod -n 2 examples/keras_train.py      # Horovod, no horovodrun
 
-The data is scikit-learn's 8x8 digits (1797 images) served through tensorflow-datasets by a
-local builder: nothing is downloaded. Each change for distributed training is marked `tfdist:`.
+The data is scikit-learn's 8x8 digits (1797 images, shipped with tfdist) served through
+tensorflow-datasets by a local builder: nothing is downloaded. Each change for distributed
+training is marked `tfdist:`.
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@
     tfdist launch --backend horovod -n 2 examples/torch_train.py           # Horovod (or horovodrun)
     torchrun --nproc-per-node=2 examples/torch_train.py --backend=deepspeed  # DeepSpeed's engine
 
-The twin of examples/keras_train.py: the same data (scikit-learn's 8x8 digits, the same train/test
-split, nothing downloaded), the same model and the same flags, with two differences. The backend
-is DDP, Horovod or DeepSpeed (``--backend``; one training loop for all three), and
+The twin of examples/keras_train.py: the same data (the 8x8 digits that ship with tfdist, the same
+train/test split, nothing downloaded), the same model and the same flags, with two differences. The
+backend is DDP, Horovod or DeepSpeed (``--backend``; one training loop for all three), and
 ``--collective`` picks the process group's (``auto``: NCCL with CUDA, gloo on CPU), not MWMS's
-all-reduce. ``--data_dir`` is accepted, so one command line serves both, but unused: the arrays
-come from scikit-learn in memory. Each change for distributed training is marked `tfdist:`.
+all-reduce. ``--data_dir`` is accepted, so one command line serves both, but unused: the arrays are
+read into memory from the file tfdist ships. Each change for distributed training is marked
+`tfdist:`.
 """
 
 from __future__ import annotations

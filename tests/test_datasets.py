@@ -1,10 +1,10 @@
 """Tests of tfdist.datasets: the offline digits dataset, its locking and its TensorFlow hygiene.
 
-No test touches the network: the data come from scikit-learn's package files. The multiprocess
-test starts 3 real workers of a MultiWorkerMirroredStrategy on loopback that prepare one fresh
-data directory at the same moment. Every data directory is a fresh temporary one. Where
-tensorflow-datasets or scikit-learn is not installed (tfdist[datasets]), the tests of the data
-skip with the reason; those of the import, the names and the data directory still run.
+No test touches the network: the data come from the file tfdist ships (digits.npz). The
+multiprocess test starts 3 real workers of a MultiWorkerMirroredStrategy on loopback that prepare
+one fresh data directory at the same moment. Every data directory is a fresh temporary one. Where
+tensorflow-datasets is not installed (tfdist[datasets]), the tests of the data skip with the
+reason; those of the import, the names, the shipped file and the data directory still run.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ import tfdist.datasets
 from tfdist.errors import ConfigError, TfdistError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-DATA = ("tensorflow_datasets", "sklearn")  # what the digits dataset is built with
+DATA = ("tensorflow_datasets",)  # what the digits dataset is built with
 
-# sha256 of the sorted test-split rows of load_digits. If scikit-learn changes its
-# StratifiedShuffleSplit, this changes: bump TfdistDigits.VERSION, because data directories
-# prepared before and after would hold different splits.
+# sha256 of the sorted test-split rows of load_digits (scikit-learn 1.9's stratified split, the
+# split of every data directory prepared since tfdist_digits 1.0.0), and of the images and
+# labels of tfdist/datasets/digits.npz. A change to either is a new TfdistDigits.VERSION:
+# data directories prepared before and after would hold other examples.
 TEST_ROWS_SHA256 = "2fbaae31b8c6aad12464a07771b64269876d904bfed86f77a63c8265fa201621"
+DATA_SHA256 = "65e5b4619795efb40c1082f4c350c049e4ad552200d369b6ae99e21eef5e72c5"
 
 # One worker of a 3-worker MultiWorkerMirroredStrategy, in the order the examples use: prepare
 # (all workers at once, on an empty data_dir), create the strategy, then load. Prints one JSON
@@ -198,32 +200,50 @@ def test_splits_are_stratified(arrays: dict[str, tuple[np.ndarray, np.ndarray]])
     assert np.all(np.abs(test - 0.2 * (train + test)) <= 1), (train, test)
 
 
-def test_content_matches_sklearn(arrays: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-    from sklearn.datasets import load_digits
-
+def test_content_is_the_shipped_files(arrays: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     from tfdist.datasets import digits
 
-    source = load_digits()
-    images = digits.to_uint8(source.images)
-    for split, rows in digits.split_indices(source.target).items():
+    source_images, labels = digits.source()
+    images = digits.to_uint8(source_images)
+    for split, rows in digits.split_indices().items():
         got_images, got_labels = arrays[split]
 
         def as_set(imgs: np.ndarray, labels: np.ndarray) -> list[bytes]:
             return sorted(i.tobytes() + bytes([int(y)]) for i, y in zip(imgs, labels, strict=True))
 
-        assert as_set(got_images, got_labels) == as_set(images[rows], source.target[rows])
+        assert as_set(got_images, got_labels) == as_set(images[rows], labels[rows])
 
 
-@needs(*DATA)
-def test_split_rows_are_pinned() -> None:
-    from sklearn.datasets import load_digits
+def test_the_shipped_digits_and_split_are_pinned() -> None:
+    from tfdist.datasets import in_memory
 
-    from tfdist.datasets import digits
-
-    rows = digits.split_indices(load_digits().target)
+    rows = in_memory.split_indices()
     assert not set(rows["train"]) & set(rows["test"])
+    assert sorted(np.concatenate([rows["train"], rows["test"]])) == list(range(1797))
     digest = hashlib.sha256(np.sort(rows["test"]).astype("<i8").tobytes()).hexdigest()
-    assert digest == TEST_ROWS_SHA256, "scikit-learn's split changed: bump TfdistDigits.VERSION"
+    assert digest == TEST_ROWS_SHA256, "the split changed: bump TfdistDigits.VERSION"
+    images, labels = in_memory.source()
+    assert images.shape == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 16
+    digest = hashlib.sha256(images.tobytes() + labels.astype("<i8").tobytes()).hexdigest()
+    assert digest == DATA_SHA256, "the digits changed: bump TfdistDigits.VERSION"
+
+
+@needs("sklearn")
+def test_the_shipped_digits_are_scikit_learns_load_digits_and_split() -> None:
+    # Where scikit-learn is installed (not in the test environments: Keras 3 would import it
+    # in every process): the shipped file is load_digits, and its split is train_test_split's.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from tfdist.datasets import in_memory
+
+    digits = load_digits()
+    images, labels = in_memory.source()
+    assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target)
+    train, test = train_test_split(np.arange(len(labels)), test_size=in_memory.TEST_SIZE,
+                                   random_state=in_memory.SPLIT_SEED, stratify=labels)
+    rows = in_memory.split_indices()
+    assert np.array_equal(rows["train"], train) and np.array_equal(rows["test"], test)
 
 
 def test_pixel_range(arrays: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:

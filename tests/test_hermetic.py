@@ -129,17 +129,17 @@ def fresh_answers():
 
 
 def test_a_missing_package_is_named_with_how_to_get_it(monkeypatch, fresh_answers):
-    for module in ("tensorboard", "tensorflow_datasets", "sklearn"):
+    for module in ("tensorboard", "tensorflow_datasets", "matplotlib"):
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed
     assert helpers.missing("tensorboard") == (
         "tensorboard is not installed (pip install tensorboard: TensorFlow 2.21 no longer "
         "installs it)")
-    assert helpers.missing("tensorflow_datasets", "sklearn") == (
+    assert helpers.missing("tensorflow_datasets", "matplotlib") == (
         "tensorflow-datasets is not installed (tfdist[datasets]); "
-        "scikit-learn is not installed (tfdist[datasets])")
+        "matplotlib is not installed (tfdist[plot])")
     assert helpers.tensorboard_logs() == []
-    mark = helpers.needs("sklearn").mark
-    assert mark.args == (True,) and mark.kwargs["reason"].startswith("scikit-learn is not")
+    mark = helpers.needs("matplotlib").mark
+    assert mark.args == (True,) and mark.kwargs["reason"].startswith("matplotlib is not")
 
 
 def test_another_pythons_packages_are_asked_of_it(tmp_path, fresh_answers):

@@ -45,8 +45,8 @@ EXTRAS = {
     "cpu": {"tensorflow-cpu"},
     "gpu": {"tensorflow[and-cuda]"},
     "tf-keras": {"tf-keras"},
-    "datasets": {"tensorflow-datasets", "scikit-learn", "importlib-resources"},
-    "examples": {"absl-py", "tensorflow-datasets", "scikit-learn", "importlib-resources"},
+    "datasets": {"tensorflow-datasets", "importlib-resources"},
+    "examples": {"absl-py", "tensorflow-datasets", "importlib-resources"},
     "torch": {"torch"},
     "horovod": {"horovod"},
     "jax": {"jax", "keras"},
@@ -213,10 +213,11 @@ def test_wheel_holds_every_package_and_data_file(built: Built):
         top_level = whl.read(f"tfdist-{VERSION}.dist-info/top_level.txt").decode().split()
     source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tfdist").rglob("*")
               if p.is_file() and "__pycache__" not in p.parts
-              and (p.suffix == ".py" or p.name == "py.typed")}
+              and (p.suffix in (".py", ".npz") or p.name == "py.typed")}
     packaged = {n for n in names if n.startswith("tfdist/")}
     assert source - packaged == set(), "missing from the wheel"
-    assert {n for n in packaged if not n.endswith(".py")} == {"tfdist/py.typed"}
+    assert {n for n in packaged if not n.endswith(".py")} == {
+        "tfdist/py.typed", "tfdist/datasets/digits.npz"}
     for package in ("jobs", "datasets", "doctor", "env", "backends", "horovod", "torch"):
         assert f"tfdist/{package}/__init__.py" in packaged
     # Only tfdist: no tests/, examples/ or benchmarks/ package lands in site-packages.
@@ -354,7 +355,7 @@ def _module_tensorflow(venv: Venv) -> str:
 @pytest.mark.parametrize("extra", ["cpu", "examples"])
 def test_an_extra_the_module_satisfies_installs_nothing_more(venv: Venv, extra: str):
     if extra == "examples":  # the module satisfies it where this Python has them
-        require("tensorflow_datasets", "sklearn")
+        require("tensorflow_datasets")
     assert _module_tensorflow(venv) == "tensorflow-cpu"
     run, report = _dry_run(venv, f"tfdist[{extra}]")
     assert run.returncode == 0, _out(run)

@@ -359,7 +359,6 @@ def test_batch_arithmetic_and_lr_warmup_on_two_replicas():
 
 # --- Offline digits as numpy arrays ----------------------------------------------------------
 
-@needs("sklearn")
 def test_arrays_load_neither_tensorflow_nor_torch():
     code = ("import sys, tfdist.datasets as d; x, y = d.arrays('digits', 'test'); "
             "print(x.shape, x.dtype, y.dtype, sorted(m for m in ('tensorflow', 'torch') "
@@ -370,7 +369,7 @@ def test_arrays_load_neither_tensorflow_nor_torch():
     assert run.stdout.strip() == "(360, 8, 8, 1) uint8 int64 []"
 
 
-@needs("tensorflow_datasets", "sklearn")
+@needs("tensorflow_datasets")
 def test_arrays_hold_the_same_examples_as_the_tensorflow_loader(tmp_path):
     from tfdist.datasets import digits
 
@@ -380,11 +379,9 @@ def test_arrays_hold_the_same_examples_as_the_tensorflow_loader(tmp_path):
         loaded = list(tfdist.datasets.load("digits", split, tmp_path).as_numpy_iterator())
         ours = sorted((x.tobytes(), int(y)) for x, y in zip(images, labels, strict=True))
         assert ours == sorted((x.tobytes(), int(y)) for x, y in loaded)
-    from sklearn.datasets import load_digits
-
-    target = load_digits().target
+    target = digits.source()[1]
     images, labels = tfdist.datasets.arrays("digits", "train")
-    rows = digits.split_indices(target)["train"]
+    rows = digits.split_indices()["train"]
     assert np.array_equal(labels, target[rows]) and labels.dtype == np.int64
 
 

@@ -1,7 +1,8 @@
 """Offline datasets for the examples, tests and benchmarks, served through tensorflow-datasets.
 
 Nothing here downloads: each dataset is built from data installed with a Python package (for
-``"digits"``, scikit-learn's ``load_digits``) and written once under a data directory::
+``"digits"``, the 1797 images of scikit-learn's ``load_digits``, shipped in tfdist itself) and
+written once under a data directory::
 
     tfdist.datasets.prepare("digits")                     # before the strategy: files only
     strategy = ...                                         # create the strategy

@@ -1,6 +1,7 @@
-"""scikit-learn's handwritten digits as an offline tensorflow-datasets dataset, ``tfdist_digits``.
+"""The handwritten digits of ``sklearn.datasets.load_digits`` as an offline tensorflow-datasets
+dataset, ``tfdist_digits``.
 
-The 1797 8x8 images of ``sklearn.datasets.load_digits`` ship inside scikit-learn, so nothing is
+The 1797 8x8 images ship inside tfdist (`tfdist.datasets.in_memory` says whence), so nothing is
 downloaded: the builder writes them to TFRecord files under a data directory once, and every
 later call reads those files.
 
@@ -35,7 +36,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import gcs_utils
 
 from tfdist.datasets import resolve_data_dir
-from tfdist.datasets.in_memory import split_indices, to_uint8
+from tfdist.datasets.in_memory import source, split_indices, to_uint8
 from tfdist.errors import TfdistError
 from tfdist.sharding import with_policy
 
@@ -79,7 +80,8 @@ class TfdistDigits(tfds.core.GeneratorBasedBuilder):  # type: ignore[misc]
         return tfds.core.DatasetInfo(
             builder=self,
             description=(
-                "Optical recognition of handwritten digits (UCI), as shipped with scikit-learn: "
+                "Optical recognition of handwritten digits (UCI, CC BY 4.0), as scikit-learn's "
+                "load_digits gives them: "
                 "8x8 grayscale images of the digits 0-9."
             ),
             features=tfds.features.FeaturesDict(
@@ -93,15 +95,12 @@ class TfdistDigits(tfds.core.GeneratorBasedBuilder):  # type: ignore[misc]
         )
 
     def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[int, dict[str, Any]]]]:
-        del dl_manager  # The data ship inside scikit-learn: nothing to download.
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        images = to_uint8(digits.images)
-        labels = digits.target
+        del dl_manager  # The data ship inside tfdist: nothing to download.
+        images, labels = source()
+        images = to_uint8(images)
         return {
             split: self._generate_examples(images, labels, indices)
-            for split, indices in split_indices(labels).items()
+            for split, indices in split_indices().items()
         }
 
     def _generate_examples(
