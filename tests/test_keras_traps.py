@@ -487,11 +487,26 @@ def test_every_save_on_every_rank_lands_once_from_the_chief(run, alone):
     chief = found[0]
     assert chief["loaded"] == chief["digest"], chief
     expected = {"save_weights": ("w.weights.h5", "w.h5"), "save_h5": ("m.h5",),
-                "saved_model": ("sm",), "checkpoint": ("ckpt",), "save_folder": ("folder",)}
+                "saved_model": ("sm",), "checkpoint": ("ckpt",), "save_folder": ("folder",),
+                "tf_checkpoint_write": ("tfw",), "tf_checkpoint_save": ("tfs",),
+                "tf_checkpoint_manager": ("tfm",)}
     names = sorted(name for save in chief["saves"] for name in expected[save]
                    if name in chief["files"])
     assert chief["files"] == names and len(names) == len(chief["saves"]), chief
     assert alone["saving"]["saves"] == chief["saves"]
+    # tf.train.Checkpoint and a CheckpointManager (max_to_keep=1) on every rank: the chief's
+    # paths returned everywhere, numbered alike (one save_counter: c-1, c-2, then ckpt-3 and
+    # ckpt-4 from the manager), and the checkpoint read back on every rank.
+    for key in ("returned", "tfs", "tfm", "latest", "manager", "read"):
+        _same_on_both_ranks(found, key)
+    assert chief["returned"] == ["tfw/c", "tfw/c", "tfs/c-1", "tfs/c-2", "tfm/ckpt-3",
+                                 "tfm/ckpt-4"], chief
+    assert chief["manager"] == ["tfm/ckpt-4"], chief
+    assert chief["tfm"] == ["checkpoint", "ckpt-4.data-00000-of-00001", "ckpt-4.index"], chief
+    assert chief["latest"] == "tfs/c-2" and chief["read"] == chief["digest"], chief
+    assert chief["tfs"] == ["c-1.data-00000-of-00001", "c-1.index", "c-2.data-00000-of-00001",
+                            "c-2.index", "checkpoint"], chief
+    assert alone["saving"]["returned"] == chief["returned"]
 
 
 def test_the_readme_table_names_every_case_the_worker_runs():

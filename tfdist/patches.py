@@ -399,12 +399,14 @@ INVENTORY: tuple[Patch, ...] = (
           "first step, refuses a BatchNormalization model whose last batch leaves a replica "
           "no rows (its statistics, then every weight, would be NaN)",
           lambda w: w.several_processes and w.backend.framework == TF),
-    Patch("save-once", "keras.Model.save/save_weights, tensorflow.saved_model.save",
+    Patch("save-once", "keras.Model.save/save_weights, tensorflow.saved_model.save, "
+          "tensorflow.train.Checkpoint.write/save, tensorflow.train.CheckpointManager.save",
           "tfdist.keras.writers:install_save_once", "several processes, every TensorFlow backend",
-          "model.save, save_weights or tf.saved_model.save on every rank would write one path "
-          "from every rank at once (an h5 lock, MergeV2Checkpoints errors); the chief writes "
-          "it (a file or SavedModel folder atomically), the others a scratch copy that is "
-          "removed (MWMS: the save runs collectives) or nothing (Horovod). MWMS, outside fit: "
+          "model.save, save_weights, tf.saved_model.save or a tf.train.Checkpoint on every rank "
+          "would write one path from every rank at once (an h5 lock, MergeV2Checkpoints "
+          "errors); the chief writes it (a file or SavedModel folder atomically), the others "
+          "a scratch copy that is removed (MWMS: the save runs collectives; a Checkpoint: its "
+          "numbering) or nothing (Horovod). MWMS, outside fit: "
           "the ranks' paths compared first (a path per rank is written by its rank) and no "
           "rank returns before every file is written",
           lambda w: w.several_processes and w.backend.framework == TF),

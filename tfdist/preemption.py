@@ -50,7 +50,7 @@ from tfdist import failures, ownership, walltime
 from tfdist import model_dir as layout
 from tfdist.errors import ConfigError, StorageError
 from tfdist.handle import Agreeing  # what a watch needs of a handle, every framework's
-from tfdist.scratch import remove_scratch_dirs, scratch_dir
+from tfdist.scratch import as_given, remove_scratch_dirs, scratch_dir
 from tfdist.settings import catchable_signal, resolve
 
 if TYPE_CHECKING:
@@ -637,7 +637,9 @@ def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
 
     def write(partial: str) -> None:
         folder = partial if dist.is_chief else scratch_dir(getattr(dist, "rank", 0))
-        tf.train.Checkpoint(**_with_random_states(objects)).write(os.path.join(folder, "loop"))
+        with as_given():  # routed here already: no comparison of the ranks' paths
+            tf.train.Checkpoint(**_with_random_states(objects)).write(
+                os.path.join(folder, "loop"))
         if folder != partial:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -27,9 +27,11 @@ the same global batch on both: ``dist.shard`` splits it over the workers.
   one epoch with ``use_multiprocessing=True`` on several workers: loaded by threads (a forked
   loader can deadlock), one warning, its batches in order.
 - ``generator``: ``fit`` on a Python generator trains, with one warning on the chief.
-- ``saving``: ``save_weights``, ``model.save`` to ``.h5`` and ``tf.saved_model.save`` (tf_keras
+- ``saving``: ``save_weights``, ``model.save`` to ``.h5``, ``tf.saved_model.save``, a custom
+  loop's ``tf.train.Checkpoint`` ``write`` and ``save`` and a ``CheckpointManager`` (tf_keras
   also a checkpoint prefix and a SavedModel folder) on every rank, twice: once each, from the
-  chief, loadable.
+  chief, loadable; every rank gets the chief's paths back (the numbering agrees) and reads the
+  checkpoint they name.
 - ``short_last_batch``: 100 rows in global batches of 32 (a last batch of 4, even) and 99 rows
   (a last batch of 3, uneven on 2 replicas): one warning on the chief for the uneven one only;
   then ``fit`` on those 99 rows as arrays: one warning naming the arrays' fix.
@@ -324,6 +326,7 @@ def _generator(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
 def _saving(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
     """Every save a Keras script makes after fit, called on every rank, twice (the second
     replaces the first): each lands once, from the chief, and loads with the final weights."""
+    import functools
     import os
 
     from tfdist.keras.versions import is_keras3
@@ -334,9 +337,17 @@ def _saving(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
     model = _model(dist, keras)
     model.fit(dist.shard(_data(tf)[0].batch(GLOBAL_BATCH)), epochs=1, verbose=0)
     weights = "w.weights.h5" if is_keras3(keras) else "w.h5"
+    checkpoint = tf.train.Checkpoint(model=model)
+    manager = tf.train.CheckpointManager(checkpoint, os.path.join(folder, "tfm"), max_to_keep=1)
+    returned: list[str] = []
     saves = {"save_weights": lambda: model.save_weights(os.path.join(folder, weights)),
              "save_h5": lambda: model.save(os.path.join(folder, "m.h5")),
-             "saved_model": lambda: tf.saved_model.save(model, os.path.join(folder, "sm"))}
+             "saved_model": lambda: tf.saved_model.save(model, os.path.join(folder, "sm")),
+             "tf_checkpoint_write": lambda: returned.append(
+                 checkpoint.write(os.path.join(folder, "tfw", "c"))),
+             "tf_checkpoint_save": lambda: returned.append(
+                 checkpoint.save(os.path.join(folder, "tfs", "c"))),
+             "tf_checkpoint_manager": lambda: returned.append(manager.save())}
     if not is_keras3(keras):  # tf_keras's own formats: a checkpoint prefix, a SavedModel
         saves["checkpoint"] = lambda: model.save_weights(os.path.join(folder, "ckpt", "w"))
         saves["save_folder"] = lambda: model.save(os.path.join(folder, "folder"))
@@ -348,5 +359,13 @@ def _saving(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
     dist.sum_over_ranks([1.0])
     loaded = _model(dist, keras)  # on every rank: a model made in the scope runs collectives
     loaded.load_weights(os.path.join(folder, weights))
+    read = _model(dist, keras)
+    tf.train.Checkpoint(model=read).read(returned[-1]).assert_existing_objects_matched()
+    here = functools.partial(os.path.relpath, start=folder)
     return {"digest": digest(model_variables(model)), "saves": sorted(saves),
-            "loaded": digest(model_variables(loaded)), "files": sorted(os.listdir(folder))}
+            "loaded": digest(model_variables(loaded)), "files": sorted(os.listdir(folder)),
+            "returned": [here(path) for path in returned], "read": digest(model_variables(read)),
+            "tfs": sorted(os.listdir(os.path.join(folder, "tfs"))),
+            "tfm": sorted(os.listdir(os.path.join(folder, "tfm"))),
+            "latest": here(tf.train.latest_checkpoint(os.path.join(folder, "tfs"))),
+            "manager": [here(path) for path in manager.checkpoints]}

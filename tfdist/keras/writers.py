@@ -14,9 +14,13 @@ two patches (:mod:`tfdist.patches`) route them the way ``dist.callbacks()`` rout
   folder per rank. Where a save runs collectives, a checkpoint that one rank passes and another
   does not (Horovod's habit, ``if rank == 0: callbacks.append(...)``) would leave the ranks a
   collective apart: :class:`~tfdist.errors.ConfigError` before the first step, with the fix.
-- ``model.save``, ``save_weights`` and ``tf.saved_model.save`` (:func:`_save`). ``.keras``,
-  ``.h5`` and SavedModel folders are written atomically, under a temporary name that is renamed
-  (a tf_keras checkpoint prefix, several files, as given).
+- ``model.save``, ``save_weights``, ``tf.saved_model.save`` and a custom loop's
+  ``tf.train.Checkpoint.write`` and ``save`` (:func:`_save`) and
+  ``tf.train.CheckpointManager.save`` (:func:`_manager_save`, a save to its directory).
+  ``.keras``, ``.h5`` and SavedModel folders are written atomically, under a temporary name
+  that is renamed (a checkpoint prefix, several files, as given). A rank that writes a scratch
+  copy gets the written path back (``Checkpoint.save``'s ``prefix-3``; a manager names the
+  writer's files), and the checkpoint saves run on every rank, so their numbering agrees.
 
   - MultiWorkerMirroredStrategy (a save runs collectives: every rank must run it). One small
     collective compares the ranks' paths first: each path is written once, by the first rank
@@ -33,7 +37,8 @@ two patches (:mod:`tfdist.patches`) route them the way ``dist.callbacks()`` rout
     write their scratch copy as given), so a collective here would run on the chief alone.
   - Horovod: a save runs no collective, and scripts commonly save on rank 0 alone
     (``if hvd.rank() == 0: model.save(...)``), so tfdist adds none. The chief writes the path;
-    the other ranks skip the save and return at once, before the chief's file may be complete
+    the other ranks skip the save (a ``tf.train.Checkpoint``: write a scratch copy) and return
+    at once, before the chief's file may be complete
     (a script that reads it on every rank waits first, e.g. ``dist.sum_over_ranks([0.0])``);
     a path that differs per rank is written by the chief only (files per rank: save them
     inside ``tfdist.per_rank_files()``).
@@ -89,6 +94,14 @@ def install_save_once(where: Where, dist: Handle) -> None:
     # TensorFlow's own SavedModel writer: the same collectives under MWMS, one folder.
     patches.apply("save-once", tf.saved_model, "save", functools.partial(
         _save, dist=dist, name="tf.saved_model.save", keyword="export_dir"))
+    # A custom loop's tf.train.Checkpoint on every rank: one prefix, routed the same way. Every
+    # rank writes (the others a scratch copy, under Horovod too), so save's numbering
+    # (save_counter) stays the same on every rank, and every rank gets the chief's path back.
+    for name in ("write", "save"):
+        patches.apply("save-once", tf.train.Checkpoint, name, functools.partial(
+            _save, dist=dist, name=f"tf.train.Checkpoint.{name}", keyword="file_prefix"))
+    patches.apply("save-once", tf.train.CheckpointManager, "save",
+                  functools.partial(_manager_save, dist=dist))
 
 
 # How long a save under MultiWorkerMirroredStrategy waits for every rank to arrive at it: a
@@ -268,13 +281,71 @@ def _save(original: Any, dist: Handle, name: str, keyword: str = "filepath") -> 
 
         path = os.fspath(path)
         write = functools.partial(_write, to, overwrite=kwargs.get("overwrite", True),
-                                  folder=name != "save_weights")
+                                  folder=name in _FOLDERS)
         with as_given():
             if dist.save_on_every_rank and not _fitting:
                 return _written_before_return(dist, name, path, to, write)
             return _from_the_chief(dist, name, path, to, write)
 
     return save
+
+
+# The saves whose path without a suffix is a folder (a SavedModel); the others' is a checkpoint
+# prefix (several files, written as given).
+_FOLDERS = ("save", "tf.saved_model.save")
+# The saves every rank runs under Horovod too (a scratch copy): tf.train.Checkpoint.save numbers
+# its files by a counter each call advances, and both return the path written.
+_EVERY_RANK = ("tf.train.Checkpoint.write", "tf.train.Checkpoint.save",
+               "tf.train.CheckpointManager.save")
+
+
+def _manager_save(original: Any, dist: Handle) -> Any:
+    """``tf.train.CheckpointManager.save`` routed as a save to the manager's directory: a rank
+    that does not write it saves, numbers and sweeps in a scratch copy of the directory, and
+    its manager then names the writer's files (``latest_checkpoint``, ``checkpoints``)."""
+    name = "tf.train.CheckpointManager.save"
+
+    @functools.wraps(original)
+    def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if writes_as_given():
+            return original(self, *args, **kwargs)
+        directory = os.fspath(self._directory)
+
+        def to(target: str) -> Any:
+            if target == directory:
+                return original(self, *args, **kwargs)
+            return _in_directory(self, directory, target,
+                                 lambda: original(self, *args, **kwargs))
+
+        with as_given():
+            if dist.save_on_every_rank and not _fitting:
+                return _written_before_return(dist, name, directory, to, to)
+            return _from_the_chief(dist, name, directory, to, to)
+
+    return save
+
+
+def _in_directory(manager: Any, directory: str, copy: str, save: Callable[[], Any]) -> Any:
+    """``save()`` with ``manager`` pointed at ``copy`` in place of ``directory``: its files, its
+    state file and the deletion of its old checkpoints land in ``copy``; after it, the manager's
+    paths name ``directory`` again (the files the writer wrote)."""
+    def moved(path: str | None, source: str, target: str) -> str | None:
+        return target + path[len(source):] if path and path.startswith(source) else path
+
+    def point(source: str, target: str) -> None:
+        manager._directory = target
+        manager._checkpoint_prefix = moved(manager._checkpoint_prefix, source, target)
+        manager._latest_checkpoint = moved(manager._latest_checkpoint, source, target)
+        kept = list(manager._maybe_delete.items())
+        manager._maybe_delete.clear()
+        for path, stamp in kept:
+            manager._maybe_delete[moved(path, source, target)] = stamp
+
+    point(directory, copy)
+    try:
+        return _as_written(save(), copy, directory)
+    finally:
+        point(copy, directory)
 
 
 def _written_before_return(dist: Handle, name: str, path: str,
@@ -288,7 +359,7 @@ def _written_before_return(dist: Handle, name: str, path: str,
         result = write(path)
     else:  # the same collectives as the writer's save
         with throwaway(dist.rank, path) as copy:
-            result = to(copy)
+            result = _as_written(to(copy), copy, path)
     dist.sum_over_ranks([0.0])  # every rank's file renamed into place before any returns
     return result
 
@@ -337,13 +408,22 @@ def _from_the_chief(dist: Handle, name: str, path: str, to: Callable[[str], Any]
             "tfdist: %s(%r)%s writes from the chief only; the other ranks %s (for files that "
             "differ per rank: `with tfdist.per_rank_files():`)", _label(name), path,
             " during fit" if dist.save_on_every_rank else "",
-            "write a scratch copy that is removed" if dist.save_on_every_rank else "skip it")
+            "write a scratch copy that is removed"
+            if dist.save_on_every_rank or name in _EVERY_RANK else "skip it")
     if dist.is_chief:
         return write(path)
-    if dist.save_on_every_rank:  # the same collectives as the chief's save
+    if dist.save_on_every_rank or name in _EVERY_RANK:  # the chief's collectives, its counter
         with throwaway(dist.rank, path) as copy:
-            return to(copy)
+            return _as_written(to(copy), copy, path)
     return None
+
+
+def _as_written(result: Any, copy: str, path: str) -> Any:
+    """A save's result on a rank that wrote the scratch ``copy`` of ``path``: a path returned
+    (``tf.train.Checkpoint.save``'s ``copy-3``) names the file the writer wrote (``path-3``)."""
+    if isinstance(result, str) and result.startswith(copy):
+        return path + result[len(copy):]
+    return result
 
 
 def _write(to: Callable[[str], Any], path: str, *, overwrite: Any, folder: bool) -> Any:
