@@ -282,12 +282,19 @@ def _save(original: Any, dist: Handle, name: str, keyword: str = "filepath") -> 
         path = os.fspath(path)
         write = functools.partial(_write, to, overwrite=kwargs.get("overwrite", True),
                                   folder=name in _FOLDERS)
-        with as_given():
-            if dist.save_on_every_rank and not _fitting:
-                return _written_before_return(dist, name, path, to, write)
-            return _from_the_chief(dist, name, path, to, write)
+        return _routed(dist, name, path, to, write)
 
     return save
+
+
+def _routed(dist: Handle, name: str, path: str, to: Callable[[str], Any],
+            write: Callable[[str], Any]) -> Any:
+    """A save of ``path`` routed as the module's docstring says: ``write(path)`` where this
+    rank writes it, ``to(copy)`` where it writes a scratch copy."""
+    with as_given():
+        if dist.save_on_every_rank and not _fitting:
+            return _written_before_return(dist, name, path, to, write)
+        return _from_the_chief(dist, name, path, to, write)
 
 
 # The saves whose path without a suffix is a folder (a SavedModel); the others' is a checkpoint
@@ -317,10 +324,7 @@ def _manager_save(original: Any, dist: Handle) -> Any:
             return _in_directory(self, directory, target,
                                  lambda: original(self, *args, **kwargs))
 
-        with as_given():
-            if dist.save_on_every_rank and not _fitting:
-                return _written_before_return(dist, name, directory, to, to)
-            return _from_the_chief(dist, name, directory, to, to)
+        return _routed(dist, name, directory, to, to)
 
     return save
 
