@@ -295,6 +295,15 @@ def test_keras_features_end_with_identical_weights_on_every_rank(run, feature):
         assert (result[-1] if isinstance(result, tuple) else result), found
 
 
+def test_dropout_drawn_per_replica_is_named_once_on_tf_keras(run):
+    # Keras 3 draws the global batch's mask (tests/test_loss_scaling.py: one process's);
+    # tf_keras draws each replica's own: one warning on the chief, none on Keras 3
+    run.case("dropout")
+    named = "Dropout in a training step (tf_keras) draws each replica's own values"
+    expected = 0 if run.results[0]["keras3"] else 1
+    assert run.job.stdout.count(named) == expected, run.job.stdout[-3000:]
+
+
 def test_two_workers_train_as_one_process_with_the_global_batch(run):
     found = run.case("one_process")
     _same_on_both_ranks(found)
@@ -403,6 +412,14 @@ def test_a_custom_steps_own_values_equal_one_process_or_are_named(run, alone):
     named = "OwnSteps's own train_step returns values that are not its metrics' results"
     assert (run.job.stdout.count(named) == 1) == (run.backend == "mwms"), run.job.stdout[-3000:]
     assert named not in alone["stdout"]
+
+
+def test_a_loss_object_called_in_a_custom_step_trains_and_logs_as_one_process(run, alone):
+    # tf_keras refused it on several workers (its own ValueError); Keras 3 logged half the loss
+    for rank, mine in enumerate(run.case("loss_object")):
+        _close(mine, alone["loss_object"], f"{run.combo} rank {rank}")
+    # its returned loss is one process's too: no warning that it is not
+    assert "LossObject's own train_step" not in run.job.stdout, run.job.stdout[-3000:]
 
 
 def test_a_metric_whose_state_does_not_add_is_named_once(run, alone):

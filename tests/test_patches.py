@@ -110,7 +110,8 @@ WRITERS = ["user-writers", "save-once"]
 
 @pytest.mark.parametrize(("backend", "keras", "several", "gpus", "start"), [
     ("single", "3.15.1", False, False, ["keras3-input-position", *TF_TAIL]),
-    ("mirrored", "2.15.0", False, True, ["keras2-input-position", *TF_TAIL]),
+    ("mirrored", "2.15.0", False, True, ["keras2-loss-objects", "keras2-told-draws",
+                                          "keras2-input-position", *TF_TAIL]),
     ("mwms", "3.15.1", True, True, [
         *KERAS3_MWMS, "keras3-loss-scaling", "keras3-global-draws",
         "predict-on-batch", "epoch-results",
@@ -123,15 +124,16 @@ WRITERS = ["user-writers", "save-once"]
         "sequence-one-order", "generator-copies", "compile-without-xla", "keras3-input-position",
         *TF_TAIL, *WRITERS, "failure-line"]),
     ("mwms", "2.15.0", True, False, [
-        "keras2-step-results", "epoch-results", "input-end-check", "host-input-iterator",
+        "keras2-loss-objects", "keras2-told-draws", "keras2-step-results", "epoch-results",
+        "input-end-check", "host-input-iterator",
         "arrays-one-order", "sequence-one-order", "generator-copies", "compile-without-xla",
         "keras2-input-position", *TF_TAIL, *WRITERS, "failure-line"]),
     # One MWMS worker (TF_CONFIG of one): what its installers did when they asked no more
     ("mwms", "3.15.1", False, False, [*KERAS3_MWMS, "keras3-input-position", *TF_TAIL,
                                       "failure-line"]),
     ("horovod", "2.15.0", True, True, [
-        "epoch-results", "sequence-one-order", "horovod-fit", "compile-without-xla",
-        "keras2-input-position", *TF_TAIL, *WRITERS, "failure-line"]),
+        "keras2-told-draws", "epoch-results", "sequence-one-order", "horovod-fit",
+        "compile-without-xla", "keras2-input-position", *TF_TAIL, *WRITERS, "failure-line"]),
     ("horovod", "3.15.1", False, True, ["horovod-fit", "compile-without-xla",
                                         "keras3-input-position", *TF_TAIL, "failure-line"]),
     ("jax", "3.15.1", True, False, ["sequence-one-order", "jax-input-position",

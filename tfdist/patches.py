@@ -243,6 +243,17 @@ INVENTORY: tuple[Patch, ...] = (
           "16 rows weighed 1:1), and weighs each step's logs by the rows each replica counted",
           lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
           and (w.several_processes or _replicas_in_one_process(w))),
+    Patch("keras2-loss-objects", "tf_keras.src.losses.Loss.__call__/_get_reduction, "
+          "tf_keras.src.metrics.base_metric.Reduce.update_state",
+          "tfdist.keras.loss_scaling:install_keras2_loss_objects",
+          "tf_keras under MWMS on several workers or MirroredStrategy",
+          "tf_keras refuses a keras.losses object with its default reduction called outside "
+          "compile under any strategy (a custom train_step's loss: the DCGAN, distillation): "
+          "computes it as Keras 3 does, the replica's mean over the replicas (the summed "
+          "gradient is the global batch's mean), and a Mean or Sum tracker fed that very "
+          "tensor gets the unscaled mean",
+          lambda w: not w.keras3 and w.backend.framework == TF and not w.backend.horovod
+          and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"
           f"truncated_normal/dropout, {_TRAINER}.TensorFlowTrainer._make_function, "
           "tensorflow.random.normal/uniform/truncated_normal (a warning only)",
@@ -254,6 +265,17 @@ INVENTORY: tuple[Patch, ...] = (
           "gets the first rows' values; each draws the global batch's values and keeps its "
           "own rows: one process's draw",
           lambda w: w.keras3 and w.backend.framework == TF
+          and (w.several_processes or _replicas_in_one_process(w))),
+    Patch("keras2-told-draws", "tf_keras.src.backend.RandomGenerator.random_normal/"
+          "random_uniform/truncated_normal/dropout, tensorflow.random.normal/uniform/"
+          "truncated_normal (a warning only)",
+          "tfdist.keras.random_draws:install_keras2_told_draws",
+          "tf_keras under MWMS or Horovod on several processes, or MirroredStrategy",
+          "tf_keras draws Dropout's mask, noise and tf.random values in a training step per "
+          "replica, with each graph's seeds (one process: one set for the global batch); "
+          "the first such draw in fit's step gets one warning on the chief with the measured "
+          "size and the fix (Keras 3)",
+          lambda w: not w.keras3 and w.backend.framework == TF
           and (w.several_processes or _replicas_in_one_process(w))),
     Patch("mixed-keras", f"{_TRAINER}.TensorFlowTrainer.fit/evaluate/predict",
           "tfdist.keras.checks:install_mixed_keras",

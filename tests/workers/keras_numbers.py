@@ -14,6 +14,10 @@ the same global batch on both: ``dist.shard`` splits it over the workers.
   a value computed by hand: History (with ``val_``) and ``evaluate`` must be one process's
   (tf_keras on MWMS sums the hand-made value over the replicas, as Keras does: named in a
   warning), and EarlyStopping on such a value stops every rank at the same epoch.
+- ``loss_object``: a custom ``train_step`` that calls a ``keras.losses`` object with its default
+  reduction (the DCGAN's and distillation's shape; tf_keras refuses it under any strategy),
+  applies its gradients itself and logs the loss returned as it is and through a ``Mean``
+  tracker: History and the final weights are one process's.
 - ``own_metric``: a metric of the user's whose state is a running maximum (it does not add
   over workers): trains, and tfdist names it in one warning on the chief.
 - ``metric_outside_scope``: a compiled metric object created before ``dist.scope()``: refused
@@ -55,6 +59,7 @@ def cases(dist: Any, keras: Any, tf: Any, out_dir: str) -> dict[str, Any]:
         "py_dataset": lambda: _py_dataset(dist, keras, tf),
         "metrics": lambda: _metrics(dist, keras, tf),
         "custom_step": lambda: _custom_step(dist, keras, tf),
+        "loss_object": lambda: _loss_object(dist, keras, tf),
         "own_metric": lambda: _own_metric(dist, keras, tf),
         "metric_outside_scope": lambda: _metric_outside_scope(dist, keras, tf),
         "short_last_batch": lambda: _short_last_batch(dist, keras, tf),
@@ -165,6 +170,33 @@ def _custom_step(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
                           callbacks=[stop])
     return {"history": _history(history), "evaluate": _numbers(evaluated),
             "stopped_after": len(stopped.history["last"])}
+
+
+def _loss_object(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
+    class LossObject(keras.Model):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.loss_fn = keras.losses.BinaryCrossentropy()  # default reduction
+            self.tracked = keras.metrics.Mean(name="tracked")
+
+        @property
+        def metrics(self) -> list[Any]:
+            return [self.tracked]
+
+        def train_step(self, data: Any) -> Any:
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.loss_fn(y[:, None], self(x, training=True))
+            variables = self.trainable_variables
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))  # noqa: B905
+            self.tracked.update_state(loss)
+            return {"tracked": self.tracked.result(), "step_loss": loss}
+
+    dataset, _, _ = _data(tf)
+    model = _model(dist, keras, LossObject)
+    history = model.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=EPOCHS, verbose=0)
+    return {"history": _history(history),
+            "weights": _numbers(np.concatenate([w.ravel() for w in model.get_weights()]))}
 
 
 def _own_metric(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:

@@ -37,6 +37,15 @@ measured on 2 MWMS workers against one process with the same global batch:
 Installed (patch ``keras3-loss-scaling``) under MWMS over several workers on Keras 3; a loss
 the script computes by hand (``ops.mean`` of its own) is the script's: ``tfdist verify`` names
 a gradient N times one process's with the fix.
+
+tf_keras (Keras 2) refuses the DCGAN's shape outright: a ``keras.losses`` object with its
+default reduction, called outside ``compile`` under any tf.distribute strategy, raises its own
+``ValueError`` ("Please use ``Reduction.SUM`` or ``Reduction.NONE`` ..."), so the Keras 3
+program fails on tf_keras as soon as it runs on several workers. Patch ``keras2-loss-objects``
+computes such a loss as Keras 3 does: the replica's mean divided by the replicas (their summed
+gradients are then the global batch's mean), and where that very tensor reaches a ``Mean`` or
+``Sum`` tracker, the tracker gets the unscaled mean; a value the step returns as it is, tf_keras
+sums over the replicas, which makes the scaled means one process's mean.
 """
 
 from __future__ import annotations
@@ -51,13 +60,18 @@ from tfdist import patches
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["install_loss_scaling", "unscaled"]
+__all__ = ["install_keras2_loss_objects", "install_loss_scaling", "unscaled"]
 
 logger = logging.getLogger("tfdist")
 # scaled tensor's ref -> the unscaled tensor, for the step being traced (a thread's own: Keras
 # may trace on several threads). Cleared at each step function's trace.
 _local = threading.local()
 _warned: set[str] = set()
+# tf_keras: scaled tensor's ref -> the replica's mean, for the graph being traced; shared by the
+# threads that trace it (MirroredStrategy traces each replica on a thread of its own, and
+# reduces their values on the caller's).
+_keras2_made: dict[str, Any] = {"graph": None, "made": {}}
+_keras2_lock = threading.Lock()
 
 
 def _made() -> dict[Any, Any]:
@@ -74,7 +88,8 @@ def unscaled(value: Any) -> Any:
     if ref is None:
         return value
     try:
-        return _made().get(ref(), value)
+        key = ref()
+        return _made().get(key, _keras2_made["made"].get(key, value))
     except TypeError:  # not hashable: no tensor of ours
         return value
 
@@ -319,3 +334,70 @@ def _weighted_by_rows(outputs: dict[str, Any], results: dict[Any, Any]) -> dict[
     for index, key in enumerate(keys):
         weighted[key] = outputs[key] * tf.cast(weights[index], outputs[key].dtype)
     return weighted
+
+
+def install_keras2_loss_objects(where: Where, dist: Any) -> None:
+    """Patch ``keras2-loss-objects``'s installer (tf_keras under MWMS on several workers or
+    MirroredStrategy; once)."""
+    from tfdist.keras.versions import keras2_module
+
+    losses = keras2_module("losses")
+    patches.apply("keras2-loss-objects", losses.Loss, "__call__", _keras2_scaled)
+    patches.apply("keras2-loss-objects", losses.Loss, "_get_reduction", _keras2_allowed)
+    patches.apply("keras2-loss-objects", keras2_module("metrics.base_metric").Reduce,
+                  "update_state", _metric_unscaled)
+
+
+def _keras2_refuses(loss: Any) -> bool:
+    """Whether tf_keras's ``Loss._get_reduction`` refuses ``loss`` here: a mean over the batch
+    (the default reduction) outside ``compile``'s container, under a strategy."""
+    import tensorflow as tf
+
+    reduction = str(getattr(loss, "reduction", ""))
+    return (not getattr(loss, "_allow_sum_over_batch_size", True)
+            and reduction in ("auto", "sum_over_batch_size")
+            and tf.distribute.has_strategy())
+
+
+def _keras2_allowed(original: Any) -> Any:
+    @functools.wraps(original)
+    def _get_reduction(self: Any) -> Any:
+        if getattr(_local, "keras2_mean", False):
+            return "sum_over_batch_size"
+        return original(self)
+
+    return _get_reduction
+
+
+def _keras2_scaled(original: Any) -> Any:
+    @functools.wraps(original)
+    def call(self: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        if not _keras2_refuses(self):
+            return original(self, y_true, y_pred, sample_weight)
+        import tensorflow as tf
+
+        before, _local.keras2_mean = getattr(_local, "keras2_mean", False), True
+        try:
+            mean = original(self, y_true, y_pred, sample_weight)
+        finally:
+            _local.keras2_mean = before
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync < 2:  # cross-replica, or one
+            return mean
+        scaled = mean * tf.cast(1.0 / context.num_replicas_in_sync, mean.dtype)
+        if not tf.executing_eagerly():
+            _keras2_note(scaled, mean)
+        return scaled
+
+    return call
+
+
+def _keras2_note(scaled: Any, mean: Any) -> None:
+    """Remembers ``scaled`` -> ``mean`` for the graph being traced (a tracker's update there
+    reads the mean); a loss traced in another graph starts afresh, so at most one graph's
+    tensors stay held."""
+    graph = getattr(scaled, "graph", None)
+    with _keras2_lock:
+        if _keras2_made["graph"] is not graph:
+            _keras2_made["graph"], _keras2_made["made"] = graph, {}
+        _keras2_made["made"][scaled.ref()] = mean

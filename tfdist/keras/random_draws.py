@@ -25,6 +25,14 @@ measures them).
 Installed (patch ``keras3-global-draws``) on Keras 3 under MWMS over several workers,
 MirroredStrategy and Horovod over several ranks (a rank's rows are its part of the batch, as
 ``dist.shard`` and ``fit``'s arrays split it).
+
+tf_keras (Keras 2) draws the same way, each replica or rank for its own rows with the seeds of
+its own graph (Dropout's mask, a VAE's ``tf.random.normal`` sample, a GAN's noise): measured
+on 2 MWMS workers against one process (tests/corpus, the DCGAN), a kernel 0.26 % of its scale
+off after the first step, growing from there. Its generators are left as they are (patch
+``keras2-told-draws``): the first draw traced in ``fit``'s training step on several replicas
+or ranks gets one warning on the chief, with that size and the fix (Keras 3, where tfdist
+draws them for the global batch).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from tfdist import patches
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["MAX_REPLICAS", "install_global_draws"]
+__all__ = ["MAX_REPLICAS", "install_global_draws", "install_keras2_told_draws"]
 
 logger = logging.getLogger("tfdist")
 # Up to this many replicas each draws the global batch's values (N times its own).
@@ -257,3 +265,59 @@ def _global_dropout(original: Any) -> Any:
                                                   noise_shape=concrete)
 
     return dropout
+
+
+def install_keras2_told_draws(where: Where, dist: Any) -> None:
+    """Patch ``keras2-told-draws``'s installer (tf_keras on several processes, or
+    MirroredStrategy; once)."""
+    import tensorflow as tf
+
+    from tfdist.keras.versions import keras2_module
+
+    if where.backend.horovod:
+        _ranks[:] = [int(dist.world_size), int(dist.rank)]
+    generator = keras2_module("backend").RandomGenerator
+    for name in ("random_normal", "random_uniform", "truncated_normal", "dropout"):
+        patches.apply("keras2-told-draws", generator, name,
+                      functools.partial(_keras2_told, what=name))
+    for name in ("normal", "uniform", "truncated_normal"):
+        patches.apply("keras2-told-draws", tf.random, name,
+                      functools.partial(_keras2_told, what=f"tf.random.{name}"))
+
+
+def _keras2_told(original: Any, what: str) -> Any:
+    @functools.wraps(original)
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        if "keras2" not in _warned and _in_keras2_training_step():
+            _warned.add("keras2")
+            logger.warning(
+                "tfdist: %s in a training step (tf_keras) draws each replica's own values for "
+                "its rows, with its own graph's seeds; one process draws one set for the whole "
+                "batch: the weights differ from one process's from the first step (measured: "
+                "a DCGAN's kernel 0.26 %% of its scale after one step on 2 workers). For one "
+                "process's draws: Keras 3 (TF_USE_LEGACY_KERAS unset), where tfdist draws them "
+                "for the global batch", "Dropout" if what == "dropout" else what)
+        return original(*args, **kwargs)
+
+    return draw
+
+
+def _in_keras2_training_step() -> bool:
+    """Whether the chief is tracing tf_keras ``fit``'s train function on several replicas or
+    ranks (its graph, or a loop's graph inside it)."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return False
+    if _ranks:
+        several, chief = _ranks[0] > 1, _ranks[1] == 0
+    else:
+        context = tf.distribute.get_replica_context()
+        several = context is not None and context.num_replicas_in_sync > 1
+        chief = several and tf.distribute.get_strategy().extended.should_checkpoint
+    graph = tf.compat.v1.get_default_graph()
+    while several and chief and graph is not None:
+        if getattr(graph, "name", "").startswith("train_function"):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False

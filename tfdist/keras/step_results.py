@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -138,7 +139,8 @@ def _read_as_given(original: Any, model: Any, logs: Any, *, keras3: bool,
         if step:
             # Every rank: reading the metrics runs collectives under MWMS.
             _named.add(type(model))
-            if not metric_results_renamed(model, logs) and is_chief:
+            named = {metric.name for metric in model.metrics} | _scaled_losses.get(model, set())
+            if not set(logs) <= named and not metric_results_renamed(model, logs) and is_chief:
                 logger.warning("tfdist: %s", own_step_line(type(model).__name__, step, keras3))
     return result
 
@@ -204,6 +206,9 @@ def _unique(variables: Any) -> list[Any]:
 
 
 _named: set[type] = set()  # the classes of metrics and models named in a warning
+# model -> the names of its own step's values that are a keras.losses object's scaled mean
+# (tf_keras, patch keras2-loss-objects): summed over the replicas, they read one process's
+_scaled_losses: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def own_metrics(metrics: Any) -> list[Any]:
@@ -268,6 +273,8 @@ def _mean_of_replicas(original: Any) -> Any:
                 or not _several_workers(strategy)):
             return original(values, strategy, reduction)
         names = {metric.name for metric in _running[-1].metrics}
+        _scaled_losses[_running[-1]] = frozenset(
+            key for key, value in values.items() if _a_scaled_loss(value))
         summed = original({k: v for k, v in values.items() if k not in names}, strategy,
                           reduction)
 
@@ -280,6 +287,27 @@ def _mean_of_replicas(original: Any) -> Any:
                 for key, value in values.items()}
 
     return reduce_per_replica
+
+
+def _a_scaled_loss(value: Any) -> bool:
+    """Whether a step's value is, on every local replica, a ``keras.losses`` object's mean that
+    tfdist divided by the replicas (:func:`tfdist.keras.loss_scaling.unscaled` knows it)."""
+    import tensorflow as tf
+
+    from tfdist.keras.loss_scaling import unscaled
+
+    def scaled(part: Any) -> bool:
+        for _ in range(4):  # the replica's output reaches here through tf.identity
+            if unscaled(part) is not part:
+                return True
+            op = getattr(part, "op", None)
+            if op is None or op.type != "Identity":
+                return False
+            part = op.inputs[0]
+        return False
+
+    parts = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
+    return all(scaled(part) for part in parts)
 
 
 def _predict_on_batch(original: Any) -> Any:
