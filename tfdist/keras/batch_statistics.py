@@ -21,16 +21,25 @@ if TYPE_CHECKING:
     from tfdist.handle import Handle
 
 __all__ = ["BatchStatisticsAverage", "as_tf_variable", "average_batch_statistics",
-           "averages_batch_statistics", "batch_statistics", "to_numpy"]
+           "averages_batch_statistics", "batch_statistics", "has_batch_statistics", "to_numpy"]
 
 keras: Any = tf.keras  # Keras 3 or tf_keras, known only at run time
 
 
 def batch_statistics(model: Any) -> list[Any]:
     """The moving means and variances of the BatchNormalization layers that are not
-    ``synchronized``, which each replica updates from its own batches."""
+    ``synchronized``, which each replica updates from its own batches (of the layers built so
+    far: a subclassed model's are made by its first batch)."""
     return [v for layer in _layers(model) if _is_unsynced_batch_norm(layer)
+            and getattr(layer, "moving_mean", None) is not None
             for v in (layer.moving_mean, layer.moving_variance)]
+
+
+def has_batch_statistics(model: Any) -> bool:
+    """Whether ``model`` holds a BatchNormalization layer that is not ``synchronized``, built
+    or not yet (a subclassed model's layers are built by its first batch, after ``fit``
+    started)."""
+    return any(_is_unsynced_batch_norm(layer) for layer in _layers(model))
 
 
 def averages_batch_statistics(dist: Handle) -> bool:

@@ -223,7 +223,7 @@ def _batch_statistics_averaged(dist: Handle, model: Any, given: Sequence[Any], *
     from tfdist.settings import resolve
 
     if (model is None or not statistics.averages_batch_statistics(dist)
-            or not resolve("batch_statistics") or not statistics.batch_statistics(model)):
+            or not resolve("batch_statistics") or not statistics.has_batch_statistics(model)):
         return None
     if dist.is_chief and type(model) not in _told_statistics:
         _told_statistics.add(type(model))
