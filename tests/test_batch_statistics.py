@@ -36,3 +36,20 @@ def test_a_subclassed_models_batch_norm_counts_before_its_first_batch_builds_it(
     assert averaged[0] is model.norm.moving_mean and averaged[1] is model.norm.moving_variance
     plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     assert not statistics.has_batch_statistics(plain)
+
+
+def _made_in(module: str) -> object:
+    return type("Callback", (), {"__module__": module})()
+
+
+@pytest.mark.parametrize(("modules", "planned"), [
+    ((), False),
+    (("keras.src.callbacks.early_stopping",), False),
+    (("tfdist.keras.callbacks",), True),  # dist.callbacks(): its average_batch_statistics=
+    (("tfdist.verify.record",), False),  # tfdist verify's recorder only watches
+    (("tfdist.verify.record", "tfdist.keras.callbacks"), True),
+])
+def test_only_dist_callbacks_decide_the_batch_statistics_of_a_fit(modules, planned) -> None:
+    from tfdist.keras.writers import planned_by_tfdist
+
+    assert planned_by_tfdist([_made_in(module) for module in modules]) is planned

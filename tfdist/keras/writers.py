@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from tfdist.handle import Handle
     from tfdist.patches import Where
 
-__all__ = ["check_same_savers", "install_save_once", "install_user_writers"]
+__all__ = ["check_same_savers", "install_save_once", "install_user_writers", "planned_by_tfdist"]
 
 logger = logging.getLogger("tfdist")
 
@@ -126,8 +126,7 @@ def _fit(original: Any, dist: Handle) -> Any:
             if dist.save_on_every_rank:
                 check_same_savers(dist, routed)
         if given is None or isinstance(given, Sequence):
-            # dist.callbacks() among them: its average_batch_statistics= decides
-            planned = any(type(c).__module__.startswith("tfdist.") for c in given or ())
+            planned = planned_by_tfdist(given or ())
             averaged = _batch_statistics_averaged(dist, bound.arguments.get("self"),
                                                   bound.arguments.get("callbacks") or [],
                                                   add=not planned)
@@ -146,6 +145,15 @@ def _fit(original: Any, dist: Handle) -> Any:
             _fitting -= 1
 
     return fit
+
+
+def planned_by_tfdist(given: Sequence[Any]) -> bool:
+    """Whether ``given`` (a fit's callbacks) holds ``dist.callbacks()``'s, whose
+    ``average_batch_statistics=`` then decides (pure). tfdist verify's recorder, an observer
+    added to every fit, is no such plan: taken for one, it left a model's BatchNormalization
+    statistics unaveraged under verify alone."""
+    return any(type(c).__module__.startswith("tfdist.")
+               and not type(c).__module__.startswith("tfdist.verify.") for c in given)
 
 
 def _rows_left(arguments: Mapping[str, Any]) -> int | None:
