@@ -16,7 +16,8 @@ the same global batch on both: ``dist.shard`` splits it over the workers.
   warning), and EarlyStopping on such a value stops every rank at the same epoch.
 - ``loss_object``: a custom ``train_step`` that calls a ``keras.losses`` object with its default
   reduction (the DCGAN's and distillation's shape; tf_keras refuses it under any strategy),
-  applies its gradients itself and logs the loss returned as it is and through a ``Mean``
+  applies its gradients with an optimizer of its own (not the compiled one: a GAN's two; under
+  Horovod they were not averaged) and logs the loss returned as it is and through a ``Mean``
   tracker: History and the final weights are one process's.
 - ``own_metric``: a metric of the user's whose state is a running maximum (it does not add
   over workers): trains, and tfdist names it in one warning on the chief.
@@ -188,12 +189,14 @@ def _loss_object(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
             with tf.GradientTape() as tape:
                 loss = self.loss_fn(y[:, None], self(x, training=True))
             variables = self.trainable_variables
-            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))  # noqa: B905
+            self.own_optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))  # noqa: B905
             self.tracked.update_state(loss)
             return {"tracked": self.tracked.result(), "step_loss": loss}
 
     dataset, _, _ = _data(tf)
     model = _model(dist, keras, LossObject)
+    with dist.scope():
+        model.own_optimizer = keras.optimizers.SGD(0.1)  # a GAN's own, beside compile's
     history = model.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=EPOCHS, verbose=0)
     return {"history": _history(history),
             "weights": _numbers(np.concatenate([w.ravel() for w in model.get_weights()]))}

@@ -203,6 +203,7 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
         x = bound.arguments.get("x")
         if world_size > 1:
             loader_threads(bound.arguments, rank == 0)
+            _every_optimizer_averaged(bound.arguments.get("self"))
         if world_size > 1 and is_arrays(x):
             if rank == 0:
                 warn_about_arrays(bound.arguments, world_size)
@@ -235,6 +236,19 @@ def _fit_hook(original: Any, rank: int, world_size: int) -> Any:
 
 
 _BROADCASTS = ("BroadcastInitialState", "BroadcastGlobalVariablesCallback")
+
+
+def _every_optimizer_averaged(model: Any) -> None:
+    """Every optimizer ``model`` holds averages its gradients over the ranks, not only the one
+    given to ``compile``: a GAN's ``compile(d_optimizer, g_optimizer, loss_fn)`` calls
+    ``super().compile()`` without one and its ``train_step`` applies the gradients with its
+    own two; left as they were, each rank trained the networks on its own rows' gradients
+    (the corpus's DCGAN and WGAN-GP ended with other weights on each rank)."""
+    from tfdist.keras.checks import optimizers
+
+    if model is not None:
+        for optimizer in optimizers(model):
+            DistributedOptimizer(optimizer)
 
 
 class _StepLogsAveraged(keras.callbacks.Callback):  # type: ignore[misc,name-defined]
