@@ -10,6 +10,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tfdist-installed
+# JAX in .venv/ lives apart, on the path only of processes with KERAS_BACKEND=jax
+# (tools/jax_apart.py): TensorFlow imports JAX at start-up wherever it can, 1.4 s of each of the
+# tests' TensorFlow processes.
+JAX_DIR := $(VENV)/jax
 # Horovod's environment: TensorFlow 2.18.1, the newest Horovod 0.28.1 builds against.
 HVD_VENV := .venv-horovod
 HVD_STAMP := $(HVD_VENV)/.tfdist-installed
@@ -36,13 +40,16 @@ system:
 venv: $(STAMP)
 
 $(STAMP): requirements/bootstrap.txt requirements/test.txt requirements/no-deps.txt \
-		requirements/torch.txt requirements/deepspeed.txt setup.cfg
+		requirements/torch.txt requirements/deepspeed.txt requirements/jax.txt setup.cfg
 	$(TIMED) $(VENV) -- bash -c 'test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)'
 	$(TIMED) $(VENV) -- $(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		-r requirements/bootstrap.txt
 	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet -r requirements/test.txt
 	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps -r requirements/no-deps.txt
 	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps -r requirements/torch.txt
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps --upgrade --target $(JAX_DIR) \
+		-r requirements/jax.txt
+	$(BIN)/python tools/jax_apart.py $(JAX_DIR)
 	$(TIMED) $(VENV) -- env DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-deps \
 		-r requirements/deepspeed.txt
 	$(TIMED) $(VENV) -- $(EDITABLE_LOCK) $(BIN)/pip install --quiet --no-deps \
@@ -119,7 +126,7 @@ test-steps:
 
 lint: $(STAMP)
 	$(BIN)/ruff check tfdist examples tests benchmarks
-	$(BIN)/mypy tfdist
+	MYPYPATH=$(JAX_DIR) $(BIN)/mypy tfdist
 	bash tools/shellcheck.sh
 
 clean:

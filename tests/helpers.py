@@ -65,8 +65,10 @@ def _shown(python: Path) -> str:
 @functools.cache
 def _installed(python: str) -> frozenset[str] | str:
     """The modules of :data:`OPTIONAL` that ``python`` finds (without importing them), or why
-    it cannot say."""
-    if python == sys.executable:
+    it cannot say. JAX as a process with ``KERAS_BACKEND=jax`` finds it: ``make`` keeps it off
+    the others' path (tools/jax_apart.py)."""
+    if python == sys.executable and (os.environ.get("KERAS_BACKEND", "").strip().lower() == "jax"
+                                     or importlib.util.find_spec("jax") is not None):
         return frozenset(m for m in OPTIONAL if importlib.util.find_spec(m) is not None)
     path = Path(python)
     if not path.exists():
@@ -76,7 +78,7 @@ def _installed(python: str) -> frozenset[str] | str:
     code = (f"import importlib.util, json; print(json.dumps([m for m in {sorted(OPTIONAL)!r} "
             "if importlib.util.find_spec(m) is not None]))")
     run = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
-                         check=False)
+                         check=False, env={**os.environ, "KERAS_BACKEND": "jax"})
     if run.returncode:
         return f"{_shown(path)} does not start: {run.stderr.strip()[-300:]}"
     return frozenset(json.loads(run.stdout.strip().splitlines()[-1]))
