@@ -67,9 +67,11 @@ def _installed(python: str) -> frozenset[str] | str:
     """The modules of :data:`OPTIONAL` that ``python`` finds (without importing them), or why
     it cannot say. JAX as a process with ``KERAS_BACKEND=jax`` finds it: ``make`` keeps it off
     the others' path (tools/jax_apart.py)."""
-    if python == sys.executable and (os.environ.get("KERAS_BACKEND", "").strip().lower() == "jax"
-                                     or importlib.util.find_spec("jax") is not None):
-        return frozenset(m for m in OPTIONAL if importlib.util.find_spec(m) is not None)
+    if python == sys.executable:
+        found = {m for m in OPTIONAL if importlib.util.find_spec(m) is not None}
+        if "jax" not in found and _jax_apart(python):
+            found.add("jax")
+        return frozenset(found)
     path = Path(python)
     if not path.exists():
         venv = path.parent.parent.name
@@ -82,6 +84,14 @@ def _installed(python: str) -> frozenset[str] | str:
     if run.returncode:
         return f"{_shown(path)} does not start: {run.stderr.strip()[-300:]}"
     return frozenset(json.loads(run.stdout.strip().splitlines()[-1]))
+
+
+def _jax_apart(python: str) -> bool:
+    """Whether ``python`` finds JAX where ``KERAS_BACKEND=jax`` (tools/jax_apart.py)."""
+    code = "import importlib.util; print(importlib.util.find_spec('jax') is not None)"
+    run = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=False, env={**os.environ, "KERAS_BACKEND": "jax"})
+    return run.returncode == 0 and run.stdout.strip().endswith("True")
 
 
 def missing(*modules: str, python: str | os.PathLike[str] | None = None) -> str | None:
