@@ -418,8 +418,11 @@ def test_a_loss_object_called_in_a_custom_step_trains_and_logs_as_one_process(ru
     # tf_keras refused it on several workers (its own ValueError); Keras 3 logged half the loss
     for rank, mine in enumerate(run.case("loss_object")):
         _close(mine, alone["loss_object"], f"{run.combo} rank {rank}")
-    # its returned loss is one process's too: no warning that it is not
-    assert "LossObject's own train_step" not in run.job.stdout, run.job.stdout[-3000:]
+    # tf_keras on MWMS sums a step's own values over the replicas: this loss, scaled for them,
+    # reads one process's, so no warning that it does not (elsewhere the warning is true: the
+    # values are averaged, a mean one process's)
+    if run.backend == "mwms" and not run.results[0]["keras3"]:
+        assert "LossObject's own train_step" not in run.job.stdout, run.job.stdout[-3000:]
 
 
 def test_a_metric_whose_state_does_not_add_is_named_once(run, alone):
