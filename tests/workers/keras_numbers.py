@@ -199,7 +199,9 @@ def _loss_object(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
         model.own_optimizer = keras.optimizers.SGD(0.1)  # a GAN's own, beside compile's
     history = model.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=EPOCHS, verbose=0)
     return {"history": _history(history),
-            "weights": _numbers(np.concatenate([w.ravel() for w in model.get_weights()]))}
+            # the trainable ones: a tracker's state, also a weight on tf_keras, is per rank
+            "weights": _numbers(np.concatenate([np.ravel(w.numpy())
+                                                for w in model.trainable_weights]))}
 
 
 def _own_metric(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
