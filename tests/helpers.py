@@ -68,30 +68,29 @@ def _installed(python: str) -> frozenset[str] | str:
     it cannot say. JAX as a process with ``KERAS_BACKEND=jax`` finds it: ``make`` keeps it off
     the others' path (tools/jax_apart.py)."""
     if python == sys.executable:
-        found = {m for m in OPTIONAL if importlib.util.find_spec(m) is not None}
-        if "jax" not in found and _jax_apart(python):
-            found.add("jax")
-        return frozenset(found)
+        found = frozenset(m for m in OPTIONAL if importlib.util.find_spec(m) is not None)
+        if "jax" in found:
+            return found
+        asked = _asked(python)
+        return found | ({"jax"} & asked) if isinstance(asked, frozenset) else found
     path = Path(python)
     if not path.exists():
         venv = path.parent.parent.name
         build = f": build it with `make {venv[1:]}`" if venv.startswith(".venv") else ""
         return f"{_shown(path)} does not exist{build}"
+    return _asked(python)
+
+
+def _asked(python: str) -> frozenset[str] | str:
+    """The modules of :data:`OPTIONAL` that ``python`` finds, asked in a subprocess that has
+    ``KERAS_BACKEND=jax``, or why it cannot say."""
     code = (f"import importlib.util, json; print(json.dumps([m for m in {sorted(OPTIONAL)!r} "
             "if importlib.util.find_spec(m) is not None]))")
     run = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
                          check=False, env={**os.environ, "KERAS_BACKEND": "jax"})
     if run.returncode:
-        return f"{_shown(path)} does not start: {run.stderr.strip()[-300:]}"
+        return f"{_shown(Path(python))} does not start: {run.stderr.strip()[-300:]}"
     return frozenset(json.loads(run.stdout.strip().splitlines()[-1]))
-
-
-def _jax_apart(python: str) -> bool:
-    """Whether ``python`` finds JAX where ``KERAS_BACKEND=jax`` (tools/jax_apart.py)."""
-    code = "import importlib.util; print(importlib.util.find_spec('jax') is not None)"
-    run = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
-                         check=False, env={**os.environ, "KERAS_BACKEND": "jax"})
-    return run.returncode == 0 and run.stdout.strip().endswith("True")
 
 
 def missing(*modules: str, python: str | os.PathLike[str] | None = None) -> str | None:
