@@ -2,7 +2,9 @@
 
 Each test renders a :class:`~tfdist.jobs.JobConfig` with ``backend="horovod"`` (the renderer
 users get from ``tfdist job``), submits it to the test cluster (``slurm_cluster``,
-tests/slurmtest.py) on n9 and n10, 2 tasks each (one per fake GPU), and checks what
+tests/slurmtest.py) on n9 and n10, 2 tasks each (one per fake GPU) where the test is about where
+the ranks go (mpirun's mapping, the torch job), else one (half the TensorFlow processes on the
+machine's 2 cores), and checks what
 examples/keras_train.py produced: every rank's final-weights digest (all equal), the chief's
 accuracy and backend line, and the chief's one checkpoint and final model, loaded in this process.
 The ranks run in .venv-horovod/ (TensorFlow 2.18.1, Keras 3.15, Horovod 0.28.1 with Gloo and
@@ -22,7 +24,7 @@ Launches, as rendered:
 - horovodrun in the batch shell, on one node: as rendered (this MPI build: horovodrun runs
   mpirun) and with ``--gloo``.
 - The control: the Gloo job again with tfdist's gradient averaging taken out (nothing else
-  changes): the 4 ranks end with 4 different digests, so equal digests do prove averaging.
+  changes): the ranks end with different digests, so equal digests do prove averaging.
 
 Not tested: multi-node ``horovodrun``. Before it starts anything, in Gloo and in MPI mode, it
 checks that it can ssh into every other host, and the cluster's nodes run no ssh server (the
@@ -70,6 +72,10 @@ _HOST = re.compile(r"^host-python: rank (\d+) on (\S+)$", re.M)
 _TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:")
 # Block distribution in Slurm's node order: ranks 0-1 on n9, 2-3 on n10.
 RANK_HOSTS = {rank: TWO_NODES[rank // GPUS_PER_NODE] for rank in range(WORLD)}
+# The srun jobs about the controller rather than the layout: one task (one fake GPU) per node.
+ONE_PER_NODE = {"gpus_per_node": 1}
+SMALL_WORLD = 2
+SMALL_HOSTS = dict(enumerate(TWO_NODES))
 
 
 def _horovod_problem() -> str | None:
@@ -126,7 +132,7 @@ def horovod_job(cluster: SlurmCluster, data_dir: Path, *, workdir: Path | None =
     config = cluster_config(cluster, backend="horovod", script=script,
                             args=[*script_args, *train_args(data_dir)], **keys)
     text = render(config)
-    assert f"#SBATCH --gpus-per-node={cluster.gres_type}:{GPUS_PER_NODE}" in text, text
+    assert f"#SBATCH --gpus-per-node={cluster.gres_type}:{config.gpus_per_node}" in text, text
     assert "\nexport TFDIST_BACKEND=horovod\n" in text, text
     return run_rendered(cluster, config, workdir=workdir, timeout=JOB_TIMEOUT), text
 
@@ -217,13 +223,14 @@ def test_srun_gloo_job_trains_in_sync_and_chief_saves_once(
     # auto-without-pmi: the MPI line (--mpi=pmix) with a later --mpi=none (srun takes the
     # last) starts no PMI, so no PMIX_RANK, and tfdist's auto picks Gloo for this MPI build.
     # Either way rank 0 (on n9) serves Horovod's rendezvous on the step's derived port and
-    # ranks 1-3 dial it.
+    # rank 1 (on n10) dials it.
     job, text = horovod_job(slurm_cluster, data_dir, job_name="hvd-srun-gloo", env=env,
-                            launcher_args=list(launcher_args))
+                            launcher_args=list(launcher_args), **ONE_PER_NODE)
     line = srun_line(text)
     assert ("--mpi=pmix" in line) == (not env), text
     assert all(arg in line for arg in launcher_args), text
-    check_training(job, collective="gloo", launched_by=f"srun step {job.job_id}.0")
+    check_training(job, collective="gloo", launched_by=f"srun step {job.job_id}.0",
+                   world=SMALL_WORLD, hosts=SMALL_HOSTS)
 
 
 NO_AVERAGING_LINE = "control: tfdist's gradient averaging is off"
@@ -248,7 +255,7 @@ def test_srun_gloo_control_without_averaging_ends_with_different_weights(
     # The control for the digests above: the same rendered job and launch, with the one change
     # that tfdist's gradient averaging is taken out (its DistributedOptimizer made a no-op, so
     # compile leaves the optimizer as it is). Horovod still starts, broadcasts rank 0's initial
-    # state and shards the data: each rank then trains on its own shard alone, and the 4 ranks
+    # state and shards the data: each rank then trains on its own shard alone, and the ranks
     # must end different. TFDIST_SYNC_CHECK=0 because tfdist's replica sync check would stop
     # the job at step 1 (it compares the ranks' weights: that is its purpose).
     workdir = slurm_cluster.new_workdir()
@@ -256,15 +263,16 @@ def test_srun_gloo_control_without_averaging_ends_with_different_weights(
     control.write_text(NO_AVERAGING)
     job, _ = horovod_job(slurm_cluster, data_dir, workdir=workdir, job_name="hvd-control",
                          script=control, script_args=(str(EXAMPLE),),
-                         env={**GLOO, "TFDIST_SYNC_CHECK": "0"})
+                         env={**GLOO, "TFDIST_SYNC_CHECK": "0"}, **ONE_PER_NODE)
     assert job.ok, job.describe()
     output = job.all_output()
-    assert output.count(NO_AVERAGING_LINE) == WORLD, job.describe()
-    assert output.count(f"tfdist: {WORLD} worker(s), {WORLD} replica(s), backend horovod, "
+    world = SMALL_WORLD
+    assert output.count(NO_AVERAGING_LINE) == world, job.describe()
+    assert output.count(f"tfdist: {world} worker(s), {world} replica(s), backend horovod, "
                         "collective gloo") == 1, job.describe()
     weights = final_weights(job.task_outputs())
-    assert sorted(weights) == list(range(WORLD)), job.describe()
-    assert len({digest for _, digest in weights.values()}) == WORLD, \
+    assert sorted(weights) == list(range(world)), job.describe()
+    assert len({digest for _, digest in weights.values()}) == world, \
         f"without averaging every rank must end with its own weights: {weights}\n" \
         f"{job.describe()}"
 
@@ -282,9 +290,11 @@ PMIX_ENV = {"PMIX_MCA_gds": "hash"}
 def test_srun_pmix_mpi_job_trains_in_sync_and_chief_saves_once(slurm_cluster: SlurmCluster,
                                                                data_dir: Path) -> None:
     # As rendered: PMIx sets PMIX_RANK in each task, so tfdist's auto picks Horovod's MPI.
-    job, text = horovod_job(slurm_cluster, data_dir, job_name="hvd-srun-mpi", env=PMIX_ENV)
+    job, text = horovod_job(slurm_cluster, data_dir, job_name="hvd-srun-mpi", env=PMIX_ENV,
+                            **ONE_PER_NODE)
     assert "--mpi=pmix" in srun_line(text) and "TFDIST_HOROVOD_CONTROLLER" not in text, text
-    check_training(job, collective="mpi", launched_by=f"srun step {job.job_id}.0")
+    check_training(job, collective="mpi", launched_by=f"srun step {job.job_id}.0",
+                   world=SMALL_WORLD, hosts=SMALL_HOSTS)
 
 
 # --- mpirun in the batch shell ----------------------------------------------------------------
