@@ -85,8 +85,9 @@ train: $(STAMP)
 # and custom loops on several workers, the Keras features and numbers against one process
 # (MWMS: only here on Keras 2, tests/test_keras_traps.py says why), the replica sync check, resume after a stop (fit on MWMS stopped by the walltime
 # guard, a custom loop after a signal, Keras 2's legacy random ops) and from an epoch's end,
-# several replicas in one process, the digits example, and on the Slurm test cluster a rendered
-# MWMS job under srun (tfdist's Slurm resolver subclasses TensorFlow's). Its tf_keras cases are
+# several replicas in one process, the digits example, and tfdist's Slurm resolver, which
+# subclasses TensorFlow's, against TensorFlow 2.15's own (test_resolver.py, in one process: the
+# rendered jobs on the Slurm test cluster run in the main run). Its tf_keras cases are
 # left out (-k): tf_keras 2.15 is the same Keras 2 as its keras 2.15. No Horovod here: its own
 # compile against TensorFlow 2.15 cost a fresh machine about 4 minutes of CI's 40; Horovod on
 # Keras 2 is tested in the main run (tf_keras 2.18), on TensorFlow 2.15 it was last run on
@@ -102,7 +103,7 @@ TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_k
 	tests/test_mirrored.py::test_auto_mirrors_one_process_over_its_devices \
 	tests/test_mirrored.py::test_two_replicas_train_as_one_with_the_same_global_batch \
 	tests/test_examples.py::test_two_workers_train_the_digits_from_a_flagfile \
-	tests/test_slurm_jobs.py::test_mwms_job_on_n9_n10_trains_in_sync_and_chief_saves_once \
+	tests/test_resolver.py \
 	tests/test_scaling.py::test_the_plot_draws_the_reports_points
 TF215_SELECT := not tf_keras and not horovod
 
