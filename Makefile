@@ -29,11 +29,6 @@ TIMED := $(PYTHON) tools/timed.py run $(TIMES)
 # `make test XDIST=` runs one. Two multi-process tests at once once made a rank miss
 # TensorFlow's 10 s heartbeat; tfdist's heartbeat timeout is 30 s (TFDIST_HEARTBEAT_TIMEOUT).
 XDIST ?= -n 2 --dist loadgroup
-# pip's install options: no .pyc compiled at install (each module compiles on its first import:
-# the tests import a few thousand of the 40 000 modules the three environments install).
-PIP_INSTALL := --quiet --no-compile
-# ...and the modules most test processes import compiled once, before the tests.
-WARM := env TF_CPP_MIN_LOG_LEVEL=3 PYTHONWARNINGS=ignore
 # The editable installs of tfdist write tfdist.egg-info in the checkout: one at a time.
 EDITABLE_LOCK := flock $(CURDIR)/.editable.lock
 
@@ -47,20 +42,18 @@ venv: $(STAMP)
 $(STAMP): requirements/bootstrap.txt requirements/test.txt requirements/no-deps.txt \
 		requirements/torch.txt requirements/deepspeed.txt requirements/jax.txt setup.cfg
 	$(TIMED) $(VENV) -- bash -c 'test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)'
-	$(TIMED) $(VENV) -- $(BIN)/python -m pip install $(PIP_INSTALL) --disable-pip-version-check \
+	$(TIMED) $(VENV) -- $(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		-r requirements/bootstrap.txt
-	$(TIMED) $(VENV) -- $(BIN)/pip install $(PIP_INSTALL) -r requirements/test.txt
-	$(TIMED) $(VENV) -- $(BIN)/pip install $(PIP_INSTALL) --no-deps -r requirements/no-deps.txt
-	$(TIMED) $(VENV) -- $(BIN)/pip install $(PIP_INSTALL) --no-deps -r requirements/torch.txt
-	$(TIMED) $(VENV) -- $(BIN)/pip install $(PIP_INSTALL) --no-deps --upgrade --target $(JAX_DIR) \
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet -r requirements/test.txt
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps -r requirements/no-deps.txt
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps -r requirements/torch.txt
+	$(TIMED) $(VENV) -- $(BIN)/pip install --quiet --no-deps --upgrade --target $(JAX_DIR) \
 		-r requirements/jax.txt
 	$(BIN)/python tools/jax_apart.py $(JAX_DIR)
-	$(TIMED) $(VENV) -- env DS_BUILD_OPS=0 $(BIN)/pip install $(PIP_INSTALL) --no-deps \
+	$(TIMED) $(VENV) -- env DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-deps \
 		-r requirements/deepspeed.txt
-	$(TIMED) $(VENV) -- $(EDITABLE_LOCK) $(BIN)/pip install $(PIP_INSTALL) --no-deps \
+	$(TIMED) $(VENV) -- $(EDITABLE_LOCK) $(BIN)/pip install --quiet --no-deps \
 		--no-build-isolation -e .
-	$(TIMED) $(VENV) -- $(WARM) $(BIN)/python -c 'import tensorflow, keras, tf_keras, torch, tfdist'
-	$(TIMED) $(VENV) -- $(WARM) KERAS_BACKEND=jax $(BIN)/python -c 'import jax, keras'
 	touch $@
 
 venv-horovod: $(HVD_STAMP)
@@ -74,14 +67,13 @@ venv-tf215: $(TF215_STAMP)
 $(TF215_STAMP): requirements/bootstrap.txt requirements/tf215.txt requirements/tf215-no-deps.txt \
 		setup.cfg
 	$(TIMED) $(TF215_VENV) -- bash -c 'test -x $(TF215_VENV)/bin/python || $(PYTHON) -m venv $(TF215_VENV)'
-	$(TIMED) $(TF215_VENV) -- $(TF215_VENV)/bin/python -m pip install $(PIP_INSTALL) \
+	$(TIMED) $(TF215_VENV) -- $(TF215_VENV)/bin/python -m pip install --quiet \
 		--disable-pip-version-check -r requirements/bootstrap.txt
-	$(TIMED) $(TF215_VENV) -- $(TF215_VENV)/bin/pip install $(PIP_INSTALL) -r requirements/tf215.txt
-	$(TIMED) $(TF215_VENV) -- $(TF215_VENV)/bin/pip install $(PIP_INSTALL) --no-deps \
+	$(TIMED) $(TF215_VENV) -- $(TF215_VENV)/bin/pip install --quiet -r requirements/tf215.txt
+	$(TIMED) $(TF215_VENV) -- $(TF215_VENV)/bin/pip install --quiet --no-deps \
 		-r requirements/tf215-no-deps.txt
-	$(TIMED) $(TF215_VENV) -- $(EDITABLE_LOCK) $(TF215_VENV)/bin/pip install $(PIP_INSTALL) --no-deps \
+	$(TIMED) $(TF215_VENV) -- $(EDITABLE_LOCK) $(TF215_VENV)/bin/pip install --quiet --no-deps \
 		--no-build-isolation -e .
-	$(TIMED) $(TF215_VENV) -- $(WARM) $(TF215_VENV)/bin/python -c 'import tensorflow, tfdist'
 	touch $@
 
 train: $(STAMP)

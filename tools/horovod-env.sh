@@ -39,18 +39,16 @@ bin=$venv/bin
 # Horovod's build calls `cmake` from PATH: the pinned cmake<4 (bundled gloo needs it) comes first.
 export PATH=$bin:$PATH
 quiet=(--quiet --disable-pip-version-check)
-# No .pyc compiled at install: a module compiles on its first import (as in the Makefile).
-install=(install "${quiet[@]}" --no-compile)
 
 log() { echo "tools/horovod-env.sh: $*" >&2; }
 
 make_venv() {
     test -x "$bin/python" || "$python" -m venv "$venv"
-    "$bin/python" -m pip "${install[@]}" -r requirements/bootstrap.txt
-    "$bin/pip" "${install[@]}" -r "requirements/$lane.txt"
-    "$bin/pip" "${install[@]}" --no-deps -r "requirements/$lane-no-deps.txt"
+    "$bin/python" -m pip install "${quiet[@]}" -r requirements/bootstrap.txt
+    "$bin/pip" install "${quiet[@]}" -r "requirements/$lane.txt"
+    "$bin/pip" install "${quiet[@]}" --no-deps -r "requirements/$lane-no-deps.txt"
     if ((torch)); then
-        "$bin/pip" "${install[@]}" --no-deps -r requirements/torch.txt
+        "$bin/pip" install "${quiet[@]}" --no-deps -r requirements/torch.txt
     fi
 }
 
@@ -138,7 +136,7 @@ install_horovod() {
     else
         log "using the cached wheel in $dir"
     fi
-    "$bin/pip" "${install[@]}" --no-deps --force-reinstall "$dir"/horovod-*.whl
+    "$bin/pip" install "${quiet[@]}" --no-deps --force-reinstall "$dir"/horovod-*.whl
 }
 
 verify() {
@@ -167,7 +165,7 @@ make_venv
 install_horovod
 # The editable install writes tfdist.egg-info in the checkout: one at a time (make builds the
 # environments at once).
-flock "$root/.editable.lock" "$bin/pip" "${install[@]}" --no-deps --no-build-isolation -e .
+flock "$root/.editable.lock" "$bin/pip" install "${quiet[@]}" --no-deps --no-build-isolation -e .
 verify
 touch "$venv/.tfdist-installed"
 log "ready: $venv"
