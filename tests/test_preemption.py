@@ -348,7 +348,6 @@ RESUME = {
     # name: (backend, TF_USE_LEGACY_KERAS, input (PREEMPT_TEST_INPUT), the rank signalled,
     #        after which step ("v10": at the tenth validation batch), steps in all)
     "mwms-keras3": ("mwms", "0", "epochs", "1", "20", 3 * STEPS_PER_EPOCH),
-    "mwms-tf_keras": ("mwms", "1", "epochs", "1", "20", 3 * STEPS_PER_EPOCH),
     "horovod-keras3": ("horovod", "0", "epochs", "0", "27", 3 * STEPS_PER_EPOCH),
     "horovod-tf_keras": ("horovod", "1", "epochs", "1", "23", 3 * STEPS_PER_EPOCH),
     # steps_per_epoch=12 over a repeated 16-batch dataset: one iterator for several epochs
@@ -409,12 +408,13 @@ def _resume_case(tmp_path_factory: pytest.TempPathFactory, case: str
 
 # Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3, on
 # Horovod with tf_keras and on JAX (steps_per_epoch) by the walltime guard (the same agreement as
-# a signal's) and in the soak; on MWMS with tf_keras and on JAX (an epoch's dataset) from a
-# safety save after a hard kill (the same state, the same resume; tf_keras's signal stop is in
-# the test above); a stop at an epoch's last step by the soak's epoch-end moments. Their
+# a signal's) and in the soak; on JAX (an epoch's dataset) from a safety save after a hard kill
+# (the same state, the same resume), as on MWMS with tf_keras over one iterator (its epoch's
+# dataset: the TF 2.15 lane's Keras 2, by the walltime guard); a stop at an epoch's last step by
+# the soak's epoch-end moments. Their
 # uninterrupted runs are the references of those tests.
 RESUMED_ELSEWHERE = {"mwms-keras3", "horovod-tf_keras", "mwms-keras3-at-an-epochs-last-step",
-                     "mwms-tf_keras", "jax-keras3", "jax-keras3-steps_per_epoch"}
+                     "jax-keras3", "jax-keras3-steps_per_epoch"}
 
 
 @pytest.mark.multiprocess
@@ -482,7 +482,9 @@ HARD_KILLS = {
     # end every rank saves the exact state and trains on: at most 2 s of steps lost.
     "safety-saves-horovod-tf_keras": ("horovod-tf_keras", {
         "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25"}, 30, 29),
-    "safety-saves-mwms-tf_keras": ("mwms-tf_keras", {
+    # tf_keras on MWMS over one iterator for several epochs: the uninterrupted run of the stop at
+    # an epoch's last step serves both (on Horovod tf_keras reads an epoch's dataset).
+    "safety-saves-mwms-tf_keras": ("mwms-tf_keras-at-an-epochs-last-step", {
         "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25"}, 30, 29),
     # No safety saves: the exact state saved at each epoch's end (in place of Keras's
     # BackupAndRestore) is where the next run starts, the end of epoch 1.
@@ -511,7 +513,8 @@ def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
     assert "tfdist: safety save after step" in killed.stdout, killed.stdout[-3000:]
     state = preemption.read_state(str(tmp_path / "m2"))
     assert state is not None, list((tmp_path / "m2").iterdir())
-    saved = state["epoch"] * STEPS_PER_EPOCH + state["step"]
+    per_epoch = 12 if RESUME[case][2] == "repeat" else STEPS_PER_EPOCH  # steps_per_epoch=12
+    saved = state["epoch"] * per_epoch + state["step"]
     assert 0 < saved <= saved_by, state  # saved before the kill, no earlier than it must be
     if "TFDIST_CHECKPOINT_EVERY" not in extra:
         assert saved == saved_by and state["epoch_done"], state
