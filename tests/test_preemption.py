@@ -34,6 +34,7 @@ from tfdist.keras.versions import keras2_package
 WORKER = str(WORKERS / "preempt_worker.py")
 HVD_PY = HOROVOD_PYTHON
 STEPS_PER_EPOCH = 16  # 512 rows, global batch 32
+REPEAT_STEPS_PER_EPOCH = 12  # PREEMPT_TEST_INPUT=repeat: steps_per_epoch over the repeated data
 
 
 # --- pure ------------------------------------------------------------------------------------
@@ -513,7 +514,7 @@ def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
     assert "tfdist: safety save after step" in killed.stdout, killed.stdout[-3000:]
     state = preemption.read_state(str(tmp_path / "m2"))
     assert state is not None, list((tmp_path / "m2").iterdir())
-    per_epoch = 12 if RESUME[case][2] == "repeat" else STEPS_PER_EPOCH  # steps_per_epoch=12
+    per_epoch = REPEAT_STEPS_PER_EPOCH if RESUME[case][2] == "repeat" else STEPS_PER_EPOCH
     saved = state["epoch"] * per_epoch + state["step"]
     assert 0 < saved <= saved_by, state  # saved before the kill, no earlier than it must be
     if "TFDIST_CHECKPOINT_EVERY" not in extra:

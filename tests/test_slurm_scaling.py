@@ -4,8 +4,8 @@ training on 1 and 2 of them (one srun step each, one task per node), then the re
 One job serves every check (about a minute on 2 cores): tests/workers/scaling_worker.py trains
 2 short epochs per step, with tfdist's throughput meter writing the chief's records where the
 rendered script's TFDIST_THROUGHPUT_FILE says, and ``tfdist scaling --report`` runs as the last
-step. The job runs on n9 and n10 (3 nodes, sizes 1, 2 and 3, cost three more TensorFlow
-processes for no other path); it skips, with the fixture's reason, where the cluster cannot run.
+step. The job runs on n9 and n10 (a third node would add three TensorFlow processes and no
+other path); it skips, with the fixture's reason, where the cluster cannot run.
 """
 
 from __future__ import annotations
