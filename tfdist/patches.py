@@ -231,7 +231,8 @@ INVENTORY: tuple[Patch, ...] = (
     Patch("keras3-loss-scaling", "keras.src.losses.loss.scale_loss_for_distribution/"
           "unscale_loss_for_distribution/reduce_values, "
           "keras.src.metrics.reduction_metrics.Mean/Sum.update_state, "
-          f"{_TRAINER}.TensorFlowTrainer._make_function",
+          f"{_TRAINER}.TensorFlowTrainer._make_function/_compute_loss, "
+          "tensorflow.GradientTape.gradient",
           "tfdist.keras.loss_scaling:install_loss_scaling",
           "Keras 3 under MWMS on several workers or MirroredStrategy",
           "Keras divides a loss object's mean by the replicas for their gradients' sum; a "
@@ -240,7 +241,10 @@ INVENTORY: tuple[Patch, ...] = (
           "loss whose call() returns one number is left unscaled by Keras (N times the "
           "gradient): scaled like the others, with one warning. fit scales by each replica's "
           "share of the batch's rows, not 1/N (a global batch that does not divide: 17 and "
-          "16 rows weighed 1:1), and weighs each step's logs by the rows each replica counted",
+          "16 rows weighed 1:1), and weighs each step's logs by the rows each replica "
+          "counted. A custom train_step's gradient of a mean of its own over the rows (the "
+          "VAE, WGAN-GP) is scaled by the replica's share too; a sum over the rows, or a mean "
+          "the step divides by the replicas, is left alone",
           lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
           and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras2-loss-objects", "tf_keras.src.losses.Loss.__call__/_get_reduction, "

@@ -1,4 +1,4 @@
-"""Two user-shaped models whose losses Keras scales for the replicas (tests/test_loss_scaling.py):
+"""User-shaped models whose losses Keras scales for the replicas (tests/test_loss_scaling.py):
 
 - ``fit1``: a custom ``train_step`` (the DCGAN and distillation examples' shape) that calls a
   ``keras.losses`` object on its batch, applies the gradients itself, and logs that loss twice:
@@ -15,7 +15,9 @@
   each slice, so they must reach it as one process's slices, not summed into a dense one);
 - ``fit7``: a model whose class overrides ``compute_loss`` to add a penalty's mean to
   ``super().compute_loss(...)`` (the "customizing fit" guides' advice);
-- ``fit8`` (with ``uneven``, MWMS): a global batch of 33 on 199 rows, split 17/16 on every
+- ``fit8``: a custom ``train_step`` that averages its loss over the rows itself (a mean of
+  per-row sums, the VAE and WGAN-GP examples' shape) and applies the gradients;
+- ``fit9`` (with ``uneven``, MWMS): a global batch of 33 on 199 rows, split 17/16 on every
   step and the last batch's one row leaving a replica none: Keras's losses weighed by each
   replica's rows (and the logs by the rows each replica counted).
 
@@ -98,6 +100,26 @@ class NoCall(keras.Model):
         return {"loss": self.tracker.result()}
 
 
+class OwnMean(keras.Model):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):  # type: ignore[no-untyped-def]
+        return [self.tracker]
+
+    def train_step(self, batch):  # type: ignore[no-untyped-def]
+        features, target = batch
+        with tf.GradientTape() as tape:
+            error = tf.square(self(features, training=True) - target)
+            loss = tf.reduce_mean(tf.reduce_sum(error, axis=1))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
 class Noisy(keras.layers.Layer):
     def __init__(self):  # type: ignore[no-untyped-def]
         super().__init__()
@@ -146,6 +168,10 @@ with dist.scope():
     penalised = dense(Penalised)
     penalised.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
 penalised.fit(dist.shard(data), epochs=2, verbose=0)
+with dist.scope():
+    own_mean = dense(OwnMean)
+    own_mean.compile(optimizer=keras.optimizers.SGD(0.05))
+own_mean.fit(dist.shard(data), epochs=2, verbose=0)
 if "uneven" in sys.argv[1:]:
     with dist.scope():
         uneven = dense(keras.Model)

@@ -34,9 +34,16 @@ measured on 2 MWMS workers against one process with the same global batch:
   replica computes such a loss over its own rows only (pairs across replicas are missing), so
   it stays near one process's, not equal.
 
-Installed (patch ``keras3-loss-scaling``) under MWMS over several workers on Keras 3; a loss
-the script computes by hand (``ops.mean`` of its own) is the script's: ``tfdist verify`` names
-a gradient N times one process's with the fix.
+- **A mean of the script's own.** A custom ``train_step`` that averages its loss over the rows
+  itself (``tf.reduce_mean``, ``ops.mean``: the VAE and WGAN-GP examples) and applies the
+  gradients gives each replica's mean's gradient, which the optimizer sums: N times one
+  process's step. Where fit's step takes a gradient w.r.t. variables, tfdist walks back from
+  the loss to the reductions over the rows: only means of the script's own, and the gradients
+  are scaled by the replica's share of the rows (one line says so); a sum over the rows
+  (``tf.nn.compute_average_loss``), a mean the script divides by the replicas itself, or a
+  loss Keras scaled is left alone; a mean beside one of those is named in one warning.
+
+Installed (patch ``keras3-loss-scaling``) under MWMS over several workers on Keras 3.
 
 tf_keras (Keras 2) refuses the DCGAN's shape outright: a ``keras.losses`` object with its
 default reduction, called outside ``compile`` under any tf.distribute strategy, raises its own
@@ -53,6 +60,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
@@ -113,6 +121,9 @@ def install_loss_scaling(where: Where, dist: Any) -> None:
                   _step_unscaled)
     patches.apply("keras3-loss-scaling", trainer.TensorFlowTrainer, "_compute_loss",
                   functools.partial(_scaled_once, scale=loss_module))
+    import tensorflow as tf
+
+    patches.apply("keras3-loss-scaling", tf.GradientTape, "gradient", _hand_reduced_scaled)
 
 
 def _deferred() -> bool:
@@ -193,6 +204,18 @@ def _replica_share(data: Any) -> Any:
         return None
     rows = tf.cast(rows, tf.float32)
     return tf.math.divide_no_nan(rows, context.all_reduce("sum", rows))
+
+
+def _static_rows(data: Any) -> Any:
+    """The batch's rows where the trace knows them (its first batched tensor's first
+    dimension), else None."""
+    import tensorflow as tf
+
+    for tensor in tf.nest.flatten(data):
+        shape = getattr(tensor, "shape", None)
+        if shape is not None and shape.rank:
+            return shape[0]
+    return None
 
 
 def _rows(data: Any) -> Any:
@@ -285,6 +308,7 @@ def _step_unscaled(original: Any) -> Any:
         def step(data: Any) -> Any:
             _made().clear()
             _local.share = _replica_share(data) if trains else None
+            _local.rows = _static_rows(data)
             _local.results = {}
             try:
                 outputs = step_function(data)
@@ -300,6 +324,181 @@ def _step_unscaled(original: Any) -> Any:
         return original(self, step)
 
     return _make_function
+
+
+def _hand_reduced_scaled(original: Any) -> Any:
+    """A custom ``train_step``'s gradient of a loss it averaged over the rows itself
+    (``tf.reduce_mean``, ``ops.mean``: the VAE, WGAN-GP shape) is each replica's mean's; the
+    optimizer sums the replicas' gradients, N times one process's step. Where the gradient is
+    taken in fit's train step, w.r.t. variables, of a loss that reaches the rows through a mean
+    and through no loss Keras scaled, tfdist scales the gradients by the replica's share of the
+    batch's rows, as Keras scales its own losses: their sum is then one process's. A loss that
+    sums over the rows (``tf.nn.compute_average_loss`` divides such a sum by the global batch)
+    is right as it is and left alone; a loss that mixes a Keras-scaled part with a mean of its
+    own is named in one warning."""
+
+    @functools.wraps(original)
+    def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
+        grads = original(self, target, sources, *args, **kwargs)
+        share = getattr(_local, "share", None)
+        if share is None or not _all_variables(sources):
+            return grads
+        import tensorflow as tf
+
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync if context is not None else 1
+        reduction = _batch_reduction(target, getattr(_local, "rows", None), replicas,
+                                     set(_made()) | set(_keras2_made["made"]))
+        if reduction in _TOLD:
+            _warn_once(reduction, _TOLD[reduction])
+        if reduction != "mean":
+            return grads
+        _warn_once("hand-mean", _HAND_MEAN)
+
+        def scaled(grad: Any) -> Any:
+            if grad is None:
+                return None
+            if isinstance(grad, tf.IndexedSlices):
+                return tf.IndexedSlices(grad.values * tf.cast(share, grad.values.dtype),
+                                        grad.indices, grad.dense_shape)
+            return grad * tf.cast(share, grad.dtype)
+
+        return tf.nest.map_structure(scaled, grads,
+                                     check_types=False) if grads is not None else grads
+
+    return gradient
+
+
+_HAND_MEAN = (
+    "tfdist: a train_step of yours takes gradients of a loss it averages over the rows itself "
+    "(a mean of its own, not a keras.losses object or compute_loss): each of the %d replicas "
+    "averages its own rows and the optimizer sums the replicas' gradients, %d times one "
+    "process's step. tfdist scales those gradients by each replica's share of the batch, as "
+    "Keras scales its own losses, so the step is one process's; a step that already divides "
+    "its loss by the replicas must stop doing so")
+_MIXED = (
+    "tfdist: a train_step of yours takes gradients of a loss that adds a mean of its own to a "
+    "part already scaled for the replicas (a keras.losses object's or compute_loss's value, or "
+    "a mean it divides by the replicas): the optimizer sums the %d replicas' gradients, right "
+    "for the scaled part, %d times one process's for the mean. Fix: compute the whole loss "
+    "with keras.losses objects or self.compute_loss, or divide each mean of your own by "
+    "dist.num_replicas")
+_MEAN_AND_SUM = (
+    "tfdist: a train_step of yours takes gradients of a loss that adds a mean over the rows to "
+    "a sum over the rows: the optimizer sums the %d replicas' gradients, right for the sum, "
+    "%d times one process's for the mean. Fix: divide the mean by dist.num_replicas, or "
+    "compute the loss with keras.losses objects or self.compute_loss")
+_TOLD = {"mixed": _MIXED, "mean and sum": _MEAN_AND_SUM}
+
+
+def _warn_once(key: str, message: str) -> None:
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if key in _warned or context is None:
+        return
+    _warned.add(key)
+    if tf.distribute.get_strategy().extended.should_checkpoint:  # the chief
+        logger.warning(message, context.num_replicas_in_sync, context.num_replicas_in_sync)
+
+
+def _all_variables(sources: Any) -> bool:
+    """Whether every source is a variable (a gradient for an optimizer), not a tensor (a
+    gradient penalty's gradient w.r.t. the inputs is left as it is)."""
+    import keras
+    import tensorflow as tf
+
+    flat = tf.nest.flatten(sources, expand_composites=False)
+    return bool(flat) and all(isinstance(s, (tf.Variable, keras.Variable)) for s in flat)
+
+
+_REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
+# Where a walk back from the loss stops: a variable's value, an input, a constant.
+_LEAVES = {"ReadVariableOp", "VarHandleOp", "Placeholder", "Const", "VariableV2",
+           "_Arg", "ResourceGather"}
+
+
+def _batch_reduction(target: Any, rows: Any, replicas: int, scaled: Collection[Any]) -> str:
+    """How ``target`` (a loss) reduces the batch's rows, walking back from it through the
+    graph: each path stops at the first reduction over a batched tensor's first axis (a
+    ``Mean`` or ``Sum``: the loss's own; a BatchNormalization's means lie beyond it) or at a
+    tensor of ``scaled`` (refs of losses Keras scaled). A path through a division by
+    ``replicas`` (or a product with its inverse) is the script's own scaling for them.
+
+    Returns ``"mean"`` (only means of the script's own: N times one process's once summed),
+    ``"keras"`` (scaled losses, perhaps beside means the script divides by the replicas
+    itself), ``"sum"`` (sums, or divided means), ``"mixed"`` (an own mean beside a scaled loss
+    or a divided mean), ``"mean and sum"``, or ``"unknown"`` (eager, or no reduction found)."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly() or not hasattr(target, "op"):
+        return "unknown"
+    kinds: set[str] = set()
+    seen: set[tuple[str, bool]] = set()
+    stack = [(target, False)]
+    while stack and len(seen) < 50000:
+        tensor, divided = stack.pop()
+        try:
+            if tensor.ref() in scaled:
+                kinds.add("keras")
+                continue
+        except TypeError:
+            continue
+        op = tensor.op
+        if (op.name, divided) in seen:
+            continue
+        seen.add((op.name, divided))
+        kind = _REDUCTIONS.get(op.type)
+        if kind and _reduces_rows(op, rows):
+            kinds.add("divided" if kind == "mean" and divided else kind)
+            continue
+        if op.type in _LEAVES:
+            continue
+        divided = divided or _divides_by(op, replicas)
+        stack.extend((tensor, divided) for tensor in op.inputs)
+    if kinds == {"mean"}:
+        return "mean"
+    if "mean" in kinds:
+        return "mixed" if kinds & {"keras", "divided"} else "mean and sum"
+    return "keras" if "keras" in kinds else "sum" if kinds else "unknown"
+
+
+def _divides_by(op: Any, replicas: int) -> bool:
+    """Whether ``op`` divides by ``replicas`` (or multiplies by its inverse), a constant."""
+    import tensorflow as tf
+
+    if op.type in ("RealDiv", "Div", "DivNoNan", "FloorDiv"):
+        factors = [(op.inputs[1], float(replicas))]
+    elif op.type == "Mul":
+        factors = [(operand, 1.0 / replicas) for operand in op.inputs]
+    else:
+        return False
+    for operand, wanted in factors:
+        value = tf.get_static_value(operand)
+        if value is not None and getattr(value, "size", 1) == 1 and abs(
+                float(value.reshape(-1)[0] if hasattr(value, "reshape") else value)
+                - wanted) < 1e-6 * wanted:
+            return True
+    return False
+
+
+def _reduces_rows(op: Any, rows: Any) -> bool:
+    """Whether a ``Mean``/``Sum`` op reduces the first axis of a batched tensor (its first
+    dimension unknown in the trace, or the replica's rows)."""
+    import tensorflow as tf
+
+    values = op.inputs[0]
+    rank = values.shape.rank
+    if not rank:
+        return False
+    axes = tf.get_static_value(op.inputs[1])
+    if axes is None:
+        return False
+    axes = {int(a) % rank for a in (axes.reshape(-1) if hasattr(axes, "reshape") else [axes])}
+    if 0 not in axes:
+        return False
+    first = values.shape[0]
+    return first is None or (rows is not None and first == rows)
 
 
 def _result_noted(original: Any) -> Any:
