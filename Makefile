@@ -32,7 +32,7 @@ XDIST ?= -n 2 --dist loadgroup
 # The editable installs of tfdist write tfdist.egg-info in the checkout: one at a time.
 EDITABLE_LOCK := flock $(CURDIR)/.editable.lock
 
-.PHONY: system venv venv-horovod venv-tf215 envs train test test-steps lint clean
+.PHONY: system venv venv-horovod venv-tf215 envs train test test-full test-steps lint clean
 
 system:
 	bash tools/system-packages.sh
@@ -94,8 +94,7 @@ train: $(STAMP)
 # 2026-11-26 (docs/versions.md). The scaling chart is drawn here too: this lane's environment has
 # matplotlib, the main one leaves it out (with scikit-learn) because Keras 3 imports both at
 # start-up when they are installed, 2.3 s of every TensorFlow process's 7.9 s import on one core.
-TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_keras_traps.py \
-	tests/test_sync.py tests/test_quiet.py \
+TF215_TESTS := tests/test_keras_compat.py tests/test_keras_traps.py tests/test_quiet.py \
 	"tests/test_preemption.py::test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes[mwms-keras3]" \
 	"tests/test_preemption.py::test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact[epoch-end-mwms-keras3]" \
 	"tests/test_preemption.py::test_a_custom_loop_resumes_at_the_agreed_step_bit_identical[mwms-keras3]" \
@@ -106,6 +105,9 @@ TF215_TESTS := tests/test_multiworker.py tests/test_keras_compat.py tests/test_k
 	tests/test_resolver.py \
 	tests/test_scaling.py::test_the_plot_draws_the_reports_points
 TF215_SELECT := not tf_keras and not horovod
+# The lane's part of `make test-full` only: the bit-identical 2-worker runs and the sync check,
+# whose TensorFlow 2.15 collectives the Keras-traps launch and the preemption cases above use too.
+TF215_FULL_TESTS := tests/test_multiworker.py tests/test_sync.py
 
 # The three environments at once: their pip installs overlap the two Horovod compiles.
 envs:
@@ -116,6 +118,13 @@ test:
 	@rm -rf $(TIMES)
 	@$(MAKE) --no-print-directory test-steps; status=$$?; \
 		$(PYTHON) tools/timed.py report $(TIMES); exit $$status
+
+# make test-full: make test with every combination the tests leave to the full matrix
+# (tests/helpers.py, FULL_MATRIX), the long soak (20 preemptions) and the TensorFlow 2.15 lane's
+# whole list: about twice make test's time.
+test-full:
+	TFDIST_TEST_MATRIX=full TFDIST_TEST_SOAK_CYCLES=20 $(MAKE) --no-print-directory test \
+		TF215_TESTS='$(TF215_TESTS) $(TF215_FULL_TESTS)'
 
 test-steps:
 	$(TIMED) system -- bash tools/system-packages.sh

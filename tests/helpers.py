@@ -37,6 +37,20 @@ def _horovod_python() -> Path:
 # The Horovod tests' workers run under this Python; horovodrun is in its bin/.
 HOROVOD_PYTHON = _horovod_python()
 
+# `make test` (CI) runs every mechanism on a covering set of backends, Keras versions and
+# launchers; `make test-full` sets TFDIST_TEST_MATRIX=full and adds every combination a test
+# leaves to the full matrix (with the long soak and the whole TensorFlow 2.15 list). Such a
+# case skips in `make test`, naming what runs its mechanism there.
+FULL_MATRIX = os.environ.get("TFDIST_TEST_MATRIX", "") == "full"
+
+
+def full_matrix_only(covered: str) -> pytest.MarkDecorator:
+    """The mark of a case run only in the full matrix; ``covered``: what runs its mechanism in
+    ``make test``."""
+    return pytest.mark.skipif(not FULL_MATRIX, reason="in the full matrix only (make "
+                              f"test-full); in make test, {covered}")
+
+
 # The optional packages tests need, by import name: what pip installs, and how to get it.
 OPTIONAL = {
     "tensorflow_datasets": ("tensorflow-datasets", "tfdist[datasets]"),

@@ -15,6 +15,7 @@ from helpers import (
     ROOT,
     clean_env,
     final_weights,
+    full_matrix_only,
     launch,
     needs,
     require,
@@ -136,7 +137,9 @@ BENCHMARK = [str(ROOT / "examples" / "synthetic_benchmark.py"), "--model", "Mobi
              "--num-batches-per-iter", "2", "--num-iters", "2", "--no-cuda"]
 
 
-@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+@pytest.mark.parametrize("backend", [pytest.param("mwms", marks=full_matrix_only(
+    "the benchmark runs under Horovod, its own backend, and MWMS trains the other examples")),
+    "horovod"])
 def test_horovods_synthetic_benchmark_runs_with_its_own_flags(backend):
     # Horovod's tensorflow2_synthetic_benchmark.py flags, a small model (MobileNet: 30 %
     # fewer processor seconds than MobileNetV2) and images for CPUs.

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
+from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, full_matrix_only, require
 
 from tfdist import health
 from tfdist.health import RankProfile
@@ -143,7 +143,9 @@ NOISY_FROM, EPOCHS = 3, 8
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+@pytest.mark.parametrize("backend", ["mwms", pytest.param("horovod", marks=full_matrix_only(
+    "the timing and the verdict run under MWMS, and Horovod's dist.sum_over_ranks, which "
+    "gathers them, in the Keras-traps launch on tf_keras"))])
 def test_a_rank_sharing_its_core_is_named_slow(tmp_path, backend):
     # Epochs 1-3 as they come, then a busy process on rank 1's core for 5 epochs, with rank 1's
     # threads at nice 10 (straggler_worker.py says why): the chief names rank 1 for a CPU, and

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require, tensorboard_logs
+from helpers import (HOROVOD_PYTHON, ROOT, WORKERS, clean_env, full_matrix_only, require,
+                     tensorboard_logs)
 
 WORKER = str(WORKERS / "keras_traps_worker.py")
 HVD_PY = HOROVOD_PYTHON
@@ -67,7 +68,15 @@ class Run:
         return found
 
 
-@pytest.fixture(scope="module", params=sorted(COMBOS))
+# Keras 3 under Horovod: in the full matrix only (tests/helpers.py). make test runs these cases
+# on Keras 3 under MWMS and on tf_keras under Horovod, and Keras 3 under Horovod in
+# test_horovod.py, test_loss_scaling.py and test_preemption.py.
+FULL_ONLY = {"horovod-keras3": "Keras 3 runs them under MWMS and Horovod runs them on tf_keras"}
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(combo, marks=full_matrix_only(FULL_ONLY[combo])) if combo in FULL_ONLY
+    else combo for combo in sorted(COMBOS)])
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Run:
     if COMBOS[request.param][1] == "horovod":
         require("horovod", python=HVD_PY)

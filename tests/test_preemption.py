@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
+from helpers import HOROVOD_PYTHON, ROOT, WORKERS, clean_env, full_matrix_only, require
 
 from tfdist import preemption
 from tfdist.backends.single import SingleDistributed
@@ -310,7 +310,9 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step_with_the_state_saved(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+@pytest.mark.parametrize("backend", ["mwms", pytest.param("horovod", marks=full_matrix_only(
+    "the launcher forwards the signal under MWMS, and Horovod's ranks agree on the stop in the "
+    "signal-on-one-rank cases"))])
 def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path, backend):
     python = _python(backend)
     out, model = tmp_path / "out", tmp_path / "model"
@@ -384,13 +386,16 @@ def _straight(python: str, backend: str, folder: Path, env: dict[str, str]) -> P
     return _straight_runs[key]
 
 
-def _by_straight_run(cases: list[str], resume: dict[str, str] | None = None) -> list:
+def _by_straight_run(cases: list[str], resume: dict[str, str] | None = None,
+                     full_only: dict[str, str] | None = None) -> list:
     """``cases`` as parameters, each in the xdist group of its uninterrupted run (``resume``:
     each case's :data:`RESUME` case, where it is not the case itself): the tests that compare
     with one such run go to one test process, which makes it once (:func:`_straight`), not
-    once in each process."""
-    return [pytest.param(case, marks=pytest.mark.xdist_group(
-        "preemption-straight-" + "-".join(RESUME[(resume or {}).get(case, case)][:3])))
+    once in each process. ``full_only``: cases run in the full matrix only, each with what
+    covers it in make test (tests/helpers.py)."""
+    return [pytest.param(case, marks=[pytest.mark.xdist_group(
+        "preemption-straight-" + "-".join(RESUME[(resume or {}).get(case, case)][:3])),
+        *([full_matrix_only((full_only or {})[case])] if case in (full_only or {}) else [])])
         for case in cases]
 
 
@@ -407,13 +412,14 @@ def _resume_case(tmp_path_factory: pytest.TempPathFactory, case: str
     return python, backend, tmp_path, env, _straight(python, backend, tmp_path, env)
 
 
-# Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3, on
-# Horovod with tf_keras and on JAX (steps_per_epoch) by the walltime guard (the same agreement as
-# a signal's) and in the soak; on JAX (an epoch's dataset) from a safety save after a hard kill
-# (the same state, the same resume), as on MWMS with tf_keras over one iterator (its epoch's
-# dataset: the TF 2.15 lane's Keras 2, by the walltime guard); a stop at an epoch's last step by
-# the soak's epoch-end moments. Their
-# uninterrupted runs are the references of those tests.
+# Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3 and
+# on JAX (an epoch's dataset) by the walltime guard (the same agreement as a signal's) and in
+# the soak; on JAX and on Horovod with tf_keras from a safety save after a hard kill (the same
+# state, the same resume), as on MWMS with tf_keras over one iterator (its epoch's dataset: the
+# TF 2.15 lane's Keras 2, by the walltime guard); a stop at an epoch's last step by the soak's
+# epoch-end moments; the walltime guard on Horovod with tf_keras and on JAX over one iterator in
+# the full matrix (tests/helpers.py). Their uninterrupted runs are the references of those
+# tests.
 RESUMED_ELSEWHERE = {"mwms-keras3", "horovod-tf_keras", "mwms-keras3-at-an-epochs-last-step",
                      "jax-keras3", "jax-keras3-steps_per_epoch"}
 
@@ -445,8 +451,14 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", _by_straight_run(["mwms-keras3", "horovod-tf_keras",
-                                                    "jax-keras3-steps_per_epoch"]))
+@pytest.mark.parametrize("case", _by_straight_run(
+    ["mwms-keras3", "horovod-tf_keras", "jax-keras3", "jax-keras3-steps_per_epoch"], full_only={
+        "horovod-tf_keras": "the guard stops MWMS's and JAX's ranks here, Horovod's ranks "
+                            "agree on a stop in the signal-on-one-rank cases, and tf_keras "
+                            "under Horovod resumes mid-epoch after a hard kill",
+        "jax-keras3-steps_per_epoch": "JAX's guard stops an epoch's dataset here (the hard "
+                                      "kill's uninterrupted run serves both), and MWMS resumes "
+                                      "over one iterator"}))
 def test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes(
         tmp_path_factory, case):
     # No signal at all: `tfdist launch --time-limit 60s` gives the workers their end, and the
@@ -495,11 +507,16 @@ HARD_KILLS = {
     "safety-saves-jax-keras3": ("jax-keras3", {
         "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25"}, 30, 29),
 }
+HARD_KILLS_FULL_ONLY = {
+    "epoch-end-horovod-keras3": "the exact state of an epoch's end resumes on MWMS, and "
+                                "Horovod's resume from a safety save on tf_keras",
+}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", _by_straight_run(
-    sorted(HARD_KILLS), {name: kill[0] for name, kill in HARD_KILLS.items()}))
+    sorted(HARD_KILLS), {name: kill[0] for name, kill in HARD_KILLS.items()},
+    HARD_KILLS_FULL_ONLY))
 def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
         tmp_path_factory, name):
     # Rank 1 is killed (SIGKILL: no handler, no save) after its Nth step; the next launch
@@ -749,8 +766,11 @@ def test_kill_9_while_saving_leaves_the_last_good_state(tmp_path, when):
 @pytest.mark.multiprocess
 # Keras 2's optimizers in a custom loop: the TensorFlow 2.15 lane runs "mwms-keras3" on its
 # Keras 2 (tf_keras is a copy of it), for CI's time.
-@pytest.mark.parametrize(("backend", "legacy"), [("mwms", "0"), ("horovod", "0")],
-                         ids=["mwms-keras3", "horovod-keras3"])
+@pytest.mark.parametrize(("backend", "legacy"), [
+    pytest.param("mwms", "0", id="mwms-keras3"),
+    pytest.param("horovod", "0", id="horovod-keras3", marks=full_matrix_only(
+        "a custom loop resumes at the agreed step under MWMS, and Horovod's ranks agree on "
+        "the stop in fit's cases"))])
 def test_a_custom_loop_resumes_at_the_agreed_step_bit_identical(tmp_path, backend, legacy):
     python = _python(backend)
     worker = str(WORKERS / "preempt_loop_worker.py")

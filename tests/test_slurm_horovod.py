@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, require
+from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, full_matrix_only, require
 from slurm_jobs import (
     EXAMPLE,
     ROOT,
@@ -214,8 +214,10 @@ GLOO = {"TFDIST_HOROVOD_CONTROLLER": "gloo"}
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
-@pytest.mark.parametrize(("env", "launcher_args"), [(GLOO, ()), ({}, ("--mpi=none",))],
-                         ids=["forced", "auto-without-pmi"])
+@pytest.mark.parametrize(("env", "launcher_args"), [
+    pytest.param(GLOO, (), id="forced", marks=full_matrix_only(
+        "srun's Gloo rendezvous runs auto-without-pmi, and test_jobs.py renders the forced "
+        "job")), pytest.param({}, ("--mpi=none",), id="auto-without-pmi")])
 def test_srun_gloo_job_trains_in_sync_and_chief_saves_once(
         slurm_cluster: SlurmCluster, data_dir: Path, env: dict[str, str],
         launcher_args: tuple[str, ...]) -> None:
@@ -317,8 +319,10 @@ def test_mpirun_job_trains_in_sync_and_chief_saves_once(slurm_cluster: SlurmClus
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 @pytest.mark.parametrize(("launcher_args", "collective", "launched_by"), [
-    ((), "mpi", "mpirun (OMPI_COMM_WORLD_RANK=0"), (("--gloo",), "gloo", "horovodrun (")],
-    ids=["default-mpi", "gloo"])
+    pytest.param((), "mpi", "mpirun (OMPI_COMM_WORLD_RANK=0", id="default-mpi"),
+    pytest.param(("--gloo",), "gloo", "horovodrun (", id="gloo", marks=full_matrix_only(
+        "the job's horovodrun line runs default-mpi, and horovodrun --gloo runs in "
+        "test_horovod.py"))])
 def test_horovodrun_job_on_one_node_trains_in_sync(
         slurm_cluster: SlurmCluster, data_dir: Path, launcher_args: tuple[str, ...],
         collective: str, launched_by: str) -> None:

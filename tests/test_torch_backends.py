@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
+from helpers import (EXAMPLE_NEEDS, FULL_MATRIX, HOROVOD_PYTHON, ROOT, WORKERS, clean_env,
+                     require)
 
 pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (requirements/deepspeed.txt)")
@@ -98,9 +99,10 @@ def runs(tmp_path_factory):
     }
     if _NO_HOROVOD is None:
         found["horovod"] = _run(tmp / "horovod", "tfdist-launch-horovod", python=str(HVD_PY))
+    if _NO_HOROVOD is None and FULL_MATRIX:
         found["horovodrun"] = _run(tmp / "horovodrun", "horovodrun", python=str(HVD_PY),
                                    TFDIST_BACKEND="horovod")
-    if _MPIRUN:  # auto: Horovod under mpirun without MASTER_ADDR
+    if _MPIRUN and FULL_MATRIX:  # auto: Horovod under mpirun without MASTER_ADDR
         found["mpirun"] = _run(tmp / "mpirun", "mpirun", python=str(HVD_PY),
                                TFDIST_BACKEND="auto", OMPI_ALLOW_RUN_AS_ROOT="1",
                                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -122,7 +124,16 @@ CASES = {  # run: (backend, launcher, collective)
 }
 
 
+# horovodrun and mpirun with torch: in the full matrix only (tests/helpers.py). make test runs
+# Horovod's torch backend under tfdist launch here, horovodrun and mpirun with TensorFlow in
+# test_horovod.py, and torch under srun --mpi in test_slurm_horovod.py.
+FULL_ONLY = {"horovodrun", "mpirun"}
+
+
 def _case(runs: dict, name: str) -> list[dict]:
+    if name in FULL_ONLY and not FULL_MATRIX:
+        pytest.skip("in the full matrix only (make test-full); in make test, Horovod's torch "
+                    "backend runs under tfdist launch, and horovodrun and mpirun with TensorFlow")
     if name not in runs:
         pytest.skip(_NO_HOROVOD or "mpirun or Horovod's MPI is missing: Open MPI comes from "
                     "`make system` (as root), then `make venv-horovod` builds Horovod with it")
