@@ -17,8 +17,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import (HOROVOD_PYTHON, ROOT, WORKERS, clean_env, full_matrix_only, require,
-                     tensorboard_logs)
+from helpers import (
+    HOROVOD_PYTHON,
+    ROOT,
+    WORKERS,
+    clean_env,
+    full_matrix_only,
+    require,
+    tensorboard_logs,
+)
 
 WORKER = str(WORKERS / "keras_traps_worker.py")
 HVD_PY = HOROVOD_PYTHON

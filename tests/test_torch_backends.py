@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import (EXAMPLE_NEEDS, FULL_MATRIX, HOROVOD_PYTHON, ROOT, WORKERS, clean_env,
-                     require)
+from helpers import EXAMPLE_NEEDS, FULL_MATRIX, HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
 
 pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (requirements/deepspeed.txt)")
