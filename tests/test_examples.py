@@ -58,6 +58,8 @@ def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
 
 
 @needs_data
+@full_matrix_only("tf_keras's model_dir saves from the chief in the Keras-traps launch under "
+                  "Horovod, Keras 2's under MWMS in the TensorFlow 2.15 lane's")
 def test_tf_keras_with_a_model_dir_saves_from_the_chief_without_breaking_the_others(tmp_path):
     # The chief's checkpoint once ran a metric all-reduce the others never joined, and the
     # job died at the start of epoch 2; every rank now runs the save, only the chief's lands.

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_NEEDS, require
+from helpers import EXAMPLE_NEEDS, full_matrix_only, require
 from slurm_jobs import ROOT, TWO_NODES, RenderedJob, cluster_config, final_weights, run_rendered
 from slurmtest import SlurmCluster
 
@@ -289,6 +289,8 @@ def test_srun_job_meets_at_the_first_node_derived_port_and_trains_in_sync(
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
+@full_matrix_only("DeepSpeed trains what DDP trains under tfdist launch and torchrun "
+                  "(test_torch_backends.py), and the DDP srun job meets over srun here")
 def test_deepspeed_srun_job_trains_what_the_ddp_srun_job_trains(
         slurm_cluster: SlurmCluster, srun_job: tuple[RenderedJob, str]) -> None:
     pytest.importorskip("deepspeed",

@@ -25,7 +25,16 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_NEEDS, ROOT, WORKERS, clean_env, final_weights, load_weights, needs
+from helpers import (
+    EXAMPLE_NEEDS,
+    ROOT,
+    WORKERS,
+    clean_env,
+    final_weights,
+    full_matrix_only,
+    load_weights,
+    needs,
+)
 
 import tfdist.datasets
 from tfdist.env import detect, slurm
@@ -606,6 +615,8 @@ def test_example_on_two_workers_with_the_keras_flags(tmp_path):
 
 @pytest.mark.multiprocess
 @needs_example
+@full_matrix_only("torchrun starts the bit-identical run, and the example trains under "
+                  "tfdist launch and in one plain process")
 def test_example_under_torchrun(tmp_path):
     run = _torchrun([EXAMPLE, "--epochs=5"])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
