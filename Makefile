@@ -101,13 +101,14 @@ TF215_TESTS := tests/test_keras_compat.py tests/test_keras_traps.py tests/test_q
 	tests/test_preemption.py::test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_masks \
 	tests/test_mirrored.py::test_auto_mirrors_one_process_over_its_devices \
 	tests/test_mirrored.py::test_two_replicas_train_as_one_with_the_same_global_batch \
-	tests/test_examples.py::test_two_workers_train_the_digits_from_a_flagfile \
 	tests/test_resolver.py \
 	tests/test_scaling.py::test_the_plot_draws_the_reports_points
 TF215_SELECT := not tf_keras and not horovod
-# The lane's part of `make test-full` only: the bit-identical 2-worker runs and the sync check,
-# whose TensorFlow 2.15 collectives the Keras-traps launch and the preemption cases above use too.
-TF215_FULL_TESTS := tests/test_multiworker.py tests/test_sync.py
+# The lane's part of `make test-full` only: the bit-identical 2-worker runs, the sync check and
+# the example from a flagfile, whose TensorFlow 2.15 collectives and training the Keras-traps
+# launch and the preemption cases above run too.
+TF215_FULL_TESTS := tests/test_multiworker.py tests/test_sync.py \
+	tests/test_examples.py::test_two_workers_train_the_digits_from_a_flagfile
 
 # The three environments at once: their pip installs overlap the two Horovod compiles.
 envs:

@@ -41,6 +41,7 @@ from helpers import (
     ROOT,
     WORKERS,
     clean_env,
+    full_matrix_only,
     load_weights,
     needs,
     port_block,
@@ -217,6 +218,8 @@ def test_keras_train_example_with_horovod_backend():
 
 @needs(*EXAMPLE_NEEDS["custom_loop.py"], python=HVD_PY)
 @needs(*EXAMPLE_NEEDS["custom_loop.py"])
+@full_matrix_only("the example trains and resumes under MWMS in test_examples.py, and custom "
+                  "loops train bit-identical under Horovod in this module's covering runs")
 def test_custom_loop_example_same_loop_under_mwms_and_horovod():
     """The same script: MWMS in .venv (TF 2.21), Horovod in .venv-horovod (TF 2.18)."""
     flags = ["--epochs=5", "--learning_rate=0.002"]

@@ -439,6 +439,12 @@ def test_a_loss_object_called_in_a_custom_step_trains_and_logs_as_one_process(ru
     # values are averaged, a mean one process's)
     if run.backend == "mwms" and not run.results[0]["keras3"]:
         assert "LossObject's own train_step" not in run.job.stdout, run.job.stdout[-3000:]
+    # Beside it (own_mean), a train_step's own mean over the rows: its gradient, summed over
+    # MWMS's replicas, is scaled by tfdist (said once); Horovod averages it
+    said = "a train_step of yours takes gradients of a loss it averages over the rows itself"
+    assert run.job.stdout.count(said) == (1 if run.backend == "mwms" else 0), (
+        run.job.stdout[-3000:])
+    assert said not in alone["stdout"]
 
 
 def test_a_metric_whose_state_does_not_add_is_named_once(run, alone):

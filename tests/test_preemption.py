@@ -692,7 +692,10 @@ TORCH_STOPS = {
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stop", sorted(TORCH_STOPS))
+@pytest.mark.parametrize("stop", [pytest.param(stop, marks=full_matrix_only(
+    "the torch shim's ranks agree on a signal's stop and resume bit-identical, and the "
+    "walltime guard stops MWMS's and JAX's ranks")) if stop == "walltime" else stop
+    for stop in sorted(TORCH_STOPS)])
 def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path, stop):
     pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
     worker = str(WORKERS / "torch_preempt_worker.py")

@@ -180,6 +180,8 @@ def torchrun_job(slurm_cluster: SlurmCluster) -> tuple[RenderedJob, str]:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
+@full_matrix_only("torch meets over srun in the DDP job here, torchrun starts bit-identical "
+                  "ranks in test_torch.py, and test_jobs.py renders the torchrun script")
 def test_torchrun_script_is_one_torchrun_per_node_meeting_on_the_first(
         torchrun_job: tuple[RenderedJob, str]) -> None:
     job, text = torchrun_job

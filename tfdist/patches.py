@@ -248,14 +248,16 @@ INVENTORY: tuple[Patch, ...] = (
           lambda w: w.keras3 and w.backend.framework == TF and not w.backend.horovod
           and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras2-loss-objects", "tf_keras.src.losses.Loss.__call__/_get_reduction, "
-          "tf_keras.src.metrics.base_metric.Reduce.update_state",
+          "tf_keras.src.metrics.base_metric.Reduce.update_state, "
+          "tensorflow.GradientTape.gradient",
           "tfdist.keras.loss_scaling:install_keras2_loss_objects",
           "tf_keras under MWMS on several workers or MirroredStrategy",
           "tf_keras refuses a keras.losses object with its default reduction called outside "
           "compile under any strategy (a custom train_step's loss: the DCGAN, distillation): "
           "computes it as Keras 3 does, the replica's mean over the replicas (the summed "
           "gradient is the global batch's mean), and a Mean or Sum tracker fed that very "
-          "tensor gets the unscaled mean",
+          "tensor gets the unscaled mean. A custom train_step's gradient of a mean of its "
+          "own over the rows (the VAE) is divided by the replicas in fit's step",
           lambda w: not w.keras3 and w.backend.framework == TF and not w.backend.horovod
           and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"

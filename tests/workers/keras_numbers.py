@@ -198,10 +198,38 @@ def _loss_object(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
     with dist.scope():
         model.own_optimizer = keras.optimizers.SGD(0.1)  # a GAN's own, beside compile's
     history = model.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=EPOCHS, verbose=0)
-    return {"history": _history(history),
-            # the trainable ones: a tracker's state, also a weight on tf_keras, is per rank
-            "weights": _numbers(np.concatenate([np.ravel(w.numpy())
-                                                for w in model.trainable_weights]))}
+
+    class OwnMean(keras.Model):
+        """Its train_step averages its loss over the rows itself (the VAE's, WGAN-GP's shape:
+        no loss object, no compute_loss) and applies the gradients."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.tracked = keras.metrics.Mean(name="tracked")
+
+        @property
+        def metrics(self) -> list[Any]:
+            return [self.tracked]
+
+        def train_step(self, data: Any) -> Any:
+            x, y = data
+            with tf.GradientTape() as tape:
+                errors = keras.losses.binary_crossentropy(y[:, None], self(x, training=True))
+                loss = tf.reduce_mean(errors)
+            variables = self.trainable_variables
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))  # noqa: B905
+            self.tracked.update_state(loss)
+            return {"tracked": self.tracked.result()}
+
+    own = _model(dist, keras, OwnMean)
+    own_history = own.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=EPOCHS, verbose=0)
+    return {"history": _history(history), "weights": _trainable(model),
+            "own_mean": {"history": _history(own_history), "weights": _trainable(own)}}
+
+
+def _trainable(model: Any) -> Any:
+    """The trainable weights (a tracker's state, also a weight on tf_keras, is per rank)."""
+    return _numbers(np.concatenate([np.ravel(w.numpy()) for w in model.trainable_weights]))
 
 
 def _own_metric(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:

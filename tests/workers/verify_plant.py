@@ -5,8 +5,10 @@ show:
 
 - unset: correct: the loss is averaged over the global batch (``compute_average_loss``), and
   the logged value is unscaled (times the replicas);
-- ``double``: the loss is the replica's own mean, one number for its rows: the replicas' sum
-  doubles the gradient on 2 replicas;
+- ``double``: the loss is the replica's own mean, one number for its rows, written as its sum
+  over its rows divided by their count (which tfdist cannot tell from a sum that is right as
+  it is, so it does not scale it as it scales a ``tf.reduce_mean`` of a step's own): the
+  replicas' sum doubles the gradient on 2 replicas;
 - ``half``: the logged value is the scaled loss: half of one process's on 2 replicas.
 """
 
@@ -34,7 +36,8 @@ class Regression(keras.Model):
         with tf.GradientTape() as tape:
             per_example = tf.reduce_mean(tf.square(self(features, training=True) - target), -1)
             if PLANT == "double":
-                loss = tf.reduce_mean(per_example)
+                rows = tf.cast(tf.shape(per_example)[0], per_example.dtype)
+                loss = tf.reduce_sum(per_example) / rows
             else:
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
         grads = tape.gradient(loss, self.trainable_variables)

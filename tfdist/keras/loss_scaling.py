@@ -41,7 +41,10 @@ measured on 2 MWMS workers against one process with the same global batch:
   the loss to the reductions over the rows: only means of the script's own, and the gradients
   are scaled by the replica's share of the rows (one line says so); a sum over the rows
   (``tf.nn.compute_average_loss``), a mean the script divides by the replicas itself, or a
-  loss Keras scaled is left alone; a mean beside one of those is named in one warning.
+  loss Keras scaled is left alone; a mean beside one of those is named in one warning. On
+  tf_keras (patch ``keras2-loss-objects``) fit's step divides such gradients by the replicas
+  (tf_keras weighs an uneven split 1:1 anyway); a loop of the script's own (``strategy.run``)
+  is only named: TensorFlow's guides scale that loss by hand (``tf.nn.compute_average_loss``).
 
 Installed (patch ``keras3-loss-scaling``) under MWMS over several workers on Keras 3.
 
@@ -80,6 +83,7 @@ _warned: set[str] = set()
 # reduces their values on the caller's).
 _keras2_made: dict[str, Any] = {"graph": None, "made": {}}
 _keras2_lock = threading.Lock()
+_keras2_installed = False  # patch keras2-loss-objects is: Keras 2's fit steps are known by name
 
 
 def _made() -> dict[Any, Any]:
@@ -340,18 +344,24 @@ def _hand_reduced_scaled(original: Any) -> Any:
     @functools.wraps(original)
     def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
         grads = original(self, target, sources, *args, **kwargs)
-        share = getattr(_local, "share", None)
-        if share is None or not _all_variables(sources):
-            return grads
         import tensorflow as tf
 
         context = tf.distribute.get_replica_context()
-        replicas = context.num_replicas_in_sync if context is not None else 1
+        if (context is None or context.num_replicas_in_sync < 2 or tf.executing_eagerly()
+                or not _all_variables(sources)):
+            return grads
+        replicas = context.num_replicas_in_sync
+        share = getattr(_local, "share", None)
+        if share is None and _in_keras2_fit():  # tf_keras: an even split assumed
+            share = tf.constant(1.0 / replicas)
         reduction = _batch_reduction(target, getattr(_local, "rows", None), replicas,
                                      set(_made()) | set(_keras2_made["made"]))
         if reduction in _TOLD:
             _warn_once(reduction, _TOLD[reduction])
         if reduction != "mean":
+            return grads
+        if share is None:  # a loop of the script's own (strategy.run): named, left as it is
+            _warn_once("loop-mean", _LOOP_MEAN)
             return grads
         _warn_once("hand-mean", _HAND_MEAN)
 
@@ -369,6 +379,20 @@ def _hand_reduced_scaled(original: Any) -> Any:
     return gradient
 
 
+def _in_keras2_fit() -> bool:
+    """Whether the graph being traced is Keras 2's fit step (its ``train_function``), where
+    patch ``keras2-loss-objects`` is installed."""
+    import tensorflow as tf
+
+    name = str(getattr(tf.compat.v1.get_default_graph(), "name", ""))
+    return _keras2_installed and name.startswith("train_function")
+
+
+_LOOP_MEAN = (
+    "tfdist: a training loop of yours (strategy.run) takes gradients of a loss it averages "
+    "over each replica's rows itself: the optimizer sums the %d replicas' gradients, %d times "
+    "one process's step. Fix: tf.nn.compute_average_loss(per_example_loss, "
+    "global_batch_size=...) (or divide the mean by dist.num_replicas)")
 _HAND_MEAN = (
     "tfdist: a train_step of yours takes gradients of a loss it averages over the rows itself "
     "(a mean of its own, not a keras.losses object or compute_loss): each of the %d replicas "
@@ -405,11 +429,10 @@ def _warn_once(key: str, message: str) -> None:
 def _all_variables(sources: Any) -> bool:
     """Whether every source is a variable (a gradient for an optimizer), not a tensor (a
     gradient penalty's gradient w.r.t. the inputs is left as it is)."""
-    import keras
     import tensorflow as tf
 
-    flat = tf.nest.flatten(sources, expand_composites=False)
-    return bool(flat) and all(isinstance(s, (tf.Variable, keras.Variable)) for s in flat)
+    flat = tf.nest.flatten(sources, expand_composites=False)  # a Keras 3 variable: assign too
+    return bool(flat) and all(isinstance(s, tf.Variable) or hasattr(s, "assign") for s in flat)
 
 
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
@@ -540,11 +563,16 @@ def install_keras2_loss_objects(where: Where, dist: Any) -> None:
     MirroredStrategy; once)."""
     from tfdist.keras.versions import keras2_module
 
+    global _keras2_installed
     losses = keras2_module("losses")
+    _keras2_installed = True
     patches.apply("keras2-loss-objects", losses.Loss, "__call__", _keras2_scaled)
     patches.apply("keras2-loss-objects", losses.Loss, "_get_reduction", _keras2_allowed)
     patches.apply("keras2-loss-objects", keras2_module("metrics.base_metric").Reduce,
                   "update_state", _metric_unscaled)
+    import tensorflow as tf
+
+    patches.apply("keras2-loss-objects", tf.GradientTape, "gradient", _hand_reduced_scaled)
 
 
 def _keras2_refuses(loss: Any) -> bool:
