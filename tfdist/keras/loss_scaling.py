@@ -339,7 +339,8 @@ def _hand_reduced_scaled(original: Any) -> Any:
     batch's rows, as Keras scales its own losses: their sum is then one process's. A loss that
     sums over the rows (``tf.nn.compute_average_loss`` divides such a sum by the global batch)
     is right as it is and left alone; a loss that mixes a Keras-scaled part with a mean of its
-    own is named in one warning."""
+    own is named in one warning. tf_keras's fit step (no rows known) scales by 1/N; a loop of
+    the script's own (``strategy.run`` outside fit) is named, not changed."""
 
     @functools.wraps(original)
     def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
@@ -401,15 +402,15 @@ _HAND_MEAN = (
     "Keras scales its own losses, so the step is one process's; a step that already divides "
     "its loss by the replicas must stop doing so")
 _MIXED = (
-    "tfdist: a train_step of yours takes gradients of a loss that adds a mean of its own to a "
-    "part already scaled for the replicas (a keras.losses object's or compute_loss's value, or "
+    "tfdist: a training step of yours takes gradients of a loss that adds a mean of its own to "
+    "a part already scaled for the replicas (a keras.losses object's or compute_loss's value, or "
     "a mean it divides by the replicas): the optimizer sums the %d replicas' gradients, right "
     "for the scaled part, %d times one process's for the mean. Fix: compute the whole loss "
     "with keras.losses objects or self.compute_loss, or divide each mean of your own by "
     "dist.num_replicas")
 _MEAN_AND_SUM = (
-    "tfdist: a train_step of yours takes gradients of a loss that adds a mean over the rows to "
-    "a sum over the rows: the optimizer sums the %d replicas' gradients, right for the sum, "
+    "tfdist: a training step of yours takes gradients of a loss that adds a mean over the rows "
+    "to a sum over the rows: the optimizer sums the %d replicas' gradients, right for the sum, "
     "%d times one process's for the mean. Fix: divide the mean by dist.num_replicas, or "
     "compute the loss with keras.losses objects or self.compute_loss")
 _TOLD = {"mixed": _MIXED, "mean and sum": _MEAN_AND_SUM}
