@@ -347,6 +347,8 @@ TORCH_EXAMPLE = ROOT / "examples" / "torch_train.py"
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
+@full_matrix_only("torch's Horovod backend trains under tfdist launch (test_torch_backends.py), "
+                  "and Horovod meets over srun --mpi=pmix in the TensorFlow job here")
 def test_torch_horovod_job_over_srun_mpi_trains_in_sync(slurm_cluster: SlurmCluster,
                                                         data_dir: Path) -> None:
     # examples/torch_train.py as `tfdist job --backend torch-horovod` renders it: horovod.torch
