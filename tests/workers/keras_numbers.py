@@ -199,17 +199,9 @@ def _loss_object(dist: Any, keras: Any, tf: Any) -> dict[str, Any]:
         model.own_optimizer = keras.optimizers.SGD(0.1)  # a GAN's own, beside compile's
     history = model.fit(dist.shard(dataset.batch(GLOBAL_BATCH)), epochs=EPOCHS, verbose=0)
 
-    class OwnMean(keras.Model):
+    class OwnMean(LossObject):
         """Its train_step averages its loss over the rows itself (the VAE's, WGAN-GP's shape:
-        no loss object, no compute_loss) and applies the gradients."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.tracked = keras.metrics.Mean(name="tracked")
-
-        @property
-        def metrics(self) -> list[Any]:
-            return [self.tracked]
+        no loss object, no compute_loss) and applies the gradients with compile's optimizer."""
 
         def train_step(self, data: Any) -> Any:
             x, y = data
