@@ -86,9 +86,6 @@ def runs(tmp_path_factory):
     found = {
         "ddp": _run(tmp / "ddp", "tfdist-launch", TFDIST_BACKEND="ddp"),
         "deepspeed": _run(tmp / "deepspeed", "tfdist-launch", TFDIST_BACKEND="deepspeed"),
-        "deepspeed torchrun stage 1": _run(
-            tmp / "deepspeed-torchrun", "torchrun", TFDIST_BACKEND="deepspeed",
-            TFDIST_DEEPSPEED_CONFIG='{"zero_optimization": {"stage": 1}}'),
         "deepspeed stage 3": _run(
             tmp / "deepspeed-stage3", "tfdist-launch", TFDIST_BACKEND="deepspeed",
             TFDIST_DEEPSPEED_CONFIG=json.dumps({"zero_optimization": {
@@ -96,6 +93,10 @@ def runs(tmp_path_factory):
             LOADER_AFTER_WRAP="1"),
         "control": _run(tmp / "control", "tfdist-launch", "control"),
     }
+    if FULL_MATRIX:
+        found["deepspeed torchrun stage 1"] = _run(
+            tmp / "deepspeed-torchrun", "torchrun", TFDIST_BACKEND="deepspeed",
+            TFDIST_DEEPSPEED_CONFIG='{"zero_optimization": {"stage": 1}}')
     if _NO_HOROVOD is None:
         found["horovod"] = _run(tmp / "horovod", "tfdist-launch-horovod", python=str(HVD_PY))
     if _NO_HOROVOD is None and FULL_MATRIX:
@@ -123,16 +124,21 @@ CASES = {  # run: (backend, launcher, collective)
 }
 
 
-# horovodrun and mpirun with torch: in the full matrix only (tests/helpers.py). make test runs
-# Horovod's torch backend under tfdist launch here, horovodrun and mpirun with TensorFlow in
-# test_horovod.py, and torch under srun --mpi in test_slurm_horovod.py.
-FULL_ONLY = {"horovodrun", "mpirun"}
+# In the full matrix only (tests/helpers.py), with what runs their mechanism in make test.
+FULL_ONLY = {
+    "horovodrun": "Horovod's torch backend under tfdist launch here, horovodrun with TensorFlow "
+                  "in test_horovod.py",
+    "mpirun": "Horovod's torch backend under tfdist launch here, mpirun with TensorFlow in "
+              "test_horovod.py",
+    "deepspeed torchrun stage 1": "DeepSpeed at stage 2 and 3 under tfdist launch here, DDP "
+                                  "under torchrun in test_torch.py, the stage merged from "
+                                  "TFDIST_DEEPSPEED_CONFIG below",
+}
 
 
 def _case(runs: dict, name: str) -> list[dict]:
     if name in FULL_ONLY and not FULL_MATRIX:
-        pytest.skip("in the full matrix only (make test-full); in make test, Horovod's torch "
-                    "backend runs under tfdist launch, and horovodrun and mpirun with TensorFlow")
+        pytest.skip(f"in the full matrix only (make test-full); in make test, {FULL_ONLY[name]}")
     if name not in runs:
         pytest.skip(_NO_HOROVOD or "mpirun or Horovod's MPI is missing: Open MPI comes from "
                     "`make system` (as root), then `make venv-horovod` builds Horovod with it")
