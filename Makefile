@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine (see README):
 #   make train   trains examples/keras_train.py on 2 local workers (offline digits data)
-#   make test    installs the system packages (as root), builds the three environments at once,
+#   make test    installs the system packages (as root), builds the four environments at once,
 #                runs ruff, mypy and every test; the tests start their own Slurm cluster. It
 #                ends with a table of where the time went (tools/timed.py; the figures are
 #                kept in .test-times/).
@@ -20,6 +20,9 @@ HVD_STAMP := $(HVD_VENV)/.tfdist-installed
 # The TensorFlow 2.15 lane: TensorFlow 2.15.1 (tf.keras is Keras 2); no Horovod (see TF215_TESTS).
 TF215_VENV := .venv-tf215
 TF215_STAMP := $(TF215_VENV)/.tfdist-installed
+# The TensorFlow 2.22 lane: its release candidate as the full wheel, with the Keras it requires.
+TF222_VENV := .venv-tf222
+TF222_STAMP := $(TF222_VENV)/.tfdist-installed
 MODEL_DIR ?= runs/keras_train
 # Each step of `make test` and of the environments' builds is timed into $(TIMES).
 TIMES := .test-times
@@ -32,7 +35,7 @@ XDIST ?= -n 2 --dist loadgroup
 # The editable installs of tfdist write tfdist.egg-info in the checkout: one at a time.
 EDITABLE_LOCK := flock $(CURDIR)/.editable.lock
 
-.PHONY: system venv venv-horovod venv-tf215 envs train test test-full test-steps lint clean
+.PHONY: system venv venv-horovod venv-tf215 venv-tf222 envs train test test-full test-steps lint clean
 
 system:
 	bash tools/system-packages.sh
@@ -76,6 +79,17 @@ $(TF215_STAMP): requirements/bootstrap.txt requirements/tf215.txt requirements/t
 		--no-build-isolation -e .
 	touch $@
 
+venv-tf222: $(TF222_STAMP)
+
+$(TF222_STAMP): requirements/bootstrap.txt requirements/tf222.txt setup.cfg
+	$(TIMED) $(TF222_VENV) -- bash -c 'test -x $(TF222_VENV)/bin/python || $(PYTHON) -m venv $(TF222_VENV)'
+	$(TIMED) $(TF222_VENV) -- $(TF222_VENV)/bin/python -m pip install --quiet \
+		--disable-pip-version-check -r requirements/bootstrap.txt
+	$(TIMED) $(TF222_VENV) -- $(TF222_VENV)/bin/pip install --quiet -r requirements/tf222.txt
+	$(TIMED) $(TF222_VENV) -- $(EDITABLE_LOCK) $(TF222_VENV)/bin/pip install --quiet --no-deps \
+		--no-build-isolation -e .
+	touch $@
+
 train: $(STAMP)
 	$(BIN)/tfdist launch -n 2 examples/keras_train.py --epochs=8 --batch_size=64 \
 		--scale_lr --model_dir=$(MODEL_DIR) --data_dir=$(CURDIR)/.cache/tensorflow_datasets
@@ -112,9 +126,17 @@ TF215_FULL_TESTS := tests/test_multiworker.py tests/test_sync.py \
 	tests/test_examples.py::test_two_workers_train_the_digits_from_a_flagfile \
 	"tests/test_preemption.py::test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes[mwms-keras3]"
 
-# The three environments at once: their pip installs overlap the two Horovod compiles.
+# The TensorFlow 2.22 lane (the release candidate; the release when it is out): the example on
+# 2 workers and the tests of what a TensorFlow or Keras release changes: the Keras internals
+# tfdist patches (test_keras_compat.py, and the Keras-traps launch against one process), the
+# start-up lines it hides (test_quiet.py) and the resolver (test_resolver.py).
+TF222_TESTS := tests/test_keras_compat.py tests/test_quiet.py tests/test_resolver.py \
+	tests/test_examples.py::test_two_workers_train_the_digits_from_a_flagfile
+TF222_SELECT := not tf_keras and not horovod
+
+# The four environments at once: their pip installs overlap the Horovod compile.
 envs:
-	$(MAKE) --no-print-directory -j3 venv venv-horovod venv-tf215
+	$(MAKE) --no-print-directory -j4 venv venv-horovod venv-tf215 venv-tf222
 
 # make test: the steps below, then the table of their times (also when a step failed).
 test:
@@ -136,6 +158,8 @@ test-steps:
 	$(TIMED) "pytest $(VENV)" -- $(BIN)/python -m pytest $(XDIST) --junitxml=$(TIMES)/venv.xml
 	$(TIMED) "pytest $(TF215_VENV)" -- $(TF215_VENV)/bin/python -m pytest $(XDIST) \
 		--junitxml=$(TIMES)/venv-tf215.xml -k '$(TF215_SELECT)' $(TF215_TESTS)
+	$(TIMED) "pytest $(TF222_VENV)" -- $(TF222_VENV)/bin/python -m pytest $(XDIST) \
+		--junitxml=$(TIMES)/venv-tf222.xml -k '$(TF222_SELECT)' $(TF222_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check tfdist examples tests benchmarks
@@ -143,5 +167,5 @@ lint: $(STAMP)
 	bash tools/shellcheck.sh
 
 clean:
-	rm -rf $(VENV) $(HVD_VENV) $(TF215_VENV) runs .cache .pytest_cache .mypy_cache .ruff_cache \
+	rm -rf $(VENV) $(HVD_VENV) $(TF215_VENV) $(TF222_VENV) runs .cache .pytest_cache .mypy_cache .ruff_cache \
 		$(TIMES) .editable.lock

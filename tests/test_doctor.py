@@ -144,10 +144,10 @@ CASES = {
     "TensorFlow 2.13 from a site's module": (
         [_report(r, versions={**VERSIONS, "tensorflow": "2.13.1"}) for r in range(2)],
         [("warning", None, "TensorFlow 2.13.1 is older than the oldest release tfdist is "
-                           "tested on (2.15 to 2.21)")]),
+                           "tested on (2.15 to 2.22)")]),
     "a TensorFlow newer than tested": (
-        [_report(0, versions={**VERSIONS, "tensorflow": "2.22.0rc1"})],
-        [("warning", None, "TensorFlow 2.22.0rc1 is newer than the newest release")]),
+        [_report(0, versions={**VERSIONS, "tensorflow": "2.23.0rc1"})],
+        [("warning", None, "TensorFlow 2.23.0rc1 is newer than the newest release")]),
     "the oldest tested TensorFlow": (
         [_report(0, versions={**VERSIONS, "tensorflow": "2.15.1"})], []),
     "an old TensorFlow beside a torch job": (
@@ -172,11 +172,12 @@ def test_checks(case):
 def test_the_tested_tensorflow_range_is_the_lanes_pins():
     def pinned(lane: str) -> tuple[int, ...]:
         text = (ROOT / "requirements" / lane).read_text()
-        version = re.search(r"^tensorflow[-_]cpu==(\d+)\.(\d+)", text, re.M)
+        version = re.search(r"^tensorflow(?:[-_]cpu)?==(\d+)\.(\d+)", text, re.M)
         assert version, lane
         return tuple(map(int, version.groups()))
 
-    assert (pinned("tf215.txt"), pinned("test.txt")) == TESTED_TENSORFLOW
+    assert (pinned("tf215.txt"), pinned("tf222.txt")) == TESTED_TENSORFLOW
+    assert TESTED_TENSORFLOW[0] <= pinned("test.txt") <= TESTED_TENSORFLOW[1]
 
 
 FRAMEWORKS = {

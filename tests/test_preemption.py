@@ -509,7 +509,9 @@ HARD_KILLS = {
 }
 HARD_KILLS_FULL_ONLY = {
     "epoch-end-horovod-keras3": "the exact state of an epoch's end resumes on MWMS, and "
-                                "Horovod's resume from a safety save on tf_keras",
+                                "Horovod's resume after a signal",
+    "safety-saves-horovod-tf_keras": "safety saves resume on MWMS (tf_keras) and JAX, and "
+                                     "Horovod's ranks agree on a stop and resume after a signal",
 }
 
 

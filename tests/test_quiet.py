@@ -3,7 +3,6 @@ hiding them loses nothing else, not even the output of a process that crashes.""
 
 from __future__ import annotations
 
-import importlib.metadata
 import subprocess
 import sys
 import textwrap
@@ -14,11 +13,12 @@ from helpers import clean_env
 
 from tfdist import quiet
 from tfdist.errors import ConfigError
+from tfdist.keras.versions import running
 
 ROOT = Path(__file__).resolve().parent.parent
 # The user's script below runs on this Python's tf.keras: Keras 3 (weighs replicas by their
 # rows under tfdist) or TensorFlow 2.15's Keras 2 (its lane of `make test`).
-_KERAS3 = importlib.metadata.version("keras").startswith("3.")
+_KERAS3 = running()["keras"].startswith("3.")
 
 NOISE_LINES = {
     "absl pre-init": "WARNING: All log messages before absl::InitializeLog() is called are "
@@ -80,6 +80,47 @@ KEPT_LINES = {
 @pytest.mark.parametrize("case", sorted(NOISE_LINES))
 def test_start_up_noise_is_recognised(case):
     assert quiet.is_noise(NOISE_LINES[case])
+
+
+# A GPU build of TensorFlow 2.22 on a node without NVIDIA devices (seen with 2.22.0rc0): noise
+# there, a problem worth its line where the node has GPUs.
+NOISE_WITHOUT_GPUS = {
+    "no driver, TF 2.22": "I0000 00:00:1795968044.172791    9459 cudart_stub.cc:31] Could not "
+                          "find cuda drivers on your machine, GPU will not be used.",
+    "cuInit, TF 2.22": "E0000 00:00:1795968048.872719    9459 cuda_platform.cc:57] failed call "
+                       "to cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR "
+                       "(303)",
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOISE_WITHOUT_GPUS))
+def test_a_gpu_builds_lines_are_noise_only_on_a_node_without_gpus(case):
+    assert quiet.is_noise(NOISE_WITHOUT_GPUS[case], without_gpus=True)
+    assert not quiet.is_noise(NOISE_WITHOUT_GPUS[case])
+    assert quiet.Noise(without_gpus=True).drops(NOISE_WITHOUT_GPUS[case])
+    assert not quiet.Noise(without_gpus=False).drops(NOISE_WITHOUT_GPUS[case])
+
+
+_TRACE = ["=== Source Location Trace: === ", "external/xla/xla/stream_executor/cuda/"
+          "cuda_status.cc:50", ""]
+STREAMS = {
+    # name: (lines in order, the lines kept, on a node without GPUs)
+    "cuInit's trace goes with it": (
+        [NOISE_WITHOUT_GPUS["cuInit, TF 2.22"], *_TRACE, "[]", ""], ["[]", ""]),
+    "a trace after a kept error stays": (
+        [KEPT_LINES["a TensorFlow error"], *_TRACE], [KEPT_LINES["a TensorFlow error"], *_TRACE]),
+    "a blank line after other noise stays": (
+        [NOISE_LINES["cpu feature guard"], NOISE_LINES["its second line"], ""], [""]),
+    "the trace ends at its blank line": (
+        [NOISE_WITHOUT_GPUS["cuInit, TF 2.22"], *_TRACE, "a.cc:1"], ["a.cc:1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAMS))
+def test_the_noise_of_a_stream(case):
+    lines, kept = STREAMS[case]
+    noise = quiet.Noise(without_gpus=True)
+    assert [line for line in lines if not noise.drops(line)] == kept
 
 
 @pytest.mark.parametrize("case", sorted(KEPT_LINES))
@@ -153,9 +194,11 @@ def test_init_hides_tensorflows_start_up_lines_and_keeps_the_rest():
     for run in (quiet_run, loud_run):
         assert "sum 2" in run.stdout
         assert "a line of mine on stderr" in run.stderr
-    # The control: TensorFlow does print its start-up lines here, and only tfdist hides them.
-    assert any(quiet.is_noise(line) for line in loud_run.stderr.splitlines()), loud_run.stderr
-    assert not [line for line in quiet_run.stderr.splitlines() if quiet.is_noise(line)], (
+    # The control: TensorFlow does print its start-up lines here, and only tfdist hides them
+    # (this node's: a GPU build's on a node without GPUs too).
+    loud, still = quiet.Noise(), quiet.Noise()
+    assert any(loud.drops(line) for line in loud_run.stderr.splitlines()), loud_run.stderr
+    assert not [line for line in quiet_run.stderr.splitlines() if still.drops(line)], (
         quiet_run.stderr)
 
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from tfdist.settings import resolve
 
-__all__ = ["NOISE", "filtered_stderr", "import_tensorflow", "is_noise", "quiet_env",
-           "quiet_other_ranks", "wanted"]
+__all__ = ["NOISE", "NOISE_WITHOUT_GPUS", "Noise", "filtered_stderr", "import_tensorflow",
+           "is_noise", "quiet_env", "quiet_other_ranks", "wanted"]
 
 logger = logging.getLogger("tfdist")
 
@@ -61,10 +61,54 @@ NOISE = (
 )
 
 
-def is_noise(line: str) -> bool:
-    """Whether ``line`` (without its newline) is one of TensorFlow's start-up lines (pure)."""
+# A GPU build of TensorFlow on a node without NVIDIA devices, from TensorFlow 2.22 on: at import
+# (at INFO, whatever TF_CPP_MIN_LOG_LEVEL says) and at the first device query (an error, with its
+# status's source trace below it). On a node with GPU device files the same lines say something
+# is wrong (no driver loaded, no device usable): there they stay.
+NOISE_WITHOUT_GPUS = (
+    re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not "
+               r"be used\.$"),
+    re.compile(r"cuda_platform\.cc:\d+\] failed call to cuInit: .*\(303\)$"),
+)
+# The noise whose status's source trace follows it, and the trace's lines (up to a blank line).
+_TRACED = (NOISE_WITHOUT_GPUS[1],)
+_TRACE = (re.compile(r"^=== Source Location Trace: ===\s*$"),
+          re.compile(r"^\s*[\w./+-]+:\d+\s*$"), re.compile(r"^\s*$"))
+
+
+def is_noise(line: str, without_gpus: bool = False) -> bool:
+    """Whether ``line`` (without its newline) is one of TensorFlow's start-up lines (pure); with
+    ``without_gpus``, on a node without NVIDIA devices (:data:`NOISE_WITHOUT_GPUS` too)."""
     line = line.rstrip("\r\n")
-    return any(pattern.search(line) for pattern in NOISE)
+    return any(pattern.search(line) for pattern in _patterns(without_gpus))
+
+
+def _patterns(without_gpus: bool) -> tuple[re.Pattern[str], ...]:
+    return NOISE + NOISE_WITHOUT_GPUS if without_gpus else NOISE
+
+
+class Noise:
+    """The noise of one stream of lines: :func:`is_noise`, and the lines that belong to a
+    dropped one (a status's source trace after it). ``without_gpus``: see :func:`is_noise`;
+    by default this node's (:func:`tfdist.devices.node_gpus`)."""
+
+    def __init__(self, without_gpus: bool | None = None) -> None:
+        if without_gpus is None:
+            from tfdist.devices import node_gpus
+
+            without_gpus = node_gpus() == 0
+        self.patterns = _patterns(without_gpus)
+        self._in_trace = False  # the lines before were noise whose trace may go on
+
+    def drops(self, line: str) -> bool:
+        """Whether ``line`` (without its newline) is noise; call once per line, in order."""
+        line = line.rstrip("\r\n")
+        if self._in_trace and any(pattern.search(line) for pattern in _TRACE):
+            self._in_trace = bool(line.strip())  # a blank line ends the trace
+            return True
+        dropped = any(pattern.search(line) for pattern in self.patterns)
+        self._in_trace = dropped and any(pattern.search(line) for pattern in _TRACED)
+        return dropped
 
 
 def wanted(env: Mapping[str, str]) -> bool:
@@ -92,11 +136,16 @@ def quiet_env(env: Mapping[str, str]) -> dict[str, str]:
 # process that started it included, even if that one died.
 _FILTER = r"""
 import re, sys
-patterns = [re.compile(p) for p in sys.argv[1:]]
-out = sys.stderr.buffer
+noise, traced, trace = ([re.compile(p) for p in group.split("\n")] for group in sys.argv[1:4])
+out, in_trace = sys.stderr.buffer, False
 for raw in sys.stdin.buffer:
     line = raw.decode("utf-8", "replace").rstrip("\r\n")
-    if not any(p.search(line) for p in patterns):
+    if in_trace and any(p.search(line) for p in trace):
+        in_trace = bool(line.strip())
+        continue
+    dropped = any(p.search(line) for p in noise)
+    in_trace = dropped and any(p.search(line) for p in traced)
+    if not dropped:
         out.write(raw)
         out.flush()
 """
@@ -117,7 +166,9 @@ def filtered_stderr() -> Iterator[None]:
         yield
         return
     try:
-        child = subprocess.Popen([sys.executable, "-c", _FILTER, *(p.pattern for p in NOISE)],
+        groups = ["\n".join(p.pattern for p in group)
+                  for group in (Noise().patterns, _TRACED, _TRACE)]
+        child = subprocess.Popen([sys.executable, "-c", _FILTER, *groups],
                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=saved,
                                  close_fds=True)
     except OSError as error:  # no filter is better than no start
@@ -150,6 +201,10 @@ def import_tensorflow() -> Any:
     os.environ.update(quiet_env(os.environ))
     with filtered_stderr():
         import tensorflow as tf
+
+        # The first device query prints the rest of a GPU build's start-up lines (TensorFlow
+        # 2.22: cuInit's failure on a node without GPUs); it starts no runtime.
+        tf.config.list_physical_devices("GPU")
     return tf
 
 

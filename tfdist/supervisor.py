@@ -92,7 +92,7 @@ def run_workers(
 
     ``logs`` maps a rank to a binary file that also gets that worker's lines, unprefixed and
     undecoded, flushed as they arrive; the caller closes it. With ``hide_noise``, TensorFlow's
-    start-up lines (:func:`tfdist.quiet.is_noise`) reach the logs only, not ``out``. Each worker
+    start-up lines (:class:`tfdist.quiet.Noise`) reach the logs only, not ``out``. Each worker
     runs in its own session (process group). When one fails, or the launcher gets Ctrl-C or
     SIGTERM, every group gets SIGTERM, then SIGKILL after ``grace_period`` seconds; their output
     is read to the end. So they are at ``end_time`` (``time.time()``, ``--time-limit``), and the
@@ -207,22 +207,23 @@ def _pump(
 ) -> None:
     assert proc.stdout is not None
     fd, rest = proc.stdout.fileno(), b""
+    noise = quiet.Noise() if quiet_output else None
     while chunk := os.read(fd, 65536):
         lines, rest = split_lines(rest + chunk)
-        _emit(_shown(lines, quiet_output), head, lock, out or sys.stdout)
+        _emit(_shown(lines, noise), head, lock, out or sys.stdout)
         log = _log(lines, log)
         if tail is not None:
             tail.extend(line.decode("utf-8", errors="replace") for line in lines)
     rest = rest.rstrip(b"\r")
-    _emit(_shown([rest] if rest else [], quiet_output), head, lock, out or sys.stdout)
+    _emit(_shown([rest] if rest else [], noise), head, lock, out or sys.stdout)
     _log([rest] if rest else [], log)
     proc.stdout.close()
 
 
-def _shown(lines: list[bytes], quiet_output: bool) -> list[bytes]:
-    if not quiet_output:
+def _shown(lines: list[bytes], noise: quiet.Noise | None) -> list[bytes]:
+    if noise is None:
         return lines
-    return [line for line in lines if not quiet.is_noise(line.decode("utf-8", errors="replace"))]
+    return [line for line in lines if not noise.drops(line.decode("utf-8", errors="replace"))]
 
 
 def _log(lines: list[bytes], log: BinaryIO | None) -> BinaryIO | None:

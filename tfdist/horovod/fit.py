@@ -44,6 +44,7 @@ from tfdist.keras.fit_inputs import (
     warn_about_arrays,
     warn_once,
 )
+from tfdist.keras.versions import trainer_class
 
 __all__ = ["DistributedOptimizer", "callbacks", "install_horovod_fit", "is_keras3",
            "shard_arrays"]
@@ -129,9 +130,8 @@ def install_horovod_fit(where: Where, dist: Any) -> None:
     if world_size > 1:
         patches.apply("horovod-fit", model_class, "predict", _predict_hook)
     if is_keras3():
-        from keras.src.backend.tensorflow import trainer
 
-        patches.apply("horovod-fit", trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+        patches.apply("horovod-fit", trainer_class(), "_maybe_symbolic_build",
                       _build_hook)
 
 

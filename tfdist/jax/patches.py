@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
 from tfdist.keras import fit_inputs
+from tfdist.keras.versions import trainer_class
 
 if TYPE_CHECKING:
     from tfdist.patches import Where
@@ -175,7 +176,6 @@ def install_predict_every_row(where: Where, dist: Any) -> None:
     """Patch ``jax-predict-every-row``'s installer: ``predict``'s outputs of each batch,
     gathered from every process in rank order."""
     from jax.experimental import multihost_utils
-    from keras.src.backend.jax import trainer
 
     def gathered(outputs: Any) -> Any:
         import jax
@@ -202,4 +202,4 @@ def install_predict_every_row(where: Where, dist: Any) -> None:
 
         return make_predict_function
 
-    patches.apply("jax-predict-every-row", trainer.JAXTrainer, "make_predict_function", wrap)
+    patches.apply("jax-predict-every-row", trainer_class("jax"), "make_predict_function", wrap)

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
+from tfdist.keras.versions import trainer_class
 
 if TYPE_CHECKING:
     from tfdist.patches import Where
@@ -217,7 +218,6 @@ def install_mixed_keras(where: Where, dist: Any) -> None:
     :data:`MIXED_KERAS` instead of failing deep inside TensorFlow (or, under Horovod, training
     without averaging). A script that imports Keras 3 only after :func:`tfdist.init` is not
     seen (the inventory plans it where Keras 3 is imported then)."""
-    from keras.src.backend.tensorflow import trainer
 
     from tfdist.errors import ConfigError
 
@@ -229,4 +229,4 @@ def install_mixed_keras(where: Where, dist: Any) -> None:
         return refuse
 
     for name in ("fit", "evaluate", "predict"):
-        patches.apply("mixed-keras", trainer.TensorFlowTrainer, name, wrap)
+        patches.apply("mixed-keras", trainer_class(), name, wrap)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
+from tfdist.keras.versions import trainer_class
 
 if TYPE_CHECKING:
     from tfdist.patches import Where
@@ -143,9 +144,7 @@ def install(keras2: bool) -> bool:
 
             model = keras2_module("engine.training").Model
         else:
-            from keras.src.backend.tensorflow import trainer
-
-            model = trainer.TensorFlowTrainer
+            model = trainer_class()
         worker = input_lib._SingleWorkerDatasetIteratorBase
         owners = [(worker, "get_next_as_list"), (worker, "get_next_as_optional_list"),
                   (iterator_ops.OwnedIterator, "_next_internal"),

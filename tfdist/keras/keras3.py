@@ -52,7 +52,7 @@ from tfdist.keras.checks import (
     optimizers,
     own_step,
 )
-from tfdist.keras.versions import needs_fix
+from tfdist.keras.versions import needs_fix, trainer_class
 from tfdist.settings import resolve, skipped_patches
 
 if TYPE_CHECKING:
@@ -82,9 +82,8 @@ def apply() -> bool:
 
 def install_symbolic_build(where: Where | None, dist: Any) -> None:
     """Patch ``keras3-symbolic-build``'s installer (:func:`tfdist.patches.install`)."""
-    from keras.src.backend.tensorflow import trainer
 
-    patches.apply("keras3-symbolic-build", trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+    patches.apply("keras3-symbolic-build", trainer_class(), "_maybe_symbolic_build",
                   _wrap_symbolic_build)
 
 
@@ -98,9 +97,8 @@ def install_reduce_per_replica(where: Where | None, dist: Any) -> None:
 
 def install_steps_per_execution(where: Where | None, dist: Any) -> None:
     """Patch ``keras3-steps-per-execution``'s installer."""
-    from keras.src.backend.tensorflow import trainer
 
-    patches.apply("keras3-steps-per-execution", trainer.TensorFlowTrainer, "_make_function",
+    patches.apply("keras3-steps-per-execution", trainer_class(), "_make_function",
                   _wrap_make_function)
 
 
@@ -114,10 +112,9 @@ def install_epoch_chunks(where: Where | None, dist: Any) -> None:
 
 def install_step_logs(where: Where | None, dist: Any) -> None:
     """Patch ``keras3-step-logs``'s installer."""
-    from keras.src.backend.tensorflow import trainer
 
     for name in ("fit", "evaluate"):
-        patches.apply("keras3-step-logs", trainer.TensorFlowTrainer, name, _wrap_logs_mode)
+        patches.apply("keras3-step-logs", trainer_class(), name, _wrap_logs_mode)
 
 
 # Each row's installer, in the inventory's order.

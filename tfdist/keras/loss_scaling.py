@@ -67,6 +67,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
+from tfdist.keras.versions import trainer_class
 
 if TYPE_CHECKING:
     from tfdist.patches import Where
@@ -108,7 +109,6 @@ def unscaled(value: Any) -> Any:
 
 def install_loss_scaling(where: Where, dist: Any) -> None:
     """Patch ``keras3-loss-scaling``'s installer (MWMS, several workers, Keras 3; once)."""
-    from keras.src.backend.tensorflow import trainer
     from keras.src.losses import loss as loss_module
     from keras.src.metrics import reduction_metrics
 
@@ -121,9 +121,9 @@ def install_loss_scaling(where: Where, dist: Any) -> None:
     for metric in (reduction_metrics.Mean, reduction_metrics.Sum):
         patches.apply("keras3-loss-scaling", metric, "update_state", _metric_unscaled)
     patches.apply("keras3-loss-scaling", reduction_metrics.Mean, "result", _result_noted)
-    patches.apply("keras3-loss-scaling", trainer.TensorFlowTrainer, "_make_function",
+    patches.apply("keras3-loss-scaling", trainer_class(), "_make_function",
                   _step_unscaled)
-    patches.apply("keras3-loss-scaling", trainer.TensorFlowTrainer, "_compute_loss",
+    patches.apply("keras3-loss-scaling", trainer_class(), "_compute_loss",
                   functools.partial(_scaled_once, scale=loss_module))
     import tensorflow as tf
 

@@ -43,6 +43,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
+from tfdist.keras.versions import trainer_class
 
 if TYPE_CHECKING:
     from tfdist.patches import Where
@@ -60,12 +61,11 @@ _ranks: list[int] = []  # Horovod: [world size, rank]; empty under tf.distribute
 def install_global_draws(where: Where, dist: Any) -> None:
     """Patch ``keras3-global-draws``'s installer (Keras 3, MWMS or MirroredStrategy; once)."""
     from keras.src.backend.tensorflow import random as backend_random
-    from keras.src.backend.tensorflow import trainer
 
     if where.backend.horovod:  # one replica per rank, its rows the rank's part of the batch
         _ranks[:] = [int(dist.world_size), int(dist.rank)]
 
-    patches.apply("keras3-global-draws", trainer.TensorFlowTrainer, "_make_function",
+    patches.apply("keras3-global-draws", trainer_class(), "_make_function",
                   _with_rows)
     for name in ("normal", "uniform", "truncated_normal"):
         patches.apply("keras3-global-draws", backend_random, name,

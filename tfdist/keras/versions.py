@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["AFFECTED", "is_keras3", "keras2_module", "keras2_package", "legacy_keras_requested",
-           "needs_fix", "running"]
+           "needs_fix", "running", "trainer_class"]
 
 
 # Half-open range of Keras versions with the defects. Raise the upper bound only after the
@@ -54,15 +54,22 @@ def running() -> dict[str, str]:
     """The versions of TensorFlow and Keras this process runs, package -> version: each one's
     module where it is imported, else its installed package's; "" where neither is."""
     found = {}
-    for package in ("tensorflow", "keras"):
+    for package, distributions in _DISTRIBUTIONS.items():
         version = getattr(sys.modules.get(package), "__version__", None)
-        if version is None:
+        for distribution in distributions if version is None else ():
             try:
-                version = importlib.metadata.version(package)
+                version = importlib.metadata.version(distribution)
+                break
             except importlib.metadata.PackageNotFoundError:
-                version = ""
-        found[package] = str(version)
+                continue
+        found[package] = str(version or "")
     return found
+
+
+# The distributions that install each package (the nightlies: a release candidate of
+# TensorFlow requires keras-nightly).
+_DISTRIBUTIONS = {"tensorflow": ("tensorflow", "tensorflow-cpu", "tf-nightly", "tensorflow-gpu"),
+                  "keras": ("keras", "keras-nightly")}
 
 
 def keras2_package() -> str | None:
@@ -91,6 +98,19 @@ def keras2_module(name: str) -> Any:
         if error.name != f"{package}.src":
             raise
         return importlib.import_module(f"{package}.{name}")
+
+
+# The trainer class of each Keras 3 backend (``keras.src.backend.<name>.trainer``), which
+# ``keras.Model`` inherits ``fit`` and its steps from: named for the backend up to Keras 3.15,
+# ``Trainer`` in every backend from 3.16 on (the keras-nightly that TensorFlow 2.22.0rc0 needs).
+_TRAINER_NAMES = {"tensorflow": "TensorFlowTrainer", "jax": "JAXTrainer", "torch": "TorchTrainer"}
+
+
+def trainer_class(backend: str = "tensorflow") -> Any:
+    """Keras 3's trainer class of ``backend``, under the name this Keras gives it."""
+    module = importlib.import_module(f"keras.src.backend.{backend}.trainer")
+    found = getattr(module, _TRAINER_NAMES[backend], None)
+    return found if found is not None else module.Trainer
 
 
 def needs_fix() -> bool:
