@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging as std_logging
-import sys
 
 from absl import app, flags, logging
 
@@ -63,11 +62,8 @@ def main(argv: list[str]) -> None:
     if not FLAGS["verbosity"].present:  # libraries' INFO logs off, tfdist's on (-v 0: all)
         logging.set_verbosity(logging.WARNING)
         std_logging.getLogger("tfdist").setLevel(std_logging.INFO)
-    try:
-        tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
-        train()
-    except tfdist.TfdistError as error:  # a setup mistake: print the fix, not a traceback
-        sys.exit(f"tfdist: {error}")
+    tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
+    train()
 
 
 def train() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
-import sys
 
 from absl import app, flags, logging
 
@@ -61,11 +60,8 @@ def main(argv: list[str]) -> None:
     if not FLAGS["verbosity"].present:  # libraries' INFO logs off, tfdist's on (-v 0: all)
         logging.set_verbosity(logging.WARNING)
         std_logging.getLogger("tfdist").setLevel(std_logging.INFO)
-    try:
-        tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
-        train()
-    except tfdist.TfdistError as error:  # a setup mistake: print the fix, not a traceback
-        sys.exit(f"tfdist: {error}")
+    tfdist.detect()  # tfdist: a launch that cannot train fails now, before TensorFlow loads
+    train()
 
 
 def train() -> None:

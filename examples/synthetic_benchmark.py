@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
-import sys
 import timeit
 
 import numpy as np
@@ -45,13 +44,10 @@ def main(argv: list[str]) -> None:
         std_logging.getLogger("tfdist").setLevel(std_logging.INFO)
     if FLAGS["no-cuda"].value:
         os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
-    try:
-        # tfdist: instead of hvd.init() and the GPU pinning: one GPU per process, MWMS or
-        # Horovod as launched.
-        dist = tfdist.init()
-        benchmark(dist)
-    except tfdist.TfdistError as error:
-        sys.exit(f"tfdist: {error}")
+    # tfdist: instead of hvd.init() and the GPU pinning: one GPU per process, MWMS or Horovod
+    # as launched.
+    dist = tfdist.init()
+    benchmark(dist)
 
 
 def benchmark(dist: tfdist.Distributed) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import time
 
 import torch
@@ -124,10 +123,7 @@ def evaluate(dist: tfdist.torch.TorchDistributed, model: nn.Module, loader: Data
 
 def main(argv: list[str]) -> None:
     del argv
-    try:
-        train()
-    except tfdist.TfdistError as error:  # a setup mistake: print the fix, not a traceback
-        sys.exit(f"tfdist: {error}")
+    train()
 
 
 def train() -> None:

@@ -65,13 +65,33 @@ def test_argument_then_variable_then_default(name, argument, environ, expected):
     ("keras_fix", None, {"TFDIST_KERAS_FIX": "maybe"}, r"TFDIST_KERAS_FIX='maybe' use 1 "),
     ("port_base", None, {"TFDIST_PORT_BASE": "80"}, r"TFDIST_PORT_BASE='80' must be a port"),
     ("host_template", None, {"TFDIST_HOST_TEMPLATE": "ib0"}, r"must contain '\{host\}'"),
-    ("torch_timeout", None, {"TFDIST_TORCH_TIMEOUT": "-1"}, r"positive number of seconds"),
+    ("torch_timeout", None, {"TFDIST_TORCH_TIMEOUT": "-1"}, r"is no positive duration: write 90s, "
+                                                            r"10min, 2h or 1d \(a bare number "),
     ("horovod_controller", None, {"TFDIST_HOROVOD_CONTROLLER": "nccl"},
      r"'nccl' is not one of \('auto', 'gloo', 'mpi'\).*TFDIST_HOROVOD_CONTROLLER"),
 ])
 def test_invalid_values_name_the_setting_and_what_is_allowed(name, argument, environ, message):
     with pytest.raises(ConfigError, match=message):
         resolve(name, argument, environ)
+
+
+# Every duration setting reads one dialect, as TFDIST_CHECKPOINT_EVERY always did (a margin of
+# "5min" was once "not a number of seconds").
+DURATIONS = [entry for entry in SETTINGS if entry.parse is settings._duration]
+
+
+def test_the_duration_settings_are_the_timeouts_intervals_and_margins():
+    assert {entry.variable for entry in DURATIONS} >= {
+        "TFDIST_CHECKPOINT_EVERY", "TFDIST_WALLTIME_MARGIN", "TFDIST_HEARTBEAT_TIMEOUT",
+        "TFDIST_COLLECTIVE_TIMEOUT", "TFDIST_TORCH_TIMEOUT", "TFDIST_PREEMPT_CHECK_SECONDS",
+        "TFDIST_HOROVOD_START_TIMEOUT"}
+
+
+@pytest.mark.parametrize("entry", DURATIONS, ids=lambda entry: entry.variable)
+@pytest.mark.parametrize(("text", "seconds"), [("5min", 300.0), ("90s", 90.0), ("2.5", 2.5),
+                                               ("1h", 3600.0), (" 10 min ", 600.0)])
+def test_every_duration_setting_reads_one_dialect(entry, text, seconds):
+    assert resolve(entry.name, None, {entry.variable: text}) == seconds
 
 
 def test_an_old_variable_name_still_works_and_says_the_new_one(caplog):

@@ -275,8 +275,8 @@ def test_init_refuses_other_settings_and_a_foreign_group(plain_process):
                                 "TFDIST_TORCH_COLLECTIVE"),
     ({}, {"TFDIST_TORCH_COLLECTIVE": "nccl2"}, "'nccl2' is not one of"),
     ({}, {"TFDIST_TORCH_BACKEND": "nccl2"}, "'nccl2' is not one of"),  # the old name
-    ({}, {"TFDIST_TORCH_TIMEOUT": "soon"}, "TFDIST_TORCH_TIMEOUT='soon' is not a number"),
-    ({"timeout": 0}, {}, "positive number of seconds"),
+    ({}, {"TFDIST_TORCH_TIMEOUT": "soon"}, "TFDIST_TORCH_TIMEOUT='soon' is no positive duration"),
+    ({"timeout": 0}, {}, "timeout=0 is no positive duration"),
 ])
 def test_bad_settings_name_the_choices(plain_process, kwargs, environ, message):
     with mock.patch.dict(os.environ, environ), pytest.raises(ConfigError, match=message):

@@ -13,6 +13,7 @@ Importing tfdist loads no TensorFlow, Horovod or torch; they load when ``init`` 
 from __future__ import annotations
 
 from tfdist import autostart as _autostart
+from tfdist import uncaught as _uncaught
 from tfdist.env import ClusterEnvironment, detect
 from tfdist.errors import (
     ConfigError,
@@ -43,6 +44,8 @@ __all__ = [
 # A multi-process launch whose first TensorFlow op comes before strategy_scope() starts tfdist
 # there (tfdist.autostart: nothing is imported now).
 _autostart.arm()
+# tfdist's own errors, uncaught: one line, once, exit code 78 (tfdist.uncaught).
+_uncaught.install()
 
 try:
     from importlib.metadata import PackageNotFoundError, version

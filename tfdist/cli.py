@@ -113,8 +113,8 @@ def _add_verify(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--seed", type=_at_least(0), default=0, metavar="S",
                         help="seeds Python, NumPy and the framework in both runs when the "
                         "strategy is created (default 0)")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="the longest each run may take (default 600)")
+    parser.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                        help="the longest each run may take (default 600; or 10min, 1h)")
     parser.add_argument("--keep", metavar="DIR", help="keep both runs' records in DIR")
     parser.add_argument("--show-output", action="store_true",
                         help="print the last lines of both runs' output")
@@ -211,8 +211,9 @@ def _add_launch_output(group: argparse._ArgumentGroup) -> None:
         default=0,
         metavar="N",
         help="after a preemption (workers exit 75 having saved their state) or a failure, start "
-        "all workers again, at most N times (default: 0); not after exit code 78, a setting "
-        "refused at the workers' start (the walltime margin), which every run would repeat",
+        "all workers again, at most N times (default: 0); not after exit code 78, one of "
+        "tfdist's own errors in the script's set-up (a setting, the walltime margin), which "
+        "every run would repeat",
     )
     group.add_argument(
         "--time-limit",
@@ -225,7 +226,7 @@ def _add_launch_output(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--grace-period",
-        type=float,
+        type=_seconds,
         default=10.0,
         metavar="SECONDS",
         help="after a failure, SIGKILL workers still running this long after SIGTERM (default: 10)",
@@ -352,8 +353,8 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "must finish within --timeout. A problem names the rank, the host and the fix; the "
         "step fails (rank 0 exits 1 once the ranks it stopped have exited 0).",
     )
-    parser.add_argument("--timeout", type=_positive_float, default=30.0, metavar="SECONDS",
-                        help="deadline of each phase (default: 30)")
+    parser.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                        help="deadline of each phase (default: 30; or 2min)")
     parser.add_argument("--bandwidth", type=_positive_float, default=0.0, metavar="MB",
                         help="also time all-reduces of MB megabytes and print the bus bandwidth")
     parser.add_argument("--expect-gbps", type=_positive_float, metavar="GB/S",
@@ -441,7 +442,7 @@ def _add_scaling(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         "shows the median and the range (default: 1)")
     parser.add_argument("--out", metavar="DIR",
                         help="folder of the runs and the report (default: scaling-DATE-TIME)")
-    parser.add_argument("--timeout", type=_positive_float, default=3600.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
                         help="stop a run that takes longer, and end there (default: 3600)")
     parser.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
                         help="one more option for tfdist launch, e.g. --launch-arg=--no-pin "
@@ -499,7 +500,7 @@ def _add_survive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="srun tasks on each node (the job's --ntasks-per-node)")
     parser.add_argument("--restarts", type=_at_least(0), default=3, metavar="R",
                         help="restart on fewer nodes at most R times (default: 3)")
-    parser.add_argument("--probe-timeout", type=_positive_float, default=30.0,
+    parser.add_argument("--probe-timeout", type=_seconds, default=30.0,
                         metavar="SECONDS", help="a node that has not run a one-task step "
                         "within this is taken for lost (default: 30)")
     parser.add_argument("srun", nargs=argparse.REMAINDER, metavar="-- srun ...",
@@ -548,12 +549,18 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, bare: str = "min") -> float:
     """``--time-limit``'s seconds (:func:`tfdist.durations.parse_duration`; a bare number is
-    minutes)."""
+    minutes, as sbatch --time's)."""
     from tfdist.durations import parse_duration
 
     try:
-        return parse_duration(text, bare="min")
+        return parse_duration(text, bare=bare)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _seconds(text: str) -> float:
+    """A SECONDS option: every duration's forms (``90s``, ``10min``, ``2h``), a bare number of
+    seconds (the one dialect of durations: the settings read them alike)."""
+    return _duration(text, bare="s")

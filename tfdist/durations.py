@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_duration"]
+__all__ = ["as_sbatch_time", "has_unit", "parse_duration"]
 
 _UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minute": 60,
           "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400,
@@ -45,3 +45,18 @@ def parse_duration(text: str, bare: str = "s") -> float:
         raise ValueError(f"{text!r} is no positive duration: write 90s, 10min, 2h, 1d, or as "
                          "sbatch --time: MM:SS, HH:MM:SS, D-HH:MM:SS")
     return seconds
+
+
+def has_unit(text: str) -> bool:
+    """Whether ``text`` is a duration written with a unit (``90s``, ``10min``, ``2h``) (pure)."""
+    found = _WITH_UNIT.fullmatch(text.strip().lower())
+    return bool(found and found.group(2) in _UNITS)
+
+
+def as_sbatch_time(seconds: float) -> str:
+    """``seconds`` as sbatch ``--time`` writes it, rounded up to whole minutes (pure):
+    ``HH:MM:00``, or ``D-HH:MM:00`` from a day on."""
+    minutes = -(-round(seconds) // 60)
+    days, rest = divmod(minutes, 24 * 60)
+    hours, minutes = divmod(rest, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:00" if days else f"{hours:02d}:{minutes:02d}:00"

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["TfdistError", "LaunchError", "InitOrderError", "ConfigError", "ReplicaMismatchError",
-           "StorageError"]
+__all__ = ["EXIT_CONFIG", "TfdistError", "LaunchError", "InitOrderError", "ConfigError",
+           "ReplicaMismatchError", "StorageError"]
+
+# The exit code of a process ended by one of these errors (tfdist.uncaught): EX_CONFIG from
+# sysexits.h. Not retried by `tfdist launch --max-restarts` or a Slurm requeue: a run started
+# again would stop at the same place.
+EXIT_CONFIG = 78
 
 
 class TfdistError(RuntimeError):

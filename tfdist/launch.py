@@ -28,10 +28,9 @@ from typing import Any, BinaryIO, TextIO
 from tfdist import backend_facts as facts
 from tfdist import quiet
 from tfdist.backend_facts import BACKENDS
-from tfdist.errors import ConfigError, LaunchError
+from tfdist.errors import EXIT_CONFIG, ConfigError, LaunchError
 from tfdist.preemption import EXIT_PREEMPTED
 from tfdist.supervisor import WorkerSpec, exit_code, run_workers, split_lines, warn
-from tfdist.walltime import EXIT_REFUSED
 
 __all__ = [
     "WorkerSpec",
@@ -365,8 +364,8 @@ class LaunchOptions:
             horovodrun's variables.
         max_restarts: start every worker again after a failure or a preemption (exit code 75:
             every worker saved its state at an agreed step), as a requeue would; each run's
-            workers see ``TFDIST_RESTART_COUNT``. Not after exit code 78, a setting refused at
-            the workers' start, which every run would repeat (:func:`next_run`).
+            workers see ``TFDIST_RESTART_COUNT``. Not after exit code 78, one of tfdist's own
+            errors in the script's set-up, which every run would repeat (:func:`next_run`).
         log_dir: created if missing; each worker's output also goes, unprefixed, to
             :func:`log_path` (``log_dir/rank-R.log``, emptied at the start, the runs one after
             the other), flushed as it arrives.
@@ -582,15 +581,16 @@ def next_run(code: int, restart: int, restarts: int) -> tuple[bool, str | None]:
 
     A preemption (75) or a failure is restarted while restarts are left; success, Ctrl-C
     (130) and SIGTERM to the launcher (143) are not, and neither is
-    :data:`tfdist.walltime.EXIT_REFUSED` (78): the workers refused a setting at their start
-    (the walltime margin), and every run would stop there again.
+    :data:`tfdist.errors.EXIT_CONFIG` (78): a worker ended with one of tfdist's own errors (a
+    setting, the order of the script's calls, the model_dir: :mod:`tfdist.uncaught`), and
+    every run would stop there again.
     """
     if code == 0 or code in (130, 128 + signal.SIGTERM):
         return False, None
-    if code == EXIT_REFUSED:
-        return False, (f"not restarting (--max-restarts {restarts}): the workers exited "
-                       f"{EXIT_REFUSED}, a setting refused at their start (their output says "
-                       "which), and every run would stop there again" if restarts else None)
+    if code == EXIT_CONFIG:
+        return False, (f"not restarting (--max-restarts {restarts}): a worker exited "
+                       f"{EXIT_CONFIG}, an error in the script's set-up that tfdist named above, "
+                       "and every run would stop there again" if restarts else None)
     if restart >= restarts:
         return False, (f"giving up after {restarts} restart(s): the last run ended with code "
                        f"{code}" if restarts else None)

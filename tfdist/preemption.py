@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["CHECKPOINT_DIR", "EXIT_PREEMPTED", "Agreeing", "Watch", "after_training", "commit",
            "default_signals_in_children", "exit_preempted", "load_loop_state", "next_interval",
            "parse_signal", "read_state", "read_states", "requeue", "requeue_plan",
-           "save_loop_state", "save_state", "signals", "take_late_signal", "watch"]
+           "save_loop_state", "save_state", "signals", "slow_save", "take_late_signal", "watch"]
 
 logger = logging.getLogger("tfdist")
 
@@ -69,6 +69,10 @@ EXIT_PREEMPTED = 75
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 MAX_INTERVAL = 1000  # steps between two checks at most, however short the steps
 CHECKPOINT_DIR = layout.PREEMPTED  # in model_dir: the state saved at the agreed step
+# A safety save is worth a line of its own (a quiet run prints one tfdist line an epoch) when it
+# takes longer than SLOW_SAVE_S, or than SLOW_SAVE_SHARE of its interval.
+SLOW_SAVE_S = 1.0
+SLOW_SAVE_SHARE = 0.05
 STATE_FILE = "state.json"
 _restores: list[Any] = []  # the custom loops' restore statuses, kept for deferred variables
 _exiting = False  # exit_preempted has begun: the preemption signals are ignored until the end
@@ -274,7 +278,7 @@ class Watch:
                                     self._margin is not None, signalled > 0)
                    if first_s > 0 else None)
         if refused is not None:
-            raise _refused(refused, self.dist)
+            raise _refused(refused)
         if signalled > 0:
             self.stop_requested = True
             if self.dist.is_chief:
@@ -427,25 +431,18 @@ def _end_now(code: int, environment: ClusterEnvironment | None = None) -> None:
     os._exit(code)
 
 
-def _refused(line: str, dist: Agreeing) -> ConfigError:
+def slow_save(took: float, every: float | None) -> bool:
+    """Whether a safety save that took ``took`` seconds, one every ``every`` seconds (None: at
+    epochs' ends only), deserves a line (pure): see :data:`SLOW_SAVE_S`."""
+    return took > SLOW_SAVE_S or (every is not None and took > SLOW_SAVE_SHARE * every)
+
+
+def _refused(line: str) -> ConfigError:
     """The error every rank raises when the walltime guard refuses the run at its first
     agreement (:func:`tfdist.walltime.refusal`). Left uncaught, it ends the process with
-    :data:`tfdist.walltime.EXIT_REFUSED` once Python has printed it, not with 1, which
+    :data:`tfdist.walltime.EXIT_REFUSED` (:mod:`tfdist.uncaught`), not with 1, which
     ``tfdist launch --max-restarts`` would restart: a restart would stop there again."""
-    import sys
-
-    error = ConfigError(line)
-    environment = getattr(dist, "environment", None)
-
-    def end() -> None:
-        uncaught = getattr(sys, "last_value", None)
-        while uncaught is not None and uncaught is not error:
-            uncaught = uncaught.__cause__ or uncaught.__context__
-        if uncaught is error:
-            _end_now(walltime.EXIT_REFUSED, environment)
-
-    atexit.register(end)
-    return error
+    return ConfigError(line)
 
 
 def commit(partial: str, final: str) -> None:

@@ -70,20 +70,13 @@ def _non_negative_int(text: str) -> int:
 
 
 def _duration(text: str) -> float:
+    """Every duration setting's one dialect (:func:`tfdist.durations.parse_duration`): ``90s``,
+    ``10min``, ``2h``, ``1d``, or a bare number of seconds."""
     try:
         return parse_duration(text, bare="s")
     except ValueError:
-        raise ValueError("is no positive duration: write 90s, 10min, 2h or 1d") from None
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError("is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError("must be a positive number of seconds")
-    return value
+        raise ValueError("is no positive duration: write 90s, 10min, 2h or 1d (a bare number "
+                         "is seconds)") from None
 
 
 def _port(text: str) -> int:
@@ -214,12 +207,12 @@ SETTINGS: tuple[Setting, ...] = (
             "init(backend=), tfdist.torch.init(backend=)"),
     _choice("collective", "TFDIST_COLLECTIVE", ("auto", "ring", "nccl"),
             "MWMS all-reduce; `auto`: NCCL with GPUs, ring on CPU", "init(collective=)"),
-    Setting("collective_timeout", "TFDIST_COLLECTIVE_TIMEOUT", _positive_seconds, None,
+    Setting("collective_timeout", "TFDIST_COLLECTIVE_TIMEOUT", _duration, None,
             "seconds an MWMS collective waits for the other ranks, then fails with a tfdist "
             "line: for a rank alive but stuck, which the heartbeat does not catch; default: "
             "wait forever. Set it above the longest time one rank may work alone (the chief "
             "saving, a first trace)", argument="init(collective_timeout=)"),
-    Setting("heartbeat_timeout", "TFDIST_HEARTBEAT_TIMEOUT", _positive_seconds, 30.0,
+    Setting("heartbeat_timeout", "TFDIST_HEARTBEAT_TIMEOUT", _duration, 30.0,
             "seconds a rank's process may send no heartbeat before every rank stops with a "
             "line naming it (stopped, frozen, cut off or dead). MWMS: TensorFlow's coordination "
             "service (TensorFlow's own default, 10 s, fails ranks that are only starved of CPU); "
@@ -290,7 +283,7 @@ SETTINGS: tuple[Setting, ...] = (
             argument="callbacks(sync_check_every=)"),
     _choice("horovod_controller", "TFDIST_HOROVOD_CONTROLLER", ("auto", "gloo", "mpi"),
             "Horovod under srun; `auto`: MPI when srun's PMIx/PMI started the step"),
-    Setting("horovod_start_timeout", "TFDIST_HOROVOD_START_TIMEOUT", _positive_seconds, 120.0,
+    Setting("horovod_start_timeout", "TFDIST_HOROVOD_START_TIMEOUT", _duration, 120.0,
             "seconds the ranks wait for rank 0's Gloo rendezvous under srun"),
     Setting("horovod_gloo_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", _positive_int, 120,
             "Horovod's own: seconds Gloo's rendezvous and collectives wait (tfdist's default "
@@ -302,7 +295,7 @@ SETTINGS: tuple[Setting, ...] = (
             "torch process group; `auto`: NCCL with CUDA, gloo on CPU; `nccl` without CUDA "
             "falls back to gloo with a warning", "tfdist.torch.init(collective=)",
             aliases=("TFDIST_TORCH_BACKEND",)),
-    Setting("torch_timeout", "TFDIST_TORCH_TIMEOUT", _positive_seconds, 600.0,
+    Setting("torch_timeout", "TFDIST_TORCH_TIMEOUT", _duration, 600.0,
             "seconds the torch rendezvous and each collective wait for the other ranks; a "
             "stopped rank is named sooner, by tfdist's heartbeat, after half of it (at most 30 s)",
             argument="tfdist.torch.init(timeout=)"),
@@ -323,14 +316,14 @@ SETTINGS: tuple[Setting, ...] = (
             "`2h`; a bare number is seconds), and at each epoch's end, so a hard kill (out of "
             "memory, a dead node, SIGKILL) loses at most this much; default: off",
             argument="callbacks(checkpoint_every=)"),
-    Setting("walltime_margin", "TFDIST_WALLTIME_MARGIN", _positive_seconds, None,
+    Setting("walltime_margin", "TFDIST_WALLTIME_MARGIN", _duration, None,
             "seconds before the run's end (Slurm's time limit, `tfdist launch --time-limit`) at "
             "which every rank stops at one step, saves its exact state and exits 75 to be "
             "requeued, with no signal needed; default: twice the longest save timed plus twice "
             "the time between two agreements plus 10 s, at least 60 s. A margin that leaves a "
             "run no time past its first step is refused there, on every rank (exit code 78: "
             "not requeued, not restarted)"),
-    Setting("preempt_check_seconds", "TFDIST_PREEMPT_CHECK_SECONDS", _positive_seconds, 1.0,
+    Setting("preempt_check_seconds", "TFDIST_PREEMPT_CHECK_SECONDS", _duration, 1.0,
             "about how often the ranks agree whether one of them was signalled (one tiny "
             "collective each time); the step interval follows the measured step time",
             argument="dist.preemption(check_seconds=)"),

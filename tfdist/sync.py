@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist import throughput
 from tfdist.errors import ConfigError, ReplicaMismatchError, TfdistError
 from tfdist.keras.batch_statistics import as_tf_variable, batch_statistics, to_numpy
 from tfdist.settings import resolve
@@ -269,9 +270,11 @@ class ReplicaSyncCheck(keras.callbacks.Callback):
         self.checked_steps.append(self._step)
         self.seconds.append(time.perf_counter() - start)
         if self.dist.is_chief and len(self.checked_steps) == 1:
-            logger.info("tfdist: replica sync check passed at step %d: %d variables identical "
-                        "on %d replicas (%.1f ms)", self._step, len(variables),
-                        self.dist.num_replicas, 1000 * self.seconds[-1])
+            passed = (f"replica sync check passed at step {self._step}: {len(variables)} "
+                      f"variables identical on {self.dist.num_replicas} replicas "
+                      f"({1000 * self.seconds[-1]:.1f} ms)")
+            if not throughput.note(passed):  # with the epoch's line, where one comes
+                logger.info("tfdist: %s", passed)
 
 
 def sync_check_callback(dist: Handle, enabled: bool | None = None,

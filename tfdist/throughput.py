@@ -45,6 +45,7 @@ import os
 import socket
 import statistics
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,9 @@ class StepMeter:
         self.dist, self.global_batch, self.log = dist, global_batch, log
         self.path = path if path is not None else throughput_file(None)
         self.records: list[dict[str, Any]] = []
+        self._notes: list[str] = []  # said with the next epoch's line (:func:`note`)
+        if log and dist.is_chief:
+            _saying[:] = [weakref.ref(self)]
         self._watch = health.Watch()
         self._advised = self._start_advised = False
         self.begin_epoch()
@@ -216,7 +220,8 @@ class StepMeter:
                   "busy": round(cpu / wall / _cores(), 3) if wall > 0 else None,
                   "time": time.time()}
         if self.dist.is_chief and self.log:
-            logger.info("tfdist: %s", describe(record))
+            logger.info("tfdist: %s", "; ".join([describe(record), *self._notes]))
+            self._notes.clear()
         if profiles:  # after the epoch's line: what it says of the ranks
             record["ranks"] = [_rounded(p) for p in profiles]
             record["profile_s"] = round(profiled, 6)
@@ -262,6 +267,29 @@ class StepMeter:
         if advice and not self._advised:
             self._advised = True
             logger.warning("tfdist: %s", advice)
+
+
+# The chief's meter that says each epoch's line, the newest (a weak reference).
+_saying: list[weakref.ref[StepMeter]] = []
+
+
+def note(text: str) -> bool:
+    """Says ``text`` with the next epoch's line of the chief's meter, so that a run prints one
+    tfdist line an epoch (the replica sync check's first pass does); False where no meter says
+    epoch lines here: say it yourself."""
+    meter = _saying[0]() if _saying else None
+    if meter is None:
+        return False
+    meter._notes.append(text)
+    return True
+
+
+def say_notes() -> None:
+    """Says what :func:`note` left for an epoch line that did not come (training ended)."""
+    meter = _saying[0]() if _saying else None
+    if meter is not None and meter._notes:
+        logger.info("tfdist: %s", "; ".join(meter._notes))
+        meter._notes.clear()
 
 
 def arrivals(batches: Iterable[Any]) -> Iterator[tuple[float, Any]]:

@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tfdist.errors import EXIT_CONFIG
+
 if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
 
@@ -56,9 +58,10 @@ logger = logging.getLogger("tfdist")
 FLOOR_S = 60.0  # the default margin at least: no save timed yet, or a fast one
 EXIT_S = 10.0  # after the save: the exit handshake, `scontrol requeue`, the processes' end
 REREAD_S = 300.0  # how often the chief asks Slurm for the job's end again
-# What a run refused at its first agreement exits with (:func:`refusal`): EX_CONFIG from
-# sysexits.h. Not 75: a restart or a requeue would stop where this run did, again and again.
-EXIT_REFUSED = 78
+# What a run refused at its first agreement exits with (:func:`refusal`): the exit code of
+# tfdist's own errors, EX_CONFIG. Not 75: a restart or a requeue would stop where this run did,
+# again and again.
+EXIT_REFUSED = EXIT_CONFIG
 # Where an end can come from; the agreement carries the chief's as a number (source_number).
 SOURCES = ("TFDIST_END_TIME", "SLURM_JOB_END_TIME", "squeue")
 _YEAR_S = 366 * 24 * 3600.0  # an end further away than this is no limit (an "infinite" job)

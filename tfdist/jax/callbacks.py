@@ -34,7 +34,7 @@ import keras
 from tfdist import ownership
 from tfdist.keras import fit_preemption, input_position, plan, routing, warmup
 from tfdist.scratch import save_once
-from tfdist.throughput import StepMeter, throughput_file
+from tfdist.throughput import StepMeter, say_notes, throughput_file
 
 if TYPE_CHECKING:
     from tfdist.handle import Handle
@@ -189,6 +189,9 @@ def _meter(meter: StepMeter) -> Any:
             if waited is not None:
                 meter.waited(waited - self._waited)
             meter.epoch_end(epoch)
+
+        def on_train_end(self, logs: Any = None) -> None:
+            say_notes()
 
         def _input_wait(self) -> float | None:
             return self._input.waited() if self._input is not None else None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tfdist.durations import as_sbatch_time, has_unit, parse_duration
 from tfdist.errors import ConfigError
 from tfdist.jobs.checks import validate
 from tfdist.jobs.choices import (
@@ -218,7 +219,34 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
                 for name, item in value.items()}
     if value is None and key in _OPTIONAL_KEYS:
         return None
+    if key == "time":
+        return _sbatch_time(where, _text(where, value))
+    if key == "signal":
+        return _signal_lead(where, _text(where, value))
     return _text(where, value)
+
+
+def _sbatch_time(where: str, text: str) -> str:
+    """``time`` in the durations' one dialect too (``90min``, ``2h``, ``1d``), as sbatch writes
+    it; sbatch's own forms (a bare number is minutes, ``HH:MM:SS``, ``D-HH``) as given."""
+    if not has_unit(text):
+        return text
+    try:
+        return as_sbatch_time(parse_duration(text))
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _signal_lead(where: str, text: str) -> str:
+    """``signal``'s lead time in the durations' dialect too (``USR1@2min``): in seconds, as
+    sbatch --signal takes it."""
+    name, at, lead = text.partition("@")
+    if not at or not has_unit(lead):
+        return text
+    try:
+        return f"{name}@{round(parse_duration(lead))}"
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
 
 
 _SIZES_EXAMPLE = "[1, 2, 4] (flag: --scaling-nodes 1,2,4)"

@@ -43,7 +43,7 @@ from tfdist.keras import (
 )
 from tfdist.keras.plan import CallbackOptions
 from tfdist.scratch import own_file, save_atomically, save_once, scratch_dir
-from tfdist.throughput import StepMeter, throughput_file
+from tfdist.throughput import StepMeter, say_notes, throughput_file
 
 if TYPE_CHECKING:
     from tfdist.handle import Handle
@@ -321,6 +321,9 @@ class ThroughputMeter(keras.callbacks.Callback):
         if waited is not None:
             self.meter.waited(waited - (self._waited or 0.0))
         self.meter.epoch_end(epoch)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        say_notes()
 
 
 class _Progress(keras.callbacks.Callback):

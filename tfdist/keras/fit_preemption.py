@@ -171,11 +171,16 @@ class PreemptionCallback:
         self.watch.saved()
         self._saved_here, self._state_found = True, False  # this state is newer than any found
         if final is not None:
+            took = time.monotonic() - started
             every = (f"; TFDIST_CHECKPOINT_EVERY={self.watch.every:g}s"
                      if self.watch.every is not None else "")
-            logger.info("tfdist: safety save after step %d of epoch %d%s in %s (%.2f s%s)",
-                        self.step, self.epoch + 1, " (during validation)" if validating else "",
-                        final, time.monotonic() - started, every)
+            # A line only when it is worth one (a quiet run: one tfdist line an epoch), or
+            # asked for (TFDIST_VERBOSE=1).
+            shown = preemption.slow_save(took, self.watch.every) or bool(resolve("verbose"))
+            level = logging.INFO if shown else logging.DEBUG
+            logger.log(level, "tfdist: safety save after step %d of epoch %d%s in %s (%.2f s%s)",
+                       self.step, self.epoch + 1, " (during validation)" if validating else "",
+                       final, took, every)
 
     def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
         final = self._save(validating=validating, epoch_done=epoch_done)

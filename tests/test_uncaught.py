@@ -1,0 +1,129 @@
+"""tfdist's own errors, uncaught in a script: one line, once, exit code 78, not retried
+(tfdist/uncaught.py). The processes here import tfdist, not TensorFlow: they start in a second."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from helpers import ROOT, clean_env
+
+from tfdist import errors, uncaught
+from tfdist.errors import EXIT_CONFIG
+
+# Every error type tfdist raises on purpose, and what ends a script with it.
+OWN_ERRORS = sorted(
+    name for name in errors.__all__
+    if isinstance(getattr(errors, name), type) and issubclass(getattr(errors, name),
+                                                              errors.TfdistError))
+# (exit code, one line only?): the sync check's report has its own printing (tfdist.failures).
+ENDS = {name: (EXIT_CONFIG, True) for name in OWN_ERRORS}
+ENDS["ReplicaMismatchError"] = (1, False)
+
+
+def test_every_error_type_is_in_the_table():
+    assert set(ENDS) == set(OWN_ERRORS) and len(OWN_ERRORS) >= 6
+
+
+LINES = {
+    # message: the line
+    "TFDIST_CHECKPOINT_EVERY='abc' is not a duration. Fix: ...":
+        "tfdist: TFDIST_CHECKPOINT_EVERY='abc' is not a duration. Fix: ...",
+    "tfdist: already prefixed": "tfdist: already prefixed",
+    "tfdist launch: a launcher's own": "tfdist launch: a launcher's own",
+    "  padded\n": "tfdist: padded",
+    "": "tfdist: ConfigError",
+}
+
+
+@pytest.mark.parametrize("message", sorted(LINES))
+def test_the_line(message):
+    assert uncaught.line(errors.ConfigError(message)) == LINES[message]
+
+
+def _script(body: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(body)]
+
+
+@pytest.mark.parametrize("name", OWN_ERRORS)
+def test_each_own_error_is_one_line_and_exit_78(name):
+    run = subprocess.run(_script(f"""
+        import tfdist
+        from tfdist import errors
+        print("before", flush=True)
+        raise errors.{name}("what is wrong. Fix: how to fix it")
+    """), cwd=ROOT, env=clean_env("TFDIST_TRACEBACK"), capture_output=True, text=True,
+        timeout=60, check=False)
+    code, one_line = ENDS[name]
+    assert run.returncode == code, run.stderr
+    assert run.stdout == "before\n"  # the script's own output comes out first
+    if one_line:
+        assert run.stderr == "tfdist: what is wrong. Fix: how to fix it\n"
+    else:
+        assert "Traceback" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("asked", [{"TFDIST_TRACEBACK": "1"}, {"TFDIST_VERBOSE": "1"}])
+def test_the_traceback_on_request(asked):
+    run = subprocess.run(_script("""
+        import tfdist
+        raise tfdist.ConfigError("a bad value. Fix: a good one")
+    """), cwd=ROOT, env=clean_env(**asked), capture_output=True, text=True, timeout=60,
+        check=False)
+    assert run.returncode == EXIT_CONFIG, run.stderr
+    assert "Traceback (most recent call last)" in run.stderr
+    assert run.stderr.rstrip().endswith("tfdist.errors.ConfigError: a bad value. Fix: a good one")
+
+
+def test_any_other_error_keeps_its_traceback_and_exit_1():
+    run = subprocess.run(_script("""
+        import tfdist
+        raise KeyError("not tfdist's")
+    """), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 1
+    assert "Traceback" in run.stderr and "KeyError" in run.stderr
+
+
+def test_a_caught_error_is_the_scripts_own():
+    run = subprocess.run(_script("""
+        import tfdist
+        try:
+            raise tfdist.ConfigError("caught")
+        except tfdist.ConfigError:
+            print("handled")
+    """), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60, check=False)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "handled\n", "")
+
+
+# A script that raises ConfigError on the ranks listed in its first argument.
+_RAISES = textwrap.dedent("""
+    import sys, tfdist
+    rank = tfdist.detect().rank
+    if str(rank) in sys.argv[1].split(","):
+        raise tfdist.ConfigError(f"a setting rank {rank} refuses. Fix: another")
+    import time
+    time.sleep(60)  # a rank that found nothing: the launcher ends it
+""")
+
+
+@pytest.mark.parametrize(("ranks", "lines"), [
+    ("0,1", ["[0] tfdist: a setting rank 0 refuses. Fix: another"]),  # every rank: once
+    ("1", ["[1] tfdist: a setting rank 1 refuses. Fix: another"]),  # the rank that found it
+])
+def test_under_tfdist_launch_the_line_comes_once_and_is_not_retried(tmp_path, ranks, lines):
+    script = tmp_path / "raises.py"
+    script.write_text(_RAISES)
+    began = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", "--max-restarts",
+                          "2", str(script), ranks], cwd=ROOT,
+                         env=clean_env(PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                         timeout=120, check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode == EXIT_CONFIG, output
+    assert [line for line in run.stdout.splitlines() if "refuses" in line] == lines, output
+    assert "Traceback" not in output and "restarting all workers" not in output, output
+    assert "not restarting (--max-restarts 2): a worker exited 78" in run.stderr, output
+    assert time.monotonic() - began < 60  # the sleeping rank was ended, not waited for
