@@ -1,5 +1,6 @@
 """tfdist's own errors, uncaught in a script: one line, once, exit code 78, not retried
-(tfdist/uncaught.py). The processes here import tfdist, not TensorFlow: they start in a second."""
+(tfdist/uncaught.py); and inputs checked before a framework trips on them. Most processes here
+import tfdist, not TensorFlow: they start in a second."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from helpers import ROOT, clean_env
+from helpers import ROOT, clean_env, require
 
 from tfdist import errors, uncaught
 from tfdist.errors import EXIT_CONFIG
@@ -127,3 +128,70 @@ def test_under_tfdist_launch_the_line_comes_once_and_is_not_retried(tmp_path, ra
     assert "Traceback" not in output and "restarting all workers" not in output, output
     assert "not restarting (--max-restarts 2): a worker exited 78" in run.stderr, output
     assert time.monotonic() - began < 60  # the sleeping rank was ended, not waited for
+
+
+# --- checked before the framework trips ------------------------------------------------------
+
+def test_a_port_of_port_base_held_by_another_process_is_one_line_before_any_worker(tmp_path):
+    import socket
+
+    script = tmp_path / "never.py"
+    script.write_text("open(__file__ + '.started', 'w').close()\n")
+    from tfdist.launch import busy_ports
+
+    with socket.socket() as held:  # another process's server on the second worker's port
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        if busy_ports([port - 1]):  # the first worker's port must be free for the message below
+            pytest.skip(f"port {port - 1} is in use here too")
+        run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", "--port-base",
+                              str(port - 1), str(script)], cwd=ROOT, env=clean_env(),
+                             capture_output=True, text=True, timeout=60, check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert f"port {port} of the workers' {port - 1}..{port} is in use by another process" in \
+        run.stderr and len(run.stderr.splitlines()) == 1, output
+    assert not (tmp_path / "never.py.started").exists()  # no worker started
+
+
+@pytest.mark.multiprocess
+def test_a_tensorflow_custom_loop_under_keras_on_jax_is_one_line():
+    require("jax")
+    run = subprocess.run(_script("""
+        import tfdist
+        dist = tfdist.init()
+        assert not dist.strategy and getattr(dist.strategy, "extended", None) is None
+        dist.strategy.experimental_distribute_dataset(None)
+    """), cwd=ROOT, env=clean_env(KERAS_BACKEND="jax"), capture_output=True, text=True,
+        timeout=120, check=False)
+    assert run.returncode == EXIT_CONFIG, run.stderr
+    assert run.stderr.splitlines()[-1] == (
+        "tfdist: dist.strategy.experimental_distribute_dataset: KERAS_BACKEND=jax trains with "
+        "JAX, and a TensorFlow strategy (strategy.run, experimental_distribute_dataset, a "
+        "tf.GradientTape loop) does not exist there. Fix: run a TensorFlow custom loop with "
+        "KERAS_BACKEND=tensorflow (or unset), or train with model.fit on JAX"), run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.multiprocess
+def test_fit_on_empty_arrays_warns_and_ends_on_two_workers_as_in_one_process(tmp_path):
+    script = tmp_path / "empty.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        import tfdist
+        with tfdist.strategy_scope() as dist:
+            import keras
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        rows = np.zeros((0, 4), "float32"), np.zeros((0,), "float32")
+        print("history", model.fit(*rows, batch_size=8, epochs=2, verbose=0).history)
+    """))
+    run = subprocess.run([sys.executable, "-m", "tfdist", "launch", "-n", "2", str(script)],
+                         cwd=ROOT, env=clean_env(PYTHONUNBUFFERED="1"), capture_output=True,
+                         text=True, timeout=120, check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert sorted(line for line in run.stdout.splitlines() if "history" in line) == [
+        "[0] history {}", "[1] history {}"], output[-3000:]
+    assert "Your input ran out of data" in output  # Keras's own warning, as in one process

@@ -38,11 +38,13 @@ __all__ = [
     "build_command",
     "build_horovod_workers",
     "build_workers",
+    "busy_ports",
     "check_command",
     "env_changes",
     "exit_code",
     "format_plan",
     "free_ports",
+    "given_ports",
     "horovod_worker_env",
     "launch",
     "log_path",
@@ -106,6 +108,39 @@ def port_range(port_base: int, count: int) -> list[int]:
             "--port-base to use free ports."
         )
     return list(range(port_base, port_base + count))
+
+
+def busy_ports(ports: Sequence[int]) -> list[int]:
+    """The ports of ``ports`` that another process listens on, on any address of this machine
+    (a port left in TIME_WAIT by a run that ended counts as free, as it is for the workers)."""
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("", port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def given_ports(port_base: int, count: int) -> list[int]:
+    """:func:`port_range`, each port checked free now: a worker would otherwise fail deep in
+    its framework's start ("Could not start gRPC server").
+
+    Raises:
+        ConfigError: a port is outside 1024..65535 or in use, with the fix.
+    """
+    ports = port_range(port_base, count)
+    busy = busy_ports(ports)
+    if busy:
+        taken = ", ".join(map(str, busy))
+        raise ConfigError(
+            f"--port-base {port_base}: port{'s' if len(busy) > 1 else ''} {taken} of the "
+            f"workers' {port_base}..{port_base + count - 1} {'are' if len(busy) > 1 else 'is'} "
+            "in use by another process on this machine (`ss -ltnp` names it); choose another "
+            "--port-base, or leave it out to use free ports.")
+    return ports
 
 
 def tf_config(ports: Sequence[int], rank: int, host: str = LOCALHOST) -> str:
@@ -470,7 +505,7 @@ class _HorovodMode(_Mode):
     def workers(self, options: LaunchOptions, env: Mapping[str, str],
                 cpu_sets: Sequence[frozenset[int]] | None) -> list[WorkerSpec]:
         port = (free_ports(1)[0] if options.port_base is None
-                else port_range(options.port_base, 1)[0])
+                else given_ports(options.port_base, 1)[0])
         return build_horovod_workers(options.num_workers, options.command, port, env, cpu_sets)
 
     def run(self, options: LaunchOptions, env: Mapping[str, str],
@@ -478,7 +513,7 @@ class _HorovodMode(_Mode):
             supervise: Callable[[list[WorkerSpec]], int]) -> int:
         from tfdist.horovod.rendezvous import RendezvousServer, slots
 
-        port = 0 if options.port_base is None else port_range(options.port_base, 1)[0]
+        port = 0 if options.port_base is None else given_ports(options.port_base, 1)[0]
         server = RendezvousServer(port, slots(["localhost"] * options.num_workers))
         try:
             return supervise(build_horovod_workers(options.num_workers, options.command,
@@ -599,7 +634,7 @@ def next_run(code: int, restart: int, restarts: int) -> tuple[bool, str | None]:
 
 
 def _ports(port_base: int | None, num_workers: int) -> list[int]:
-    return free_ports(num_workers) if port_base is None else port_range(port_base, num_workers)
+    return free_ports(num_workers) if port_base is None else given_ports(port_base, num_workers)
 
 
 def _plan_header(options: LaunchOptions) -> str:

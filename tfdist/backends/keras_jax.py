@@ -40,6 +40,30 @@ __all__ = ["JaxDistributed", "coordinator", "create"]
 logger = logging.getLogger("tfdist")
 
 
+class NoStrategyError(ConfigError, AttributeError):
+    """``dist.strategy`` read under Keras 3 on JAX: there is no TensorFlow strategy. An
+    AttributeError too, so that ``getattr(dist.strategy, name, default)`` reads the default."""
+
+
+class _NoStrategy:
+    """``dist.strategy`` under Keras 3 on JAX: false like None; using it raises
+    :class:`NoStrategyError`, whose one line says why (not Python's "'NoneType' object has no
+    attribute")."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        raise NoStrategyError(
+            f"dist.strategy.{name}: KERAS_BACKEND=jax trains with JAX, and a TensorFlow "
+            "strategy (strategy.run, experimental_distribute_dataset, a tf.GradientTape loop) "
+            "does not exist there. Fix: run a TensorFlow custom loop with "
+            "KERAS_BACKEND=tensorflow (or unset), or train with model.fit on JAX")
+
+    def __repr__(self) -> str:
+        return "<no TensorFlow strategy: KERAS_BACKEND=jax>"
+
+
 class JaxDistributed(Distributed):
     """The handle for Keras 3 on JAX (one process or several)."""
 
@@ -50,7 +74,7 @@ class JaxDistributed(Distributed):
 
     def __init__(self, environment: ClusterEnvironment, distribution: Any, collective: str,
                  num_gpus: int, jax: Any) -> None:
-        super().__init__(environment, None, collective, num_gpus)
+        super().__init__(environment, _NoStrategy(), collective, num_gpus)
         self.distribution = distribution
         self._jax = jax
 

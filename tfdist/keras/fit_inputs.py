@@ -70,7 +70,7 @@ def arrays_as_dataset(arguments: Mapping[str, Any], world_size: int) -> dict[str
         rows = cut
     data = tuple(_as_structure(v) for v in (x, y, weights) if v is not None)
     dataset = tf.data.Dataset.from_tensor_slices(data if len(data) > 1 else data[0])
-    if arguments.get("shuffle", True):
+    if arguments.get("shuffle", True) and rows > 0:  # no rows: fit warns and ends, as alone
         dataset = _agreed_shuffle(dataset, rows)
     changed["x"] = dataset.batch(batch)
     changed["shuffle"] = False
