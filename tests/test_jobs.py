@@ -373,7 +373,7 @@ ERRORS: list[tuple[dict[str, Any], list[str]]] = [
     ({"venv": "/v", "python": "/p"}, ["set one: venv", "or python"]),
     ({"nodes": 0}, ["nodes must be at least 1, got 0"]),
     ({"cpus_per_task": 0}, ["cpus_per_task must be at least 1"]),
-    ({"time": "1h"}, ["HOURS:MINUTES:SECONDS", "01:30:00"]),
+    ({"time": "1h30"}, ["HOURS:MINUTES:SECONDS", "01:30:00", "or a duration such as 90min"]),
     ({"gpus_per_node": 0, "gpu_type": "a100"}, ["gpu_type 'a100' needs gpus_per_node"]),
     ({"job_name": "my job"}, ["contains ' '", "printable ASCII without spaces"]),
     ({"job_name": "x\n#SBATCH --account=other"}, ["contains '\\n'"]),

@@ -72,3 +72,14 @@ def test_each_rank_writes_its_own_path_as_per_rank_files_does(run):
     # The line the chief shows is true of its own path and names what the others do.
     assert ("[0] tfdist: model.save('" + str(run.out / "own-0.keras") + "'): the ranks gave 2 "
             "different paths; each is written once") in run.output, run.output[-4000:]
+
+
+def test_one_path_for_every_rank_inside_per_rank_files_is_written_whole_and_said(run):
+    # Every rank saves shared/one.keras inside per_rank_files(): each writes a temporary name and
+    # renames it, so every load finds a whole model (one rank's or the other's), and the chief
+    # names the slip once, with the fix.
+    for result in run.results:
+        assert result["shared"] in (100.0, 101.0), result
+    said = [line for line in run.output.splitlines() if "one.keras" in line]
+    assert len(said) == 1 and said[0].startswith("[0] tfdist: model.save(") and \
+        "the path names no rank, so every rank writes this one file" in said[0], said

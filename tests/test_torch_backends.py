@@ -249,8 +249,9 @@ def test_a_backend_that_owns_the_step_needs_the_optimizer(backend):
         pytest.skip(_NO_HOROVOD)
     run = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=clean_env(TFDIST_BACKEND=backend), timeout=120, check=False)
-    assert run.returncode == 1
+    assert run.returncode == 78  # tfdist's own error: one line (tfdist.uncaught)
     assert "give it the optimizer: `model, optimizer = dist.wrap(model, optimizer)`" in run.stderr
+    assert "Traceback" not in run.stderr
 
 
 EXAMPLE = str(ROOT / "examples" / "torch_train.py")

@@ -149,6 +149,9 @@ def test_a_tfdist_line_is_the_reason_shown() -> None:
     output = ("[0] tfdist: each step's logs are averaged\n[0] Traceback (most recent call)\n"
               "[0] tfdist: InitOrderError: make the dataset after strategy_scope(); fix: ...\n")
     assert run(code=1, output=output).last_line().startswith("tfdist: InitOrderError")
+    # Exit 78: tfdist's own error, its one line (tfdist.uncaught) the last of tfdist's.
+    own = "[0] tfdist: global batch 64\n[0] tfdist: model_dir m is in use by another run\n"
+    assert run(code=78, output=own).last_line() == "tfdist: model_dir m is in use by another run"
 
 
 def test_other_steps_and_calls_differ() -> None:

@@ -22,7 +22,7 @@ from tfdist.errors import (
     ReplicaMismatchError,
     TfdistError,
 )
-from tfdist.scratch import as_given as per_rank_files
+from tfdist.scratch import per_rank_files
 from tfdist.strategy import Distributed, current, init, strategy_scope
 
 __all__ = [

@@ -226,7 +226,7 @@ def _add_launch_output(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--grace-period",
-        type=_seconds,
+        type=_seconds_or_zero,
         default=10.0,
         metavar="SECONDS",
         help="after a failure, SIGKILL workers still running this long after SIGTERM (default: 10)",
@@ -558,6 +558,14 @@ def _duration(text: str, bare: str = "min") -> float:
         return parse_duration(text, bare=bare)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _seconds_or_zero(text: str) -> float:
+    """:func:`_seconds`, where a bare number may be 0 (or less: checked where it is used)."""
+    try:
+        return float(text)
+    except ValueError:
+        return _seconds(text)
 
 
 def _seconds(text: str) -> float:

@@ -5,14 +5,16 @@ original. Every patch tfdist may apply is a row of :data:`INVENTORY`: what it re
 installer (``"module:function"``, imported only when it runs), its phase, when and why it
 applies; :func:`apply` is the one way to install one (once per process and attribute: a second
 call does nothing) and :func:`scoped` the one way to install one for a block. Nothing is
-patched when a module is imported.
+patched when a module is imported, but ``sys.excepthook`` by ``import tfdist``
+(``own-error-line``: Python's own hook for it, chained).
 
 What a launch is (:class:`Where`, built by :func:`where`) decides which rows apply
 (:func:`planned`; ``TFDIST_SKIP_PATCHES`` leaves rows out), and the rows' phase when each is
 installed:
 
-- :data:`IMPORT`, when TensorFlow's context module is imported, before the runtime starts
-  (:mod:`tfdist.autostart`, armed by ``import tfdist``).
+- :data:`IMPORT`, at ``import tfdist`` (``own-error-line``), or when TensorFlow's context
+  module is imported, before the runtime starts (:mod:`tfdist.autostart`, armed by ``import
+  tfdist``).
 - :data:`START`, right after the engine starts: :func:`install` (called by
   :func:`tfdist.backends.create`) runs each planned row's installer, in the inventory's order.
 - :data:`CREATE`, while MultiWorkerMirroredStrategy is created, and undone after:
@@ -27,13 +29,14 @@ plans for it. The exceptions are explicit: a later phase's row is installed only
 comes (its wrapper asks :func:`planned_here`), and an installer whose target this library
 version lacks logs it and installs nothing.
 
-The nesting rule: rows that replace the same attribute nest in the inventory's order, a later
-row's wrapper around an earlier one's (its installer runs later and wraps what it finds). That
-holds on every backend: ``keras.Model.fit`` is wrapped by ``keras3-step-logs`` (on Keras 3's
+The nesting rule: rows that replace the same attribute nest in the inventory's order, a later row's
+wrapper around an earlier one's (its installer runs later and wraps what it finds). That holds on
+every backend: ``keras.Model.fit`` is wrapped by ``keras3-step-logs`` (on Keras 3's
 ``TensorFlowTrainer``, which ``Model`` inherits it from) or ``keras2-step-results``, then
 ``arrays-one-order`` (MWMS) or ``horovod-fit`` (Horovod), then ``user-writers`` outermost;
 ``compile`` by ``horovod-fit``, then ``compile-without-xla``; ``sys.excepthook`` by
-``failure-line``, then ``timeout-line``. Insert a new row where its wrapper must sit.
+``own-error-line``, then ``failure-line``, then ``timeout-line``. Insert a new row where its wrapper
+must sit.
 
 A user who sees Keras behave oddly under tfdist reads this table first (``tfdist env`` prints
 the rows that apply to the launch): every wrapper defers to the original outside the case it
@@ -58,7 +61,7 @@ __all__ = ["CALL", "CREATE", "IMPORT", "INVENTORY", "LAZY", "PHASES", "START", "
            "apply", "creating", "install", "installed", "markdown_table", "plan", "planned",
            "planned_here", "rebinding", "scoped", "undo", "where"]
 
-IMPORT = "import"  # when TensorFlow's context module is imported (tfdist.autostart)
+IMPORT = "import"  # at import tfdist, or when TensorFlow's context module is (tfdist.autostart)
 START = "start"  # right after the engine starts: install(), in the inventory's order
 CREATE = "create"  # while MultiWorkerMirroredStrategy is created, undone after: creating()
 CALL = "call"  # inside another patch's wrapper, for that call only
@@ -167,6 +170,13 @@ _TRAINER = "keras.src.backend.tensorflow.trainer"
 # The order is the nesting (the module's docstring): a later row wraps an earlier one's
 # attribute. Rows of one room stay together where no nesting asks otherwise.
 INVENTORY: tuple[Patch, ...] = (
+    Patch("own-error-line", "sys.excepthook", "tfdist.uncaught:install",
+          "every process, at import tfdist",
+          "tfdist's own errors (a setting, the order of the script's calls, the model_dir) say "
+          "the fix in one line; left uncaught, Python prints its traceback around it on every "
+          "rank and exits 1, which a restart or requeue retries. The hook prints the line once "
+          "and exits 78 (tfdist.uncaught); every other error goes on to the hooks before it",
+          lambda w: True, IMPORT),
     Patch("first-op-start", "tensorflow.python.eager.context.Context.ensure_initialized",
           "tfdist.autostart:arm",
           "MWMS or Horovod over several processes, when TensorFlow's context module is "

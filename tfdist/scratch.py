@@ -19,8 +19,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["as_given", "atomic_path", "keeps_config", "own_file", "remove_scratch_dirs",
-           "save_atomically", "save_once", "scratch_dir", "throwaway", "writes_as_given"]
+__all__ = ["as_given", "atomic_path", "in_per_rank_files", "keeps_config", "own_file",
+           "per_rank_files", "remove_scratch_dirs", "save_atomically", "save_once", "scratch_dir",
+           "throwaway", "writes_as_given"]
 
 _made: list[str] = []
 
@@ -60,6 +61,24 @@ def as_given() -> Iterator[None]:
 def writes_as_given() -> bool:
     """Whether this thread is inside :func:`as_given`."""
     return getattr(_as_given, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def per_rank_files() -> Iterator[None]:
+    """``tfdist.per_rank_files()``: :func:`as_given` for the script's own saves, files that
+    differ per rank. A save inside whose path names no rank is written whole all the same (to
+    a temporary name, renamed: :mod:`tfdist.keras.writers`), and said once."""
+    _as_given.mine = getattr(_as_given, "mine", 0) + 1
+    try:
+        with as_given():
+            yield
+    finally:
+        _as_given.mine -= 1
+
+
+def in_per_rank_files() -> bool:
+    """Whether this thread is inside the script's :func:`per_rank_files`."""
+    return getattr(_as_given, "mine", 0) > 0
 
 
 @contextlib.contextmanager

@@ -39,7 +39,6 @@ __all__ = ["EXIT_CONFIG", "OTHERS_WAIT_S", "install", "line"]
 # How long a rank other than 0 waits before it prints the error and exits (see the docstring).
 OTHERS_WAIT_S = 3.0
 
-_installed: list[Any] = []  # the hook before ours, once installed
 
 
 def line(error: BaseException) -> str:
@@ -69,9 +68,16 @@ def _rank() -> int:
     return 0
 
 
-def _hook(kind: type[BaseException], value: BaseException,
+def _wrap(previous: Any) -> Any:
+    def hook(kind: type[BaseException], value: BaseException,
+             traceback: TracebackType | None) -> None:
+        _hook(previous, kind, value, traceback)
+
+    return hook
+
+
+def _hook(previous: Any, kind: type[BaseException], value: BaseException,
           traceback: TracebackType | None) -> None:
-    previous = _installed[0] if _installed else sys.__excepthook__
     if not isinstance(value, TfdistError) or isinstance(value, ReplicaMismatchError):
         previous(kind, value, traceback)
         return
@@ -85,8 +91,19 @@ def _hook(kind: type[BaseException], value: BaseException,
     if _traceback_wanted():
         previous(kind, value, traceback)
     else:
-        print(line(value), file=sys.stderr, flush=True)
+        print(line(value), file=_stream(), flush=True)
     end()
+
+
+def _stream() -> Any:
+    """Where the line goes: ``sys.stderr``, unless an outer hook swapped it for a buffer it
+    would print after this one returns (torch.distributed's prefixes every rank's traceback
+    so), which it never does: this one ends the process. Then the process's real stderr."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__ or sys.stderr
 
 
 def end(code: int = EXIT_CONFIG) -> None:
@@ -112,8 +129,8 @@ def end(code: int = EXIT_CONFIG) -> None:
 
 
 def install() -> None:
-    """Puts the hook in ``sys.excepthook``, once (``import tfdist`` does)."""
-    if _installed:
-        return
-    _installed.append(sys.excepthook)
-    sys.excepthook = _hook
+    """Patch ``own-error-line``'s installer (:mod:`tfdist.patches`): the hook in
+    ``sys.excepthook``, once; ``import tfdist`` calls it."""
+    from tfdist import patches
+
+    patches.apply("own-error-line", sys, "excepthook", _wrap)

@@ -77,6 +77,11 @@ def main(out_dir: str) -> None:
     with tfdist.per_rank_files():
         result["per_rank_files"] = _own_files(dist, model, out_dir, "given", load_model,
                                               load_weights)
+        # One path for every rank inside per_rank_files (a slip): written whole, and said.
+        shared = os.path.join(out_dir, "shared", "one.keras")
+        for _ in range(3):
+            model.save(shared)
+    result["shared"] = _loaded(load_model, shared)  # whole: one rank's or the other's
     with open(os.path.join(out_dir, f"result-{dist.rank}.json"), "w") as f:
         json.dump(result, f)
 

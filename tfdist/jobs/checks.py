@@ -251,7 +251,8 @@ def _check_sbatch_values(c: JobFields) -> None:
         raise ConfigError(f"gpu_type {c.gpu_type!r} needs gpus_per_node of at least 1")
     if c.time is not None and not _TIME.fullmatch(c.time):
         raise ConfigError(f"time {c.time!r} is not a Slurm time limit; use one of "
-                          f"{', '.join(TIME_FORMATS)} (e.g. 90, 01:30:00 or 2-00:00:00)")
+                          f"{', '.join(TIME_FORMATS)} (e.g. 90, 01:30:00 or 2-00:00:00), or a "
+                          "duration such as 90min or 2h")
     for index, option in enumerate(c.sbatch_args):
         check_sbatch_value(f"sbatch_args[{index}]", option)
         name = option_name(option)

@@ -87,7 +87,8 @@ def _add_scheduling(group: _Group) -> None:
     group.add_argument("--job-name", metavar="NAME", help="job name (default: tfdist)")
     group.add_argument("--partition", metavar="P")
     group.add_argument("--account", metavar="A")
-    group.add_argument("--time", metavar="LIMIT", help="time limit, e.g. 90 or 01:30:00")
+    group.add_argument("--time", metavar="LIMIT",
+                       help="time limit, e.g. 90 (minutes), 01:30:00 or 90min")
     group.add_argument("--constraint", metavar="FEATURES", help="node features, e.g. a100&ib")
     group.add_argument("--mem", metavar="SIZE", help="memory per node, e.g. 64G")
     group.add_argument("--array", metavar="INDEXES", help="a job array, e.g. 0-9 or 1,3%%2")

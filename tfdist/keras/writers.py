@@ -57,6 +57,7 @@ import hashlib
 import inspect
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,7 @@ from tfdist import patches
 from tfdist.errors import ConfigError, TfdistError
 from tfdist.keras import callbacks
 from tfdist.keras.checks import check_empty_replicas
-from tfdist.scratch import as_given, atomic_path, throwaway, writes_as_given
+from tfdist.scratch import as_given, atomic_path, in_per_rank_files, throwaway, writes_as_given
 
 if TYPE_CHECKING:
     from tfdist.handle import Handle
@@ -279,8 +280,13 @@ def _save(original: Any, dist: Handle, name: str, keyword: str = "filepath") -> 
     def save(self: Any, *args: Any, **kwargs: Any) -> Any:
         where = keyword if keyword in kwargs else 0
         path = kwargs[keyword] if where == keyword else (args[0] if args else None)
-        if writes_as_given() or not isinstance(path, str | os.PathLike):
-            return original(self, *args, **kwargs)  # tfdist's own writers, or a file object
+        if not isinstance(path, str | os.PathLike):
+            return original(self, *args, **kwargs)  # a file object
+        if in_per_rank_files() and dist.world_size > 1 and not _names_rank(path, dist.rank):
+            return _one_path_on_every_rank(dist, name, os.fspath(path), original, self, args,
+                                           kwargs, keyword)
+        if writes_as_given():
+            return original(self, *args, **kwargs)  # tfdist's own writers
 
         def to(target: str) -> Any:
             if where == keyword:
@@ -293,6 +299,35 @@ def _save(original: Any, dist: Handle, name: str, keyword: str = "filepath") -> 
         return _routed(dist, name, path, to, write)
 
     return save
+
+
+def _names_rank(path: str | os.PathLike[str], rank: int) -> bool:
+    """Whether ``path``'s file or folder name names ``rank`` (the number, apart from other
+    digits: ``model-1.keras``, ``rank1/model.keras``) (pure). The folders above are the run's,
+    alike on every rank."""
+    folder, name = os.path.split(os.path.normpath(os.fspath(path)))
+    return re.search(rf"(?<!\d){rank}(?!\d)", os.path.join(os.path.basename(folder),
+                                                            name)) is not None
+
+
+_said_one_path: set[str] = set()
+
+
+def _one_path_on_every_rank(dist: Handle, name: str, path: str, original: Any, model: Any,
+                            args: tuple[Any, ...], kwargs: dict[str, Any], keyword: str) -> Any:
+    """A save inside ``tfdist.per_rank_files()`` whose path names no rank: every rank may write
+    that one path at once. Each writes a temporary name and renames it, so the file is whole
+    (the last rank's); the chief says so once per path, with the fix."""
+    if dist.is_chief and path not in _said_one_path:
+        _said_one_path.add(path)
+        logger.warning("tfdist: %s(%r) inside tfdist.per_rank_files(): the path names no rank, "
+                       "so every rank writes this one file (it stays whole: the last rank's). "
+                       "Fix: put the rank in the path (f\"...-{dist.rank}...\"), or save outside "
+                       "per_rank_files(), where the chief writes it once", _label(name), path)
+    with atomic_path(path) as partial:
+        if keyword in kwargs:
+            return original(model, *args, **{**kwargs, keyword: partial})
+        return original(model, partial, *args[1:], **kwargs)
 
 
 def _routed(dist: Handle, name: str, path: str, to: Callable[[str], Any],

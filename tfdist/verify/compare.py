@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from tfdist.errors import EXIT_CONFIG
+
 __all__ = ["ATOL", "CRASHED", "DIFFERS", "EQUAL", "OUTCOMES", "ROUNDING", "RTOL", "Record",
            "Run", "Verdict", "compare", "diagnose", "relative_difference", "update_ratio"]
 
@@ -101,9 +103,11 @@ class Run:
         lines = [line.strip() for line in self.output.splitlines() if line.strip()]
         lines = [line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
                  for line in lines]
-        for line in reversed(lines):
-            if line.startswith("tfdist:") and ("error" in line.lower() or "fix" in line.lower()
-                                               or "refuse" in line.lower()):
+        own = [line for line in lines if line.startswith("tfdist:")]
+        if own and self.returncode == EXIT_CONFIG:  # one of tfdist's own errors: its line last
+            return own[-1]
+        for line in reversed(own):
+            if "error" in line.lower() or "fix" in line.lower() or "refuse" in line.lower():
                 return line
         for line in reversed(lines):
             if "Error" in line or "error:" in line or line.startswith("Traceback"):
