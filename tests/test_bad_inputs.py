@@ -34,6 +34,21 @@ CASES = {
     "job, an sbatch option that is none": (
         ["job", "--nodes", "1", "--sbatch-arg=--exclusiv", "t.py"], {},
         "sbatch has no option --exclusiv; did you mean --exclusive?"),
+    "survive inside an srun step": (
+        ["survive", "--min-nodes", "1", "--tasks-per-node", "1", "--", "srun", "python", "t.py"],
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
+         "SLURM_JOB_NODELIST": "n[1-2]"},
+        "tfdist survive runs in the job's batch script and starts the srun steps itself; here "
+        "it runs inside step 7.0, task 1"),
+    "job --node-restarts without --min-nodes": (
+        ["job", "--nodes", "2", "--node-restarts", "2", "t.py"], {},
+        "node_restarts 2 counts the restarts on the nodes left after one is lost, which "
+        "min_nodes turns on"),
+    "launch --grace-period, no duration": (["launch", "-n", "1", "--grace-period", "soon", "x"],
+                                           {}, "'soon' is no positive duration"),
+    "a mistyped command": (["lauch", "train.py"], {},
+                           "'lauch' is no tfdist command; did you mean `tfdist launch`? the "
+                           "commands: launch, env, doctor"),
     "scaling --out, a file": (["scaling", "-n", "1", "--out", "/etc/passwd", str(EXAMPLE)], {},
                               "--out /etc/passwd: cannot make the folder of the runs there "
                               "(Not a directory); choose a folder you can write to"),

@@ -373,6 +373,7 @@ ERRORS: list[tuple[dict[str, Any], list[str]]] = [
     ({"venv": "/v", "python": "/p"}, ["set one: venv", "or python"]),
     ({"nodes": 0}, ["nodes must be at least 1, got 0"]),
     ({"cpus_per_task": 0}, ["cpus_per_task must be at least 1"]),
+    ({"node_restarts": 2}, ["node_restarts 2 counts the restarts", "add min_nodes"]),
     ({"time": "1h30"}, ["HOURS:MINUTES:SECONDS", "01:30:00", "or a duration such as 90min"]),
     ({"gpus_per_node": 0, "gpu_type": "a100"}, ["gpu_type 'a100' needs gpus_per_node"]),
     ({"job_name": "my job"}, ["contains ' '", "printable ASCII without spaces"]),
@@ -1004,8 +1005,10 @@ LOCAL_PATHS: list[tuple[dict[str, Any], list[tuple[str, str]]]] = [
      [("script", "/abs/train.py"), ("venv", "/sw/venvs/tf/bin/activate")]),
     ({"script": "-m", "args": ["pkg.train"], "venv": "venvs/tf"},
      [("venv", "venvs/tf/bin/activate")]),  # -m MODULE: no file
-    ({"script": "${SCRATCH}/train.py", "venv": "${HOME}/venvs/tf"}, []),  # the job expands them
-    ({"script": "$WORK/train.py"}, []),
+    # Variables: checked as the job's shell will expand them (check_local_paths).
+    ({"script": "${SCRATCH}/train.py", "venv": "${HOME}/venvs/tf"},
+     [("script", "${SCRATCH}/train.py"), ("venv", "${HOME}/venvs/tf/bin/activate")]),
+    ({"script": "$WORK/train.py"}, [("script", "$WORK/train.py")]),
     ({"script": "~/train.py"}, [("script", "~/train.py")]),  # not expanded: checked, and missing
     ({"kind": "scaling", "nodes": 2, "script": "t.py", "venv": "/v"},
      [("script", "t.py"), ("venv", "/v/bin/activate")]),
@@ -1016,7 +1019,8 @@ LOCAL_PATHS: list[tuple[dict[str, Any], list[tuple[str, str]]]] = [
     ({"script": "t.py", "runtime": "apptainer", "image": "tf.sif"}, [("image", "tf.sif")]),
     ({"script": "t.py", "runtime": "apptainer", "image": "docker://tensorflow/tensorflow"}, []),
     ({"script": "t.py", "runtime": "apptainer", "image": "library://lolcow"}, []),
-    ({"script": "t.py", "runtime": "apptainer", "image": "${IMAGES}/tf.sif"}, []),
+    ({"script": "t.py", "runtime": "apptainer", "image": "${IMAGES}/tf.sif"},
+     [("image", "${IMAGES}/tf.sif")]),
     ({"script": "t.py", "runtime": "enroot", "image": "/images/tf.sqsh"},
      [("image", "/images/tf.sqsh")]),
     ({"script": "t.py", "runtime": "enroot", "image": "./tf.sqsh"}, [("image", "./tf.sqsh")]),
@@ -1067,6 +1071,25 @@ def test_a_missing_script_venv_or_image_is_an_error_naming_the_flag(
         assert fragment.replace("WORK", str(tmp_path)) in str(info.value)
 
 
+def test_a_path_with_variables_is_checked_as_the_job_expands_it(tmp_path: Path) -> None:
+    # The README's form --venv '${HOME}/venvs/x' was once skipped, and the job failed on its
+    # node. sbatch passes the submitting shell's environment on: expanded from it, checked.
+    (tmp_path / "t.py").write_text("")
+    home = {"HOME": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"venv: '\$\{HOME\}/venvs/x/bin/activate = "
+                       + re.escape(str(tmp_path)) + r"/venvs/x/bin/activate' does not exist"):
+        check_local_paths(JobConfig(script="t.py", venv="${HOME}/venvs/x"), tmp_path, home)
+    (tmp_path / "venvs" / "x" / "bin").mkdir(parents=True)
+    (tmp_path / "venvs" / "x" / "bin" / "activate").write_text("")
+    assert check_local_paths(JobConfig(script="$HOME/t.py", venv="${HOME}/venvs/x"), "/",
+                             home) == []
+    # A variable set only in the job: not checked, and said.
+    said = check_local_paths(JobConfig(script="t.py", venv="${SLURM_TMPDIR}/venv"), tmp_path,
+                             home)
+    assert said == ["tfdist: venv '${SLURM_TMPDIR}/venv/bin/activate' names $SLURM_TMPDIR, "
+                    "unset here (set in the job only?): not checked before submitting"]
+
+
 def test_existing_files_pass_the_submit_checks(tmp_path: Path) -> None:
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "activate").write_text("")
@@ -1089,6 +1112,12 @@ def test_submit_checks_before_calling_sbatch(tmp_path: Path, submit_dir: Path,
     code, out, err = _cli(["--submit", "absent.py"], capsys)
     assert (code, out) == (2, "") and "script: 'absent.py'" in err
     assert not (tmp_path / "sbatch.json").exists()
+    # ${HOME} as the job's shell will expand it (sbatch passes this environment on).
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, out, err = _cli(["--venv", "${HOME}/venvs/tf", "--submit", "--", "-m", "pkg"], capsys)
+    assert (code, out) == (2, "") and f"= {tmp_path}/venvs/tf/bin/activate' does not" in err
+    (tmp_path / "venvs" / "tf" / "bin").mkdir(parents=True)
+    (tmp_path / "venvs" / "tf" / "bin" / "activate").write_text("")
     code, out, _ = _cli(["--venv", "${HOME}/venvs/tf", "--submit", "--", "-m", "pkg"], capsys)
     assert (code, out) == (0, "5\n")
 

@@ -66,12 +66,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tfdist.jobs.cli import join_option_values
 
             words[1:] = join_option_values(words[1:])
-        args = build_parser().parse_args(words)
+        parser = build_parser()
+        _check_command(parser, words[:1])
+        args = parser.parse_args(words)
         handler: _Handler = args.handler
         return handler(args)
     except TfdistError as err:
         print(f"tfdist: {err}", file=sys.stderr)
         return 2
+
+
+def _check_command(parser: argparse.ArgumentParser, first: Sequence[str]) -> None:
+    """A first word that is no command is one line naming the nearest (not argparse's usage
+    of every command).
+
+    Raises:
+        ConfigError: the word is no command.
+    """
+    import difflib
+
+    commands = [name for action in parser._subparsers._group_actions  # type: ignore[union-attr]
+                for name in getattr(action, "choices", None) or ()]
+    if not first or first[0].startswith("-") or first[0] in commands:
+        return
+    near = difflib.get_close_matches(first[0], commands, n=1)
+    hint = f"did you mean `tfdist {near[0]}`? " if near else ""
+    raise ConfigError(f"{first[0]!r} is no tfdist command; {hint}the commands: "
+                      f"{', '.join(commands)} (`tfdist COMMAND --help` for each)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -515,6 +536,7 @@ def _run_survive(args: argparse.Namespace) -> int:
     from tfdist.env.slurm import job_allocation
 
     srun = args.srun[1:] if args.srun[:1] == ["--"] else args.srun
+    survive.check_place(os.environ)
     job_id, nodes = job_allocation(os.environ)
     if args.min_nodes > len(nodes):
         raise TfdistError(f"--min-nodes {args.min_nodes} is more than the job's {len(nodes)} "

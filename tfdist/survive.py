@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
@@ -43,7 +43,8 @@ from types import FrameType
 from tfdist.errors import ConfigError
 from tfdist.preemption import EXIT_PREEMPTED as EXIT_REQUEUE  # the job script requeues on it
 
-__all__ = ["Decision", "Options", "decide", "failed_task", "probe", "run", "step_command"]
+__all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "probe", "run",
+           "step_command"]
 
 # srun's lines when a task ends badly or a node is lost (Slurm 22.05 to 24.x):
 #   srun: error: n9: task 0: Exited with exit code 1
@@ -56,6 +57,21 @@ _FAILED = re.compile(r"^srun: error: (?:\S+: tasks? [\d,-]+: (?:Exited with exit
 def failed_task(line: str) -> bool:
     """Whether srun's stderr ``line`` says that a task failed or a node was lost (pure)."""
     return bool(_FAILED.match(line.strip()))
+
+
+def check_place(environ: Mapping[str, str]) -> None:
+    """``tfdist survive`` runs in the job's batch script, which starts the steps (pure).
+
+    Raises:
+        ConfigError: it runs inside an srun step (``srun tfdist survive ...``), where each
+            task would start a step of its own and probe the nodes.
+    """
+    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:
+        where = f"step {environ.get('SLURM_JOB_ID', '?')}.{environ['SLURM_STEP_ID']}"
+        raise ConfigError(f"tfdist survive runs in the job's batch script and starts the srun "
+                          f"steps itself; here it runs inside {where}, task "
+                          f"{environ['SLURM_PROCID']}. Fix: call `tfdist survive ... -- srun "
+                          "...` without an srun before it")
 
 
 def step_command(srun: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:

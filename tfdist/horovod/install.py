@@ -26,9 +26,8 @@ REBUILD = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORC
            "HOROVOD_WITHOUT_MXNET=1 pip install --no-cache-dir --no-build-isolation "
            "--force-reinstall --no-deps horovod==0.28.1")
 _HOW = (f"Build it against the installed TensorFlow: `{REBUILD}` (setuptools, wheel, packaging "
-        "and cmake<4 installed first; add HOROVOD_WITH_MPI=1 for MPI), or in a checkout of "
-        "tfdist `make venv-horovod`, which builds .venv-horovod/ with TensorFlow 2.18.1, the "
-        "newest TensorFlow Horovod 0.28.1 builds against.")
+        "and cmake<4 installed first; add HOROVOD_WITH_MPI=1 for MPI). Horovod 0.28.1 builds "
+        "against TensorFlow 2.18 at the newest.")
 
 
 def is_installed() -> bool:
@@ -74,9 +73,11 @@ def import_horovod_torch() -> Any:
         ConfigError: Horovod is not installed or was built without PyTorch; the message says
             how to build it (Horovod 0.28.1 needs one line changed to compile against torch 2).
     """
-    how = ("Build Horovod with HOROVOD_WITH_PYTORCH=1 against the installed torch; Horovod "
-           "0.28.1 forces C++14 where torch 2 needs C++17, which tfdist's tools/horovod-env.sh "
-           "patches (`make venv-horovod` builds .venv-horovod/ with TensorFlow and PyTorch).")
+    how = ("Build Horovod from its source against the installed torch: `pip download "
+           "--no-deps --no-binary :all: horovod==0.28.1`, unpack it, change `set(CMAKE_CXX_"
+           "STANDARD 14)` to 17 in CMakeLists.txt and horovod/torch/CMakeLists.txt (torch 2's "
+           "headers need C++17), then `HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 pip install "
+           "--no-build-isolation --no-deps .` in that folder.")
     if not is_installed():
         raise ConfigError("backend 'horovod' of tfdist.torch needs the horovod package, which is "
                           f"not installed in this Python ({sys.executable}). " + how)

@@ -21,6 +21,7 @@ from tfdist.jobs.choices import (
     RUNTIMES,
     TORCH_BACKENDS,
 )
+from tfdist.jobs.fields import JobFields
 from tfdist.jobs.options import (
     SBATCH_FLAGS,
     SBATCH_SHORT,
@@ -32,8 +33,6 @@ from tfdist.jobs.shell import check_body_value, check_sbatch_value
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-
-    from tfdist.jobs.fields import JobFields
 
 __all__ = ["validate", "TIME_FORMATS"]
 
@@ -149,6 +148,11 @@ def _check_min_nodes(c: JobFields) -> None:
     if c.node_restarts < 0:
         raise ConfigError(f"node_restarts must be at least 0, got {c.node_restarts}")
     if c.min_nodes is None:
+        if c.node_restarts != JobFields.node_restarts:  # an option that needs another
+            raise ConfigError(f"node_restarts {c.node_restarts} counts the restarts on the "
+                              "nodes left after one is lost, which min_nodes turns on: add "
+                              "min_nodes (--min-nodes M, at most nodes), or leave node_restarts "
+                              "out")
         return
     if not 1 <= c.min_nodes <= c.nodes:
         raise ConfigError(f"min_nodes {c.min_nodes} must be between 1 and nodes {c.nodes}: the "

@@ -369,7 +369,8 @@ def _submit(config: JobConfig, text: str, saved: str | None) -> None:
     )
 
     check_output_dirs(config)
-    check_local_paths(config)
+    for line in check_local_paths(config):
+        print(line, file=sys.stderr)
     job_id = submit(text, script_path=saved)
     print(job_id, flush=True)
     workdir, user = job_workdir(config), _user()

@@ -146,7 +146,8 @@ def local_paths(config: JobConfig) -> list[LocalPath]:
       enroot only a path that starts with ``/`` or ``.``, as pyxis tells a squashfs file from a
       registry image (``nvcr.io#nvidia/pytorch:24.01-py3``).
 
-    Paths with ``$`` are left out: the job's shell expands ``${NAME}``.
+    A path may name variables (``${HOME}/venvs/x``): :func:`check_local_paths` expands them as
+    the job will (sbatch passes the submitting shell's environment on).
     """
     if config.kind == "build-venv":
         return []
@@ -161,7 +162,7 @@ def local_paths(config: JobConfig) -> list[LocalPath]:
                                    "build one with --kind build-venv"))
     elif config.image and _local_image(config.runtime, config.image):
         paths.append(LocalPath("image", config.image, "fix --image (image: in the config)"))
-    return [entry for entry in paths if "$" not in entry.path]
+    return paths
 
 
 def _local_image(runtime: str, image: str) -> bool:
@@ -170,23 +171,50 @@ def _local_image(runtime: str, image: str) -> bool:
     return "://" not in image
 
 
-def check_local_paths(config: JobConfig, cwd: str | Path | None = None) -> None:
-    """Check that the files of :func:`local_paths` exist, relative ones in :func:`job_workdir`.
+def check_local_paths(config: JobConfig, cwd: str | Path | None = None,
+                      environ: Mapping[str, str] | None = None) -> list[str]:
+    """Check that the files of :func:`local_paths` exist, relative ones in :func:`job_workdir`,
+    variables in them expanded from ``environ`` (default: this process's) as the job's shell
+    will: sbatch passes the submitting shell's environment on.
+
+    Returns:
+        A line for each path that names a variable unset here (``$SLURM_TMPDIR``: set only in
+        the job), which is not checked: said, not skipped in silence.
 
     Raises:
         ConfigError: a file is missing, with the flag that sets it.
     """
     base = job_workdir(config, cwd)
+    environ = os.environ if environ is None else environ
+    unchecked = []
     for entry in local_paths(config):
-        target = base / entry.path
+        path = _expanded(entry.path, environ)
+        if "$" in path:
+            unset = sorted(set(re.findall(r"\$\{?(\w+)", path)))
+            unchecked.append(f"tfdist: {entry.key} {entry.path!r} names "
+                             f"{', '.join('$' + name for name in unset)}, unset here (set in the "
+                             "job only?): not checked before submitting")
+            continue
+        target = base / path
         if target.exists():
             continue
-        where = "" if Path(entry.path).is_absolute() else f" ({target}: in the job's directory)"
+        where = "" if Path(path).is_absolute() else f" ({target}: in the job's directory)"
         tilde = (" The job's shell does not expand '~' in it: write ${HOME}/... instead."
                  if entry.path.startswith("~") else "")
-        raise ConfigError(f"{entry.key}: {entry.path!r}{where} does not exist, and the job would "
+        shown = entry.path if path == entry.path else f"{entry.path} = {path}"
+        raise ConfigError(f"{entry.key}: {shown!r}{where} does not exist, and the job would "
                           f"fail when it starts; {entry.fix}.{tilde} If it exists on the "
                           "compute nodes only, --save the script and submit that with sbatch")
+    return unchecked
+
+
+def _expanded(path: str, environ: Mapping[str, str]) -> str:
+    """``$NAME`` and ``${NAME}`` in ``path`` replaced from ``environ`` where set (pure)."""
+    def value(found: re.Match[str]) -> str:
+        name = found.group(1) or found.group(2)
+        return environ.get(name, found.group(0))
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, path)
 
 
 # Slurm's filename patterns (sbatch --output, srun --output): the fields known at submission
