@@ -250,6 +250,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`1` shows TensorFlow's start-up lines and C++ INFO logs on every rank, and every "
             "rank's Keras/TensorFlow warnings; `0` hides them; default: hidden unless you set "
             "`TF_CPP_MIN_LOG_LEVEL` yourself"),
+    Setting("traceback", "TFDIST_TRACEBACK", flag, None,
+            "`1`: one of tfdist's own errors that ends a script prints Python's traceback too "
+            "(`TFDIST_VERBOSE=1` as well); default: its one line, `tfdist: <message>` (exit "
+            "code 78)"),
     Setting("throughput_file", "TFDIST_THROUGHPUT_FILE", _text, None,
             "the file the chief appends one JSON line per epoch to (throughput, step time); "
             "default: `model_dir/throughput.jsonl` with a model_dir, else none (the log line "

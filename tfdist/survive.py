@@ -66,12 +66,13 @@ def check_place(environ: Mapping[str, str]) -> None:
         ConfigError: it runs inside an srun step (``srun tfdist survive ...``), where each
             task would start a step of its own and probe the nodes.
     """
-    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:
-        where = f"step {environ.get('SLURM_JOB_ID', '?')}.{environ['SLURM_STEP_ID']}"
+    from tfdist.env.slurm import step_task
+
+    task = step_task(environ)
+    if task is not None:
         raise ConfigError(f"tfdist survive runs in the job's batch script and starts the srun "
-                          f"steps itself; here it runs inside {where}, task "
-                          f"{environ['SLURM_PROCID']}. Fix: call `tfdist survive ... -- srun "
-                          "...` without an srun before it")
+                          f"steps itself; here it runs inside {task}. Fix: call `tfdist "
+                          "survive ... -- srun ...` without an srun before it")
 
 
 def step_command(srun: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:

@@ -48,10 +48,12 @@ def line(error: BaseException) -> str:
 
 
 def _traceback_wanted() -> bool:
-    for name in ("TFDIST_TRACEBACK", "TFDIST_VERBOSE"):
-        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
-            return True
-    return False
+    from tfdist.settings import resolve
+
+    try:
+        return bool(resolve("traceback") or resolve("verbose"))
+    except TfdistError:  # a value neither 1 nor 0: as asked for, Python's printing
+        return True
 
 
 def _rank() -> int:

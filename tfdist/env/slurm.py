@@ -13,7 +13,8 @@ from tfdist.errors import ConfigError, LaunchError
 from tfdist.hostlist import expand_hostlist, expand_tasks_per_node
 from tfdist.settings import resolve
 
-__all__ = ["detect", "job_allocation", "task_nodes", "port_base", "PORT_RANGE", "PORT_BLOCK"]
+__all__ = ["detect", "job_allocation", "step_task", "task_nodes", "port_base", "PORT_RANGE",
+           "PORT_BLOCK"]
 
 # Ports are derived from the job and step ids so that two jobs sharing a node don't collide
 # (the stock resolver always uses 8888+). The range stays below Linux's ephemeral ports
@@ -34,6 +35,16 @@ def detect(environ: Mapping[str, str]) -> ClusterEnvironment | None:
     if "SLURM_STEP_ID" not in environ or "SLURM_PROCID" not in environ:
         return _batch_shell(environ)
     return _step(environ)
+
+
+def step_task(environ: Mapping[str, str]) -> str | None:
+    """``"step J.S, task R"`` where this process is a task of an srun step, else None (the
+    batch shell, or no job) (pure)."""
+    if "SLURM_JOB_ID" not in environ or "SLURM_STEP_ID" not in environ \
+            or "SLURM_PROCID" not in environ:
+        return None
+    return (f"step {environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}, task "
+            f"{environ['SLURM_PROCID']}")
 
 
 def job_allocation(environ: Mapping[str, str]) -> tuple[str, list[str]]:
