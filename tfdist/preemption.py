@@ -46,11 +46,11 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from tfdist import failures, ownership, walltime
 from tfdist import model_dir as layout
+from tfdist import uncaught, walltime
 from tfdist.errors import ConfigError, StorageError
 from tfdist.handle import Agreeing  # what a watch needs of a handle, every framework's
-from tfdist.scratch import as_given, remove_scratch_dirs, scratch_dir
+from tfdist.scratch import as_given, scratch_dir
 from tfdist.settings import catchable_signal, resolve
 
 if TYPE_CHECKING:
@@ -419,16 +419,9 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
 
 
 def _end_now(code: int, environment: ClusterEnvironment | None = None) -> None:
-    """Flushes the logs and output, removes scratch folders, gives up the ``model_dir`` this
-    process holds (:func:`tfdist.ownership.release_all`), and ends the process with
-    ``code`` at once (no further ``atexit`` functions, no library teardown), after a moment
-    for the launcher to forward the output (:func:`tfdist.failures.linger`: ``code`` is not 0,
-    and srun --kill-on-bad-exit ends the others at the first rank's exit)."""
-    logging.shutdown()
-    remove_scratch_dirs()
-    ownership.release_all()
-    failures.linger(environment)
-    os._exit(code)
+    """Ends the process with ``code`` at once, as :func:`tfdist.uncaught.end` does (the
+    ``model_dir`` given up, scratch removed, the output forwarded first)."""
+    uncaught.end(code, environment)
 
 
 def slow_save(took: float, every: float | None) -> bool:

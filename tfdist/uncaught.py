@@ -40,7 +40,6 @@ __all__ = ["EXIT_CONFIG", "OTHERS_WAIT_S", "install", "line"]
 OTHERS_WAIT_S = 3.0
 
 
-
 def line(error: BaseException) -> str:
     """The one line of ``error`` (pure): ``tfdist: <message>``, the prefix once."""
     message = str(error).strip() or type(error).__name__
@@ -91,7 +90,9 @@ def _hook(previous: Any, kind: type[BaseException], value: BaseException,
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         time.sleep(OTHERS_WAIT_S)
     if _traceback_wanted():
-        previous(kind, value, traceback)
+        import traceback as tracebacks
+
+        tracebacks.print_exception(kind, value, traceback, file=_stream())
     else:
         print(line(value), file=_stream(), flush=True)
     end()
@@ -108,9 +109,12 @@ def _stream() -> Any:
         return sys.__stderr__ or sys.stderr
 
 
-def end(code: int = EXIT_CONFIG) -> None:
-    """Ends the process with ``code`` at once: logs and output flushed, scratch folders removed,
-    the ``model_dir`` this process holds given up (where those modules are in use)."""
+def end(code: int = EXIT_CONFIG, environment: Any = None) -> None:
+    """Ends the process with ``code`` at once (no further ``atexit`` functions, no library
+    teardown): logs and output flushed, scratch folders removed, the ``model_dir`` this process
+    holds given up (where those modules are in use), and for a rank of many a moment for the
+    launcher to forward its output (:func:`tfdist.failures.linger`; ``environment``: the
+    launch, default the one it knows)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -126,7 +130,7 @@ def end(code: int = EXIT_CONFIG) -> None:
     failures = sys.modules.get("tfdist.failures")
     if failures is not None:
         with contextlib.suppress(Exception):
-            failures.linger()
+            failures.linger(environment)
     os._exit(code)
 
 

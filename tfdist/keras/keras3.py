@@ -169,8 +169,12 @@ def _wrap_symbolic_build(original: Any) -> Any:
             data_batch = spec_batch(iterator)
         if data_batch is None:
             for _, _, it in iterator:
-                data_batch = next(it)
+                # No batch: nothing to build from; the epoch ends as in one process.
+                with contextlib.suppress(StopIteration, tf.errors.OutOfRangeError):
+                    data_batch = next(it)
                 break
+            if data_batch is None:
+                return None
 
         def local(value: Any) -> Any:
             if isinstance(value, tf.distribute.DistributedValues):
