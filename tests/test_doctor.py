@@ -411,12 +411,16 @@ def test_an_interface_no_node_has_fails_at_once_on_every_rank():
 
 
 @pytest.mark.multiprocess
-def test_a_port_held_by_another_process_is_named():
+def test_a_port_held_by_another_process_is_named(tmp_path):
+    # A launch by hand (TF_CONFIG) or by Slurm (ports derived from the job) meets the doctor's
+    # check; `tfdist launch --port-base` refuses a held port before any worker starts
+    # (test_uncaught.py).
     with socket.create_server(("", 0)) as holder:
         port = holder.getsockname()[1]
-        code, out, took = _doctor("--port-base", str(port), "-m", "tfdist", "doctor",
-                                  "--timeout", "3")
-    assert code == 1, out
+        codes, (out, _), took = _by_hand(
+            tmp_path, [sys.executable] * 2, [f"127.0.0.1:{port}", f"127.0.0.1:{_free_port()}"],
+            "--timeout", "3")
+    assert codes[0] == 1, out
     assert (f"error: rank 0 (host {socket.gethostname()}): cannot listen on port {port}: "
             "Address already in use. Fix: another process holds the port") in out
     assert took < 30, took

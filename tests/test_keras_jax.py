@@ -172,10 +172,11 @@ def test_two_ranks_seeded_apart_end_bit_identical_and_as_one_process(runs):
         assert_installed_as_planned(dist[rank]["patches"], reached=["iterator-free-thread"],
                                     not_reached=["arrays-shuffle-seed"])
     assert dist[0]["patches"]["installed"] == [
-        "sequence-one-order", "jax-input-position", "jax-rank0-values", "jax-inputs-by-rank",
-        "jax-predict-every-row", "iterator-free-thread"]
+        "own-error-line", "sequence-one-order", "jax-input-position", "jax-rank0-values",
+        "jax-inputs-by-rank", "jax-predict-every-row", "iterator-free-thread"]
     assert_installed_as_planned(one["patches"], reached=["iterator-free-thread"])
-    assert one["patches"]["installed"] == ["jax-input-position", "iterator-free-thread"]
+    assert one["patches"]["installed"] == ["own-error-line", "jax-input-position",
+                                           "iterator-free-thread"]
     # The tf.data dataset's epoch iterators were freed off the training thread
     # (tfdist.keras.iterators)
     assert min(dist[0]["freed_elsewhere"], dist[1]["freed_elsewhere"], one["freed_elsewhere"]) >= 1

@@ -320,9 +320,10 @@ def test_rendered_job_without_srun_fails_fast_in_the_batch_shell(
     assert count == 1, render(config)
     assert f"\n{slurm_cluster.python} {EXAMPLE} --epochs" in text, text
     job = run_rendered(slurm_cluster, config, text=text, timeout=90)
-    # 1: the example lets tfdist's LaunchError end it (traceback, then the message).
-    assert job.result.state == "FAILED" and job.result.exit_code in (1, 2), job.describe()
+    # 78: the example lets tfdist's LaunchError end it, one line, no traceback (tfdist.uncaught).
+    assert job.result.state == "FAILED" and job.result.exit_code == 78, job.describe()
     output = job.result.output
+    assert "Traceback" not in output, job.describe()
     assert "this process runs in the batch script of Slurm job " \
            f"{job.job_id}, outside srun, but the job has 4 tasks on 2 node(s)" in output, \
         job.describe()
