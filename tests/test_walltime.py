@@ -426,3 +426,12 @@ def test_a_margin_above_the_time_limit_is_refused_on_every_rank_and_not_restarte
     results = [json.loads((out / f"result-{rank}-0.json").read_text()) for rank in (0, 1)]
     assert [r["steps"] for r in results] == [1, 1], results  # refused at the first step
     assert not list(model.glob("preempted*"))  # nothing saved
+
+
+@pytest.mark.parametrize(("took", "every", "said"), [
+    (0.04, None, False), (0.04, 600.0, False),  # the example's saves: no line
+    (1.5, None, True), (1.5, 600.0, True),  # over a second
+    (0.2, 2.0, True), (0.09, 2.0, False),  # over 5 % of a 2 s interval, or under
+])
+def test_a_safety_save_says_a_line_only_when_slow(took, every, said):
+    assert preemption.slow_save(took, every) is said
