@@ -79,6 +79,32 @@ def test_the_traceback_on_request(asked):
     assert run.stderr.rstrip().endswith("tfdist.errors.ConfigError: a bad value. Fix: a good one")
 
 
+# Issue 49's inputs whose error tfdist raises in one process too: each is one line, exit 78.
+SCRIPTS = {
+    # name: (the script, its environment, what the line says)
+    "a duration that is none": (
+        "from tfdist.settings import resolve\nresolve('checkpoint_every')",
+        {"TFDIST_CHECKPOINT_EVERY": "abc"}, "TFDIST_CHECKPOINT_EVERY='abc' is no positive "
+                                            "duration"),
+    "Keras on torch": ("import tfdist\ntfdist.init()", {"KERAS_BACKEND": "torch"},
+                       "KERAS_BACKEND=torch: no released Keras"),
+    "fewer files than workers": (
+        "from tfdist.sharding import shard_files\nshard_files(['one.tfrecord'], 0, 2)", {},
+        "1 input file(s) for 2 workers"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_the_issues_inputs_are_one_line(name):
+    code, env, says = SCRIPTS[name]
+    run = subprocess.run(_script("import tfdist\n" + code), cwd=ROOT, env=clean_env(**env),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == EXIT_CONFIG, run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("tfdist: ") and says in lines[-1], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+
+
 def test_any_other_error_keeps_its_traceback_and_exit_1():
     run = subprocess.run(_script("""
         import tfdist
