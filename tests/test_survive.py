@@ -3,10 +3,16 @@ failed step (the real node loss runs on the Slurm test cluster: test_slurm_failu
 
 from __future__ import annotations
 
-import pytest
+import os
+import subprocess
+import sys
+import textwrap
 
-from tfdist.errors import ConfigError
-from tfdist.survive import decide, failed_task, step_command
+import pytest
+from helpers import ROOT, clean_env
+
+from tfdist.errors import EXIT_CONFIG, ConfigError
+from tfdist.survive import decide, failed_task, set_up_error, step_command
 
 SRUN_LINES = {
     # srun's stderr line (Slurm 22.05, as printed on the test cluster): a failure?
@@ -25,6 +31,41 @@ SRUN_LINES = {
 @pytest.mark.parametrize("line", sorted(SRUN_LINES))
 def test_srun_lines_that_end_a_step_are_recognised(line):
     assert failed_task(line + "\n") == SRUN_LINES[line]
+
+
+@pytest.mark.parametrize(("line", "set_up"), [
+    ("srun: error: n9: task 0: Exited with exit code 78", True),
+    ("srun: error: n9: tasks 0-3: Exited with exit code 78", True),
+    ("srun: error: n9: task 0: Exited with exit code 1", False),
+    ("srun: error: n9: task 0: Exited with exit code 178", False),
+    ("tfdist: Exited with exit code 78", False),
+])
+def test_a_task_that_ended_with_tfdists_own_error_is_recognised(line, set_up):
+    assert set_up_error(line) is set_up
+
+
+def test_a_step_ended_by_tfdists_own_error_is_neither_probed_nor_restarted(tmp_path):
+    # A stand-in srun: each call noted; the training step's task "exits 78" as srun reports it.
+    # A probe (srun ... true) would be a second call.
+    calls = tmp_path / "calls"
+    srun = tmp_path / "srun"
+    srun.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "$*" >> {calls}
+        echo "srun: error: n1: task 0: Exited with exit code 78" >&2
+        exit 78
+    """))
+    srun.chmod(0o755)
+    code = ("from tfdist import survive\n"
+            "raise SystemExit(survive.run(survive.Options(job_id='1', nodes=('n1', 'n2'), "
+            "min_nodes=1, max_restarts=3, tasks_per_node=1, probe_timeout_s=5), "
+            "['srun', 'python', 'train.py']))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=clean_env(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}"),
+                         timeout=60, check=False)
+    assert run.returncode == EXIT_CONFIG, run.stderr
+    assert len(calls.read_text().splitlines()) == 1, calls.read_text()  # no probe, no restart
+    assert "no node is probed, nothing restarted" in run.stderr
 
 
 def test_the_step_runs_on_exactly_the_nodes_given():

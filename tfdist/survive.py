@@ -40,11 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
 
-from tfdist.errors import ConfigError
+from tfdist.errors import EXIT_CONFIG, ConfigError
 from tfdist.preemption import EXIT_PREEMPTED as EXIT_REQUEUE  # the job script requeues on it
 
 __all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "probe", "run",
-           "step_command"]
+           "set_up_error", "step_command"]
 
 # srun's lines when a task ends badly or a node is lost (Slurm 22.05 to 24.x):
 #   srun: error: n9: task 0: Exited with exit code 1
@@ -57,6 +57,13 @@ _FAILED = re.compile(r"^srun: error: (?:\S+: tasks? [\d,-]+: (?:Exited with exit
 def failed_task(line: str) -> bool:
     """Whether srun's stderr ``line`` says that a task failed or a node was lost (pure)."""
     return bool(_FAILED.match(line.strip()))
+
+
+def set_up_error(line: str) -> bool:
+    """Whether srun's stderr ``line`` says that a task exited with
+    :data:`tfdist.errors.EXIT_CONFIG`: one of tfdist's own errors, which no restart on any
+    nodes would get past (pure)."""
+    return bool(_FAILED.match(line.strip())) and f"Exited with exit code {EXIT_CONFIG}" in line
 
 
 def check_place(environ: Mapping[str, str]) -> None:
@@ -161,6 +168,7 @@ class _Step:
     def __init__(self, command: list[str], restart: int) -> None:
         env = {**os.environ, "TFDIST_RESTART_COUNT": str(restart)}
         self.failed = threading.Event()
+        self.set_up_error = False  # a task exited 78 (set_up_error)
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env,
                                         bufsize=1)
         self._copier = threading.Thread(target=self._copy, daemon=True)
@@ -172,6 +180,7 @@ class _Step:
             sys.stderr.write(line)
             sys.stderr.flush()
             if failed_task(line):
+                self.set_up_error = self.set_up_error or set_up_error(line)
                 self.failed.set()
 
     def wait(self) -> int | None:
@@ -207,6 +216,12 @@ def run(options: Options, srun: Sequence[str]) -> int:
         code = current[0].wait()
         if code in (0, EXIT_REQUEUE):
             return code
+        if code == EXIT_CONFIG or current[0].set_up_error:
+            print("tfdist survive: the training step ended with one of tfdist's own errors "
+                  "(exit code 78, its line above): no node is probed, nothing restarted",
+                  file=sys.stderr, flush=True)
+            current[0].process.wait()
+            return EXIT_CONFIG
         started = time.monotonic()
         alive = probe(options.job_id, nodes, options.probe_timeout_s)
         decision = decide(nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
