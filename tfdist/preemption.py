@@ -278,7 +278,9 @@ class Watch:
                                     self._margin is not None, signalled > 0)
                    if first_s > 0 else None)
         if refused is not None:
-            raise _refused(refused)
+            # Every rank raises it alike; uncaught, it ends the process with EXIT_REFUSED
+            # (tfdist.uncaught), not with 1, which a restart would repeat.
+            raise ConfigError(refused)
         if signalled > 0:
             self.stop_requested = True
             if self.dist.is_chief:
@@ -414,28 +416,14 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
     # Registered last, so it runs first at shutdown, after every finally block: the process
     # ends there, without TensorFlow's teardown, which can wait for seconds on peers that have
     # already exited (the chief holds MWMS's coordination service) while srun's KillWait runs.
-    atexit.register(_end_now, EXIT_PREEMPTED, dist.environment)
+    atexit.register(uncaught.end, EXIT_PREEMPTED, dist.environment)
     raise SystemExit(EXIT_PREEMPTED)
-
-
-def _end_now(code: int, environment: ClusterEnvironment | None = None) -> None:
-    """Ends the process with ``code`` at once, as :func:`tfdist.uncaught.end` does (the
-    ``model_dir`` given up, scratch removed, the output forwarded first)."""
-    uncaught.end(code, environment)
 
 
 def slow_save(took: float, every: float | None) -> bool:
     """Whether a safety save that took ``took`` seconds, one every ``every`` seconds (None: at
     epochs' ends only), deserves a line (pure): see :data:`SLOW_SAVE_S`."""
     return took > SLOW_SAVE_S or (every is not None and took > SLOW_SAVE_SHARE * every)
-
-
-def _refused(line: str) -> ConfigError:
-    """The error every rank raises when the walltime guard refuses the run at its first
-    agreement (:func:`tfdist.walltime.refusal`). Left uncaught, it ends the process with
-    :data:`tfdist.walltime.EXIT_REFUSED` (:mod:`tfdist.uncaught`), not with 1, which
-    ``tfdist launch --max-restarts`` would restart: a restart would stop there again."""
-    return ConfigError(line)
 
 
 def commit(partial: str, final: str) -> None:

@@ -130,7 +130,6 @@ def install_horovod_fit(where: Where, dist: Any) -> None:
     if world_size > 1:
         patches.apply("horovod-fit", model_class, "predict", _predict_hook)
     if is_keras3():
-
         patches.apply("horovod-fit", trainer_class(), "_maybe_symbolic_build",
                       _build_hook)
 

@@ -218,7 +218,6 @@ def install_mixed_keras(where: Where, dist: Any) -> None:
     :data:`MIXED_KERAS` instead of failing deep inside TensorFlow (or, under Horovod, training
     without averaging). A script that imports Keras 3 only after :func:`tfdist.init` is not
     seen (the inventory plans it where Keras 3 is imported then)."""
-
     from tfdist.errors import ConfigError
 
     def wrap(original: Any) -> Any:

@@ -82,7 +82,6 @@ def apply() -> bool:
 
 def install_symbolic_build(where: Where | None, dist: Any) -> None:
     """Patch ``keras3-symbolic-build``'s installer (:func:`tfdist.patches.install`)."""
-
     patches.apply("keras3-symbolic-build", trainer_class(), "_maybe_symbolic_build",
                   _wrap_symbolic_build)
 
@@ -97,7 +96,6 @@ def install_reduce_per_replica(where: Where | None, dist: Any) -> None:
 
 def install_steps_per_execution(where: Where | None, dist: Any) -> None:
     """Patch ``keras3-steps-per-execution``'s installer."""
-
     patches.apply("keras3-steps-per-execution", trainer_class(), "_make_function",
                   _wrap_make_function)
 
@@ -112,7 +110,6 @@ def install_epoch_chunks(where: Where | None, dist: Any) -> None:
 
 def install_step_logs(where: Where | None, dist: Any) -> None:
     """Patch ``keras3-step-logs``'s installer."""
-
     for name in ("fit", "evaluate"):
         patches.apply("keras3-step-logs", trainer_class(), name, _wrap_logs_mode)
 

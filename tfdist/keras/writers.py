@@ -282,11 +282,6 @@ def _save(original: Any, dist: Handle, name: str, keyword: str = "filepath") -> 
         path = kwargs[keyword] if where == keyword else (args[0] if args else None)
         if not isinstance(path, str | os.PathLike):
             return original(self, *args, **kwargs)  # a file object
-        if in_per_rank_files() and dist.world_size > 1 and not _names_rank(path, dist.rank):
-            return _one_path_on_every_rank(dist, name, os.fspath(path), original, self, args,
-                                           kwargs, keyword)
-        if writes_as_given():
-            return original(self, *args, **kwargs)  # tfdist's own writers
 
         def to(target: str) -> Any:
             if where == keyword:
@@ -294,6 +289,10 @@ def _save(original: Any, dist: Handle, name: str, keyword: str = "filepath") -> 
             return original(self, target, *args[1:], **kwargs)
 
         path = os.fspath(path)
+        if in_per_rank_files() and dist.world_size > 1 and not _names_rank(path, dist.rank):
+            return _one_path_on_every_rank(dist, name, path, to)
+        if writes_as_given():
+            return original(self, *args, **kwargs)  # tfdist's own writers
         write = functools.partial(_write, to, overwrite=kwargs.get("overwrite", True),
                                   folder=name in _FOLDERS)
         return _routed(dist, name, path, to, write)
@@ -313,8 +312,8 @@ def _names_rank(path: str | os.PathLike[str], rank: int) -> bool:
 _said_one_path: set[str] = set()
 
 
-def _one_path_on_every_rank(dist: Handle, name: str, path: str, original: Any, model: Any,
-                            args: tuple[Any, ...], kwargs: dict[str, Any], keyword: str) -> Any:
+def _one_path_on_every_rank(dist: Handle, name: str, path: str,
+                            to: Callable[[str], Any]) -> Any:
     """A save inside ``tfdist.per_rank_files()`` whose path names no rank: every rank may write
     that one path at once. Each writes a temporary name and renames it, so the file is whole
     (the last rank's); the chief says so once per path, with the fix."""
@@ -325,9 +324,7 @@ def _one_path_on_every_rank(dist: Handle, name: str, path: str, original: Any, m
                        "Fix: put the rank in the path (f\"...-{dist.rank}...\"), or save outside "
                        "per_rank_files(), where the chief writes it once", _label(name), path)
     with atomic_path(path) as partial:
-        if keyword in kwargs:
-            return original(model, *args, **{**kwargs, keyword: partial})
-        return original(model, partial, *args[1:], **kwargs)
+        return to(partial)
 
 
 def _routed(dist: Handle, name: str, path: str, to: Callable[[str], Any],
