@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -36,6 +37,78 @@ def _horovod_python() -> Path:
 
 # The Horovod tests' workers run under this Python; horovodrun is in its bin/.
 HOROVOD_PYTHON = _horovod_python()
+
+# What the Horovod tests ask of HOROVOD_PYTHON's Horovod, in one subprocess (its imports of
+# TensorFlow and torch take seconds): each import's error or None, and what Horovod was built with.
+_HOROVOD_PROBE = """
+import json, os, traceback
+found = {"tensorflow": None, "torch": None, "keras_major": None, "gloo": False, "mpi": False,
+         "torch_mpi": False}
+try:
+    import horovod.tensorflow as h, keras
+    found.update(keras_major=int(keras.__version__.split(".")[0]), gloo=bool(h.gloo_built()),
+                 mpi=bool(h.mpi_built()))
+except Exception:
+    found["tensorflow"] = traceback.format_exc()[-500:]
+try:
+    import horovod.torch as t
+    found["torch_mpi"] = bool(t.mpi_built())
+except Exception:
+    found["torch"] = traceback.format_exc()[-300:]
+print(json.dumps(found))
+"""
+
+
+@functools.cache
+def horovod_facts() -> dict[str, object]:
+    """What :data:`HOROVOD_PYTHON`'s Horovod can do, asked once per test session: ``"missing"``
+    (why that Python does not exist, else None), ``"tensorflow"`` and ``"torch"`` (the error of
+    importing horovod.tensorflow, horovod.torch, or None), ``"keras_major"``, ``"gloo"``,
+    ``"mpi"`` (built with them: TensorFlow's side) and ``"torch_mpi"``. The processes of one
+    pytest-xdist run share one answer (a file named by the run's id, under a lock): each of
+    them collects the modules that ask."""
+    if not HOROVOD_PYTHON.exists():
+        return {"missing": f"{HOROVOD_PYTHON} does not exist: build it with `make venv-horovod`"}
+    shared = _shared_with_the_run("horovod")
+    if shared is None:
+        return _probe_horovod()
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shared.exists():
+            return json.loads(shared.read_text())
+        facts = _probe_horovod()
+        shared.write_text(json.dumps(facts))
+        return facts
+
+
+def _shared_with_the_run(name: str) -> Path | None:
+    """The file in which the processes of this pytest-xdist run share ``name``'s facts; None
+    outside xdist."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return None
+    return Path(tempfile.gettempdir()) / f"tfdist-tests-{name}-{run_id}.json"
+
+
+def forget_shared_facts() -> None:
+    """Removes this run's shared facts (:func:`horovod_facts`): at a test process's end, long
+    after every process collected."""
+    shared = _shared_with_the_run("horovod")
+    if shared is not None:
+        for path in (shared, Path(f"{shared}.lock")):
+            path.unlink(missing_ok=True)
+
+
+def _probe_horovod() -> dict[str, object]:
+    probe = subprocess.run([str(HOROVOD_PYTHON), "-c", _HOROVOD_PROBE], capture_output=True,
+                           text=True, timeout=120, check=False,
+                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
+                                "TF_USE_LEGACY_KERAS": "0"})
+    if probe.returncode:
+        error = f"{HOROVOD_PYTHON} does not start: {probe.stderr[-500:]}"
+        return {"missing": None, "tensorflow": error, "torch": error}
+    return {"missing": None, **json.loads(probe.stdout.strip().splitlines()[-1])}
+
 
 # `make test` (CI) runs every mechanism on a covering set of backends, Keras versions and
 # launchers; `make test-full` sets TFDIST_TEST_MATRIX=full and adds every combination a test

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from helpers import forget_shared_facts
 
 _SHARED_SCOPES = ("module", "package", "session")
 
@@ -98,3 +99,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             found.setdefault(item.nodeid, str(marked.args[0]))  # a group of the module's own
     items.sort(key=lambda item: order(found.get(item.nodeid)))  # stable
 
+
+
+def pytest_sessionfinish() -> None:
+    forget_shared_facts()  # what the processes shared while they collected (tests/helpers.py)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -42,6 +41,7 @@ from helpers import (
     WORKERS,
     clean_env,
     full_matrix_only,
+    horovod_facts,
     load_weights,
     needs,
     port_block,
@@ -61,18 +61,13 @@ COVERING = [("horovodrun", "custom", "tf_keras"), ("mpirun", "custom", "keras3")
 def _horovod_state() -> tuple[str | None, bool, bool]:
     """Why the Horovod tests cannot run (or None), whether Horovod has MPI, and whether
     .venv-horovod's `keras` is Keras 3 (TensorFlow 2.15's is Keras 2)."""
-    if not HVD_PY.exists():
-        return f"{HVD_PY} does not exist: build it with `make venv-horovod`", False, False
-    probe = subprocess.run(
-        [str(HVD_PY), "-c", "import horovod.tensorflow as h, keras; "
-         "print(keras.__version__.split('.')[0], h.gloo_built(), h.mpi_built())"],
-        capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0"})
-    if probe.returncode:
-        return (f"horovod.tensorflow does not import in .venv-horovod: {probe.stderr[-500:]}",
-                False, False)
-    words = probe.stdout.split()
-    return None, words[-1:] == ["True"], words[-3:-2] == ["3"]
+    facts = horovod_facts()
+    if facts["missing"]:
+        return str(facts["missing"]), False, False
+    if facts["tensorflow"]:
+        return f"horovod.tensorflow does not import in .venv-horovod: {facts['tensorflow']}", \
+            False, False
+    return None, bool(facts["mpi"]), facts["keras_major"] == 3
 
 
 _SKIP, _MPI_BUILT, _KERAS3 = _horovod_state()

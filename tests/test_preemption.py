@@ -412,14 +412,12 @@ def _resume_case(tmp_path_factory: pytest.TempPathFactory, case: str
     return python, backend, tmp_path, env, _straight(python, backend, tmp_path, env)
 
 
-# Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3 and
-# on JAX (an epoch's dataset) by the walltime guard (the same agreement as a signal's) and in
-# the soak; on JAX and on Horovod with tf_keras from a safety save after a hard kill (the same
-# state, the same resume), as on MWMS with tf_keras over one iterator (its epoch's dataset: the
-# TF 2.15 lane's Keras 2, by the walltime guard); a stop at an epoch's last step by the soak's
-# epoch-end moments; the walltime guard on Horovod with tf_keras and on JAX over one iterator in
-# the full matrix (tests/helpers.py). Their uninterrupted runs are the references of those
-# tests.
+# Run elsewhere, so not here (CI's time): a stop mid-epoch and its resume on MWMS with Keras 3
+# in the soak and by the walltime guard of the Slurm job without a signal; on JAX (an epoch's
+# dataset) by the walltime guard (the same agreement as a signal's); on JAX and on MWMS with
+# tf_keras over one iterator from a safety save after a hard kill (the same state, the same
+# resume); a stop at an epoch's last step by the soak's epoch-end moments; the rest in the full
+# matrix (tests/helpers.py). Their uninterrupted runs are the references of those tests.
 RESUMED_ELSEWHERE = {"mwms-keras3", "horovod-tf_keras", "mwms-keras3-at-an-epochs-last-step",
                      "jax-keras3", "jax-keras3-steps_per_epoch"}
 
@@ -453,6 +451,9 @@ def test_a_resumed_run_trains_every_step_once_and_ends_bit_identical(tmp_path_fa
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", _by_straight_run(
     ["mwms-keras3", "horovod-tf_keras", "jax-keras3", "jax-keras3-steps_per_epoch"], full_only={
+        "mwms-keras3": "the guard stops MWMS's ranks in the Slurm test cluster's job without a "
+                       "signal (tests/test_slurm_failures.py, the example, bit-identical) and "
+                       "JAX's here, with the same agreement",
         "horovod-tf_keras": "the guard stops MWMS's and JAX's ranks here, Horovod's ranks "
                             "agree on a stop in the signal-on-one-rank cases, and tf_keras "
                             "under Horovod resumes mid-epoch after a hard kill",

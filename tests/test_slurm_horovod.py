@@ -37,15 +37,13 @@ jobs activate .venv-horovod instead (``venv``), which puts horovodrun on PATH.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, full_matrix_only, require
+from helpers import EXAMPLE_NEEDS, HOROVOD_PYTHON, full_matrix_only, horovod_facts, require
 from slurm_jobs import (
     EXAMPLE,
     ROOT,
@@ -80,17 +78,14 @@ SMALL_HOSTS = dict(enumerate(TWO_NODES))
 
 def _horovod_problem() -> str | None:
     """Why .venv-horovod cannot run these jobs, or None."""
-    if not HVD_PYTHON.exists():
-        return f"{HVD_PYTHON} does not exist: build it with `make venv-horovod`"
-    probe = subprocess.run(
-        [str(HVD_PYTHON), "-c",
-         "import horovod.tensorflow as h; print(h.gloo_built(), h.mpi_built())"],
-        capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    if probe.returncode:
-        return f"horovod.tensorflow does not import in .venv-horovod: {probe.stderr[-500:]}"
-    if probe.stdout.split()[-2:] != ["True", "True"]:
-        return f"Horovod in .venv-horovod lacks Gloo or MPI (gloo, mpi: {probe.stdout.strip()})"
+    facts = horovod_facts()
+    if facts["missing"]:
+        return str(facts["missing"])
+    if facts["tensorflow"]:
+        return f"horovod.tensorflow does not import in .venv-horovod: {facts['tensorflow']}"
+    if not (facts["gloo"] and facts["mpi"]):
+        return (f"Horovod in .venv-horovod lacks Gloo or MPI (gloo, mpi: {facts['gloo']}, "
+                f"{facts['mpi']})")
     return None
 
 

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_NEEDS, FULL_MATRIX, HOROVOD_PYTHON, ROOT, WORKERS, clean_env, require
+from helpers import (
+    EXAMPLE_NEEDS,
+    FULL_MATRIX,
+    HOROVOD_PYTHON,
+    ROOT,
+    WORKERS,
+    clean_env,
+    horovod_facts,
+    require,
+)
 
 pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (requirements/deepspeed.txt)")
@@ -31,17 +40,15 @@ HVD_PY = HOROVOD_PYTHON
 
 def _horovod_torch() -> str | None:
     """Why Horovod's torch runs are skipped, or None."""
-    if not HVD_PY.exists():
+    facts = horovod_facts()
+    if facts["missing"]:
         return "needs .venv-horovod (make venv-horovod)"
-    probe = subprocess.run([str(HVD_PY), "-c", "import horovod.torch"], capture_output=True,
-                           text=True, timeout=120, check=False)
-    return f"horovod.torch does not import: {probe.stderr[-300:]}" if probe.returncode else None
+    return f"horovod.torch does not import: {facts['torch']}" if facts["torch"] else None
 
 
 _NO_HOROVOD = _horovod_torch()
-_MPIRUN = shutil.which("mpirun") is not None and _NO_HOROVOD is None and subprocess.run(
-    [str(HVD_PY), "-c", "import horovod.torch as h; assert h.mpi_built()"], capture_output=True,
-    timeout=120, check=False).returncode == 0
+_MPIRUN = shutil.which("mpirun") is not None and _NO_HOROVOD is None and bool(
+    horovod_facts()["torch_mpi"])
 
 
 def _command(launcher: str, python: str, mode: str, out: Path) -> list[str]:

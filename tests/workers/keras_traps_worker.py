@@ -81,6 +81,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -140,7 +141,10 @@ def main(out_dir: str, backend: str) -> None:
     if backend == "single":  # one plain process: the numbers the others must equal
         cases = keras_numbers.cases(dist, keras, tf, out_dir)
     failed = False
+    seconds: dict[str, float] = {}  # each case's time: where a launch's minutes go
+    result["seconds"] = seconds
     for name, case in cases.items():
+        start = time.monotonic()
         try:
             result[name] = case()
         except Exception as error:  # recorded per case, so one failure shows all the others
@@ -149,6 +153,8 @@ def main(out_dir: str, backend: str) -> None:
             failed = True
             if dist.world_size > 1:
                 break  # the ranks may be out of step now: stop rather than hang
+        finally:
+            seconds[name] = round(time.monotonic() - start, 2)
     with open(os.path.join(out_dir, f"result-{dist.rank}.json"), "w") as f:
         json.dump(result, f)
     sys.exit(3 if failed else 0)
