@@ -407,6 +407,49 @@ def test_a_rank_that_was_stopped_and_continued_blames_itself_not_its_peers():
     assert continued_line(1, 600) is None
 
 
+FROZEN = {
+    # name: (SIGCONT handled at, the ticker ran again after a gap at; the rank was stopped?)
+    "stopped, then continued": (100.0, 99.5, True),
+    "continued, never stopped (srun ending the step after a peer's SIGKILL)": (100.0, None,
+                                                                               False),
+    "stopped long ago, continued now": (100.0, 100.0 - 61, False),
+    "never continued": (None, 99.5, False),
+    "a freeze after the continue": (100.0, 101.0, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FROZEN))
+def test_only_a_rank_that_did_not_run_is_taken_for_stopped(case):
+    from tfdist.failures import was_frozen
+
+    continued, frozen, stopped = FROZEN[case]
+    assert was_frozen(continued, frozen) is stopped
+
+
+_TICKING = ("import time, threading\n"
+            "from tfdist import failures\n"
+            "failures.FROZEN_GAP_S = 1.0\n"
+            "threading.Thread(target=failures._tick, daemon=True).start()\n"
+            "print('ticking', flush=True)\n"
+            "time.sleep(4)\n"
+            "print('frozen' if failures._frozen_at else 'ran', flush=True)\n")
+
+
+def test_the_ticker_notes_a_stop_of_its_process_and_nothing_else():
+    # Two processes run tfdist's ticker; one is stopped for 2 s (SIGSTOP, SIGCONT), the other,
+    # the control, only gets a SIGCONT, as srun's end of a step sends every task.
+    children = [subprocess.Popen([sys.executable, "-c", _TICKING], cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, env=clean_env()) for _ in range(2)]
+    stopped, control = children
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ticking"
+    os.kill(stopped.pid, signal.SIGSTOP)
+    time.sleep(2)
+    os.kill(stopped.pid, signal.SIGCONT)
+    os.kill(control.pid, signal.SIGCONT)
+    assert [child.communicate(timeout=30)[0].strip() for child in children] == ["frozen", "ran"]
+
+
 @pytest.mark.multiprocess
 def test_a_killed_worker_under_tfdist_launch_ends_the_run_and_is_no_preemption(tmp_path):
     # Rank 1 of a 2-worker fit with the preemption callbacks sends itself SIGKILL at step 20.

@@ -1352,3 +1352,14 @@ def test_the_fewest_cores_sinfo_reports(sinfo, expected) -> None:
     from tfdist.jobs.cli import node_cores
 
     assert node_cores(sinfo) == expected
+
+
+def test_a_job_that_survives_lost_nodes_says_either_cause_of_its_requeue() -> None:
+    # tfdist survive exits 75 when fewer than min_nodes answer, as a preempted step does.
+    surviving = render(JobConfig(script="t.py", requeue=True, nodes=3, min_nodes=2,
+                                 venv="/v"))
+    assert "python -m tfdist survive --min-nodes 2" in surviving
+    assert 'echo "tfdist: preempted, or too few nodes left: the line above says which; ' \
+           'requeueing job ${job:-$SLURM_JOB_ID}" >&2' in surviving
+    plain = render(JobConfig(script="t.py", requeue=True, nodes=3))
+    assert 'echo "tfdist: preempted; requeueing job ${job:-$SLURM_JOB_ID}" >&2' in plain

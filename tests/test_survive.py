@@ -12,7 +12,14 @@ import pytest
 from helpers import ROOT, clean_env
 
 from tfdist.errors import EXIT_CONFIG, ConfigError
-from tfdist.survive import decide, failed_task, set_up_error, step_command
+from tfdist.survive import (
+    decide,
+    failed_task,
+    failure_of,
+    resumed_from,
+    set_up_error,
+    step_command,
+)
 
 SRUN_LINES = {
     # srun's stderr line (Slurm 22.05, as printed on the test cluster): a failure?
@@ -31,6 +38,38 @@ SRUN_LINES = {
 @pytest.mark.parametrize("line", sorted(SRUN_LINES))
 def test_srun_lines_that_end_a_step_are_recognised(line):
     assert failed_task(line + "\n") == SRUN_LINES[line]
+
+
+FAILURES = {
+    # srun's stderr line: how the step failed, without the node (None: no failure)
+    "srun: error: n10: task 1: Killed": "task 1: Killed",
+    "srun: error: n9: tasks 0-1: Exited with exit code 1": "tasks 0-1: Exited with exit code 1",
+    "srun: error: n11: task 2: Segmentation fault": "task 2: Segmentation fault",
+    "srun: error: Node failure on n11": "Node failure on n11",
+    "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.": None,
+}
+
+
+@pytest.mark.parametrize("line", sorted(FAILURES))
+def test_a_failure_is_described_without_its_node(line):
+    assert failure_of(line + "\n") == FAILURES[line]
+
+
+RESUMED = {
+    # a line of the training's stderr: where the run resumed (None: it says nothing of it)
+    "tfdist: resuming at step 13 of epoch 2 from runs/x/preempted": "step 13 of epoch 2",
+    "tfdist: resuming at step 16 of epoch 1 (its end) from runs/x/preempted; it ran on 3 "
+    "workers, now 2": "step 16 of epoch 1 (its end)",
+    "W1129 10:00:00.1 1 fit.py:276] tfdist: resuming at step 2 of epoch 3 from /m/preempted":
+        "step 2 of epoch 3",
+    "tfdist: resuming the loop at step 40 from runs/loop/preempted": "step 40",
+    "tfdist: epoch 3: 3,397 examples/s (1,698 per worker)": None,
+}
+
+
+@pytest.mark.parametrize("line", sorted(RESUMED))
+def test_where_a_run_resumed_is_read_from_the_chiefs_line(line):
+    assert resumed_from(line) == RESUMED[line]
 
 
 @pytest.mark.parametrize(("line", "set_up"), [
@@ -98,14 +137,80 @@ DECISIONS = {
                                   "restarted 3 times already (--restarts 3): requeueing"),
     "no restarts allowed: requeue": (("n9", "n10"), 1, 0, 0, "requeue", ("n9", "n10"),
                                      "--restarts 0"),
-    "every node answered: the program failed": (NODES, 2, 0, 3, "fail", NODES,
-                                                "every node answered"),
+    "every node answered: the same nodes again": (
+        NODES, 2, 0, 3, "restart", NODES, "every node answered: a task failed (task 1: Killed) "
+        "on a healthy node; training starts again on the same 3 node(s) (restart 1 of 3) from "
+        "the last save"),
+    "every node answered, restarts used up: fail": (
+        NODES, 2, 3, 3, "fail", NODES, "restarted 3 times already (--restarts 3)"),
+    "every node answered, a crash loop: fail": (
+        NODES, 2, 1, 3, "fail", NODES, "failed the same way (task 1: Killed) from the same "
+        "save as before: a crash loop of the program"),
+    "a node lost after a crash loop: restart": (("n9", "n10"), 2, 1, 3, "restart",
+                                                ("n9", "n10"), "n11 did not answer"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(DECISIONS))
 def test_after_a_failed_step_a_node_is_dropped_only_when_it_does_not_answer(case):
     alive, least, done, most, action, nodes, says = DECISIONS[case]
-    decision = decide(NODES, alive, min_nodes=least, restarts=done, max_restarts=most)
+    decision = decide(NODES, alive, min_nodes=least, restarts=done, max_restarts=most,
+                      failure="task 1: Killed", crash_loop="crash loop" in case)
     assert (decision.action, decision.nodes) == (action, nodes), decision
     assert says in decision.why, decision.why
+
+
+def _survive(tmp_path, script: str, max_restarts: int = 3) -> tuple[subprocess.CompletedProcess[
+        str], list[str]]:
+    """tfdist survive on n1, n2 with a stand-in srun (``script``, sh; $calls counts its calls
+    and notes each): its run and the calls."""
+    calls = tmp_path / "calls"
+    srun = tmp_path / "srun"
+    srun.write_text(f"#!/bin/sh\ncalls={calls}\necho \"$*\" >> $calls\n"
+                    + textwrap.dedent(script))
+    srun.chmod(0o755)
+    code = ("from tfdist import survive\n"
+            "raise SystemExit(survive.run(survive.Options(job_id='1', nodes=('n1', 'n2'), "
+            f"min_nodes=1, max_restarts={max_restarts}, tasks_per_node=1, probe_timeout_s=5), "
+            "['srun', 'python', 'train.py']))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=clean_env(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}"),
+                         timeout=60, check=False)
+    return run, calls.read_text().splitlines()
+
+
+# The stand-in: a probe (srun ... true) answers; the training step's n-th call (counted by the
+# lines of $calls that run train.py) does what the test says.
+_TRAINING = """\
+case "$*" in *" true") exit 0 ;; esac
+n=$(grep -c train.py "$calls")
+"""
+
+
+def test_a_task_killed_on_a_healthy_node_is_restarted_on_the_same_nodes(tmp_path):
+    run, calls = _survive(tmp_path, _TRAINING + textwrap.dedent("""\
+        if [ "$n" -eq 1 ]; then
+            echo "tfdist: resuming at step 3 of epoch 1 from m/preempted" >&2
+            echo "srun: error: n2: task 1: Killed" >&2; exit 137
+        fi
+        echo "tfdist: resuming at step 8 of epoch 2 from m/preempted" >&2
+        exit 0
+    """))
+    assert run.returncode == 0, run.stderr
+    training = [c for c in calls if "train.py" in c]
+    assert len(training) == 2 and training[0] == training[1], calls  # the same nodes again
+    assert "--nodelist=n1,n2" in training[1], training
+    assert "a task failed (task 1: Killed) on a healthy node; training starts again on the " \
+           "same 2 node(s) (restart 1 of 3)" in run.stderr
+
+
+def test_a_step_that_fails_the_same_way_from_the_same_save_is_a_crash_loop(tmp_path):
+    # Killed after the same save twice: no third start. (A failure from a later save, as in the
+    # test above, is restarted again.)
+    run, calls = _survive(tmp_path, _TRAINING + textwrap.dedent("""\
+        echo "tfdist: resuming at step 3 of epoch 1 from m/preempted" >&2
+        echo "srun: error: n2: task 1: Killed" >&2; exit 137
+    """))
+    assert run.returncode == 137, run.stderr
+    assert len([c for c in calls if "train.py" in c]) == 2, calls
+    assert run.stderr.count("a crash loop of the program") == 1, run.stderr

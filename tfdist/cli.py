@@ -520,7 +520,8 @@ def _add_survive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--tasks-per-node", type=_at_least(1), required=True, metavar="T",
                         help="srun tasks on each node (the job's --ntasks-per-node)")
     parser.add_argument("--restarts", type=_at_least(0), default=3, metavar="R",
-                        help="restart on fewer nodes at most R times (default: 3)")
+                        help="restart the step at most R times: on the nodes that answer, or on "
+                        "the same ones after a task failed on a healthy node (default: 3)")
     parser.add_argument("--probe-timeout", type=_seconds, default=30.0,
                         metavar="SECONDS", help="a node that has not run a one-task step "
                         "within this is taken for lost (default: 30)")

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from tfdist.patches import Where
 
 __all__ = ["continued_line", "explain", "failed_host", "failed_ranks", "install",
-           "install_failure_line", "linger", "progress", "report", "silent_message"]
+           "install_failure_line", "linger", "progress", "report", "silent_message", "was_frozen"]
 
 _TASK = re.compile(r"/job:worker/(?:replica:\d+/)?task:(\d+)")
 _REMOTE = re.compile(r"remote target (/job:worker/(?:replica:\d+/)?task:\d+)")
@@ -263,9 +263,21 @@ def report(message: str, environment: ClusterEnvironment) -> str | None:
     when this process was itself stopped and continued just before (:func:`continued_line`),
     that: the peers it would blame only gave up on it."""
     line = explain(message, environment, progress, _aliases(message, environment))
-    if line is None or _continued_at is None:
+    if line is None or not was_frozen(_continued_at, _frozen_at):
         return line
-    return continued_line(environment.rank, time.monotonic() - _continued_at)
+    assert _frozen_at is not None
+    return continued_line(environment.rank, time.monotonic() - _frozen_at) or line
+
+
+def was_frozen(continued_at: float | None, frozen_at: float | None) -> bool:
+    """Whether this process was stopped: it got SIGCONT (``continued_at``, when Python ran the
+    handler: after the C call the main thread was in) and, before that, its ticker found a gap in
+    its own run (``frozen_at``: when it ran again) (pure).
+
+    SIGCONT alone says nothing: srun ends a step by SIGCONT, SIGTERM, SIGKILL to every task, so
+    the ranks that survive a peer's SIGKILL get it too, though they never stopped."""
+    return (continued_at is not None and frozen_at is not None
+            and 0 <= continued_at - frozen_at <= CONTINUED_RECENTLY_S)
 
 
 def continued_line(rank: int, seconds_ago: float) -> str | None:
@@ -283,12 +295,29 @@ def continued_line(rank: int, seconds_ago: float) -> str | None:
 
 
 CONTINUED_RECENTLY_S = 60.0
-_continued_at: float | None = None
+_continued_at: float | None = None  # the last SIGCONT
+_frozen_at: float | None = None  # when the ticker last ran again after a gap (it was stopped)
+# The ticker wakes every TICK_S; a wake-up FROZEN_GAP_S late means this process did not run.
+TICK_S = 0.5
+FROZEN_GAP_S = 5.0
 
 
 def _continued(signum: int, frame: object) -> None:
     global _continued_at
     _continued_at = time.monotonic()
+
+
+def _tick() -> None:
+    """Notes when this process runs again after it was stopped (a daemon thread: SIGSTOP, a
+    debugger, a frozen node stop it with the rest)."""
+    global _frozen_at
+    last = time.monotonic()
+    while True:
+        time.sleep(TICK_S)
+        now = time.monotonic()
+        if now - last > FROZEN_GAP_S:
+            _frozen_at = now
+        last = now
 
 
 def install_failure_line(where: Where, dist: Any) -> None:
@@ -307,6 +336,8 @@ def install(environment: ClusterEnvironment) -> None:
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGCONT) == signal.SIG_DFL):
         signal.signal(signal.SIGCONT, _continued)  # the process continues all the same
+        if environment.world_size > 1:  # a stopped rank of many blames itself (report)
+            threading.Thread(target=_tick, name="tfdist-freeze-ticker", daemon=True).start()
 
     def wrap(previous: Any) -> Any:
         def hook(kind: type[BaseException], value: BaseException,

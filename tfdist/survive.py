@@ -20,10 +20,18 @@ in 0.1 s on the test cluster, a cut one failed after ``MessageTimeout``, 12 s). 
 the next step starts on the survivors: training resumes from the last save (tfdist's exact
 state: an epoch's end, or ``TFDIST_CHECKPOINT_EVERY``'s safety saves), the global batch split
 over fewer workers. Below that it exits 75, and the job script requeues the job for a full
-allocation. A failure with every node answering is the program's own: srun's code is returned
-as it is. Signals to this process (the job script passes SIGTERM on as SIGUSR1) go on to srun.
+allocation.
 
-:func:`failed_task`, :func:`step_command` and :func:`decide` are pure and table-tested.
+A task that failed while every node answered (killed by the kernel's OOM killer, a crash of a
+library, a bad GPU) is restarted on the same nodes from the last save, within the same
+``--restarts``: the world size is unchanged, so the continuation is the uninterrupted run's.
+Unless it is a crash loop: the step failed the same way (srun's first failure line, without
+its node) twice from the same save (the "resuming at" line of tfdist's chief, or none), so a
+third start would fail there again; srun's code is then returned, with one line saying so.
+Signals to this process (the job script passes SIGTERM on as SIGUSR1) go on to srun.
+
+:func:`failed_task`, :func:`failure_of`, :func:`resumed_from`, :func:`step_command` and
+:func:`decide` are pure and table-tested.
 """
 
 from __future__ import annotations
@@ -43,8 +51,8 @@ from types import FrameType
 from tfdist.errors import EXIT_CONFIG, ConfigError
 from tfdist.preemption import EXIT_PREEMPTED as EXIT_REQUEUE  # the job script requeues on it
 
-__all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "probe", "run",
-           "set_up_error", "step_command"]
+__all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "failure_of", "probe",
+           "resumed_from", "run", "set_up_error", "step_command"]
 
 # srun's lines when a task ends badly or a node is lost (Slurm 22.05 to 24.x):
 #   srun: error: n9: task 0: Exited with exit code 1
@@ -57,6 +65,31 @@ _FAILED = re.compile(r"^srun: error: (?:\S+: tasks? [\d,-]+: (?:Exited with exit
 def failed_task(line: str) -> bool:
     """Whether srun's stderr ``line`` says that a task failed or a node was lost (pure)."""
     return bool(_FAILED.match(line.strip()))
+
+
+# The node in srun's line, left out of a failure's description: a task that fails the same way
+# on another node after a restart still fails the same way.
+_NODE = re.compile(r"^srun: error: \S+: (tasks? )")
+# tfdist's chief as a run resumes (tfdist.keras.fit_preemption, tfdist.preemption's loop state):
+#   tfdist: resuming at step 13 of epoch 2 from runs/x/preempted
+#   tfdist: resuming the loop at step 40 from runs/x/preempted
+_RESUMED = re.compile(r"tfdist: resuming (?:the loop )?at (.+?) from ")
+
+
+def failure_of(line: str) -> str | None:
+    """How srun's stderr ``line`` says the step failed, without the node (``"task 1: Killed"``),
+    or None when it is no failure line (pure)."""
+    if not failed_task(line):
+        return None
+    text = line.strip()
+    return _NODE.sub(r"\1", text).removeprefix("srun: error: ")
+
+
+def resumed_from(line: str) -> str | None:
+    """Where a run resumed, from the line tfdist's chief prints as it does (``"step 13 of
+    epoch 2"``), or None for any other line (pure)."""
+    found = _RESUMED.search(line)
+    return found.group(1) if found else None
 
 
 def set_up_error(line: str) -> bool:
@@ -109,14 +142,32 @@ class Decision:
 
 
 def decide(nodes: Sequence[str], alive: Sequence[str], *, min_nodes: int, restarts: int,
-           max_restarts: int) -> Decision:
+           max_restarts: int, failure: str | None = None, crash_loop: bool = False
+           ) -> Decision:
     """The step loop's choice after a failed step on ``nodes`` of which ``alive`` answered a
-    probe, ``restarts`` restarts done so far (pure)."""
+    probe, ``restarts`` restarts done so far (pure).
+
+    Args:
+        failure: how srun said the step failed (:func:`failure_of`), for the line.
+        crash_loop: the step failed the same way from the same save before.
+    """
     lost = [node for node in nodes if node not in alive]
     left = [node for node in nodes if node in alive]
+    how = f" ({failure})" if failure else ""
     if not lost:
-        return Decision("fail", tuple(nodes), "every node answered: the training failed by "
-                        "itself, not a node (its ranks' output has the cause)")
+        if crash_loop:
+            return Decision("fail", tuple(nodes), f"every node answered, and the training "
+                            f"failed the same way{how} from the same save as before: a crash "
+                            "loop of the program, not a node's fault; not restarted again "
+                            "(its ranks' output has the cause)")
+        if restarts >= max_restarts:
+            return Decision("fail", tuple(nodes), f"every node answered: a task failed{how} "
+                            f"on a healthy node, and the step was restarted {restarts} times "
+                            f"already (--restarts {max_restarts}); its ranks' output has the "
+                            "cause")
+        return Decision("restart", tuple(nodes), f"every node answered: a task failed{how} on "
+                        f"a healthy node; training starts again on the same {len(nodes)} "
+                        f"node(s) (restart {restarts + 1} of {max_restarts}) from the last save")
     named = f"{', '.join(lost)} did not answer"
     if len(left) < min_nodes:
         return Decision("requeue", tuple(left), f"{named}; {len(left)} of {len(nodes)} nodes "
@@ -163,12 +214,15 @@ class Options:
 
 
 class _Step:
-    """One srun step: its process, and whether srun said that a task failed."""
+    """One srun step: its process, whether srun said that a task failed (and how, first), and
+    where the run resumed."""
 
     def __init__(self, command: list[str], restart: int) -> None:
         env = {**os.environ, "TFDIST_RESTART_COUNT": str(restart)}
         self.failed = threading.Event()
         self.set_up_error = False  # a task exited 78 (set_up_error)
+        self.failure: str | None = None  # srun's first failure line (failure_of)
+        self.resumed: str | None = None  # the chief's "resuming at" (resumed_from)
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env,
                                         bufsize=1)
         self._copier = threading.Thread(target=self._copy, daemon=True)
@@ -179,8 +233,12 @@ class _Step:
         for line in self.process.stderr:
             sys.stderr.write(line)
             sys.stderr.flush()
-            if failed_task(line):
+            if self.resumed is None:
+                self.resumed = resumed_from(line)
+            failure = failure_of(line)
+            if failure is not None:
                 self.set_up_error = self.set_up_error or set_up_error(line)
+                self.failure = self.failure or failure
                 self.failed.set()
 
     def wait(self) -> int | None:
@@ -203,6 +261,7 @@ def run(options: Options, srun: Sequence[str]) -> int:
     code for the job script: the last srun's, or 75 to requeue."""
     nodes, restarts = list(options.nodes), 0
     current: list[_Step] = []
+    before: tuple[str | None, str | None] | None = None  # the last failure, and its save
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if current and current[0].process.poll() is None:
@@ -224,8 +283,12 @@ def run(options: Options, srun: Sequence[str]) -> int:
             return EXIT_CONFIG
         started = time.monotonic()
         alive = probe(options.job_id, nodes, options.probe_timeout_s)
+        step = current[0]
+        this = (step.failure, step.resumed)
         decision = decide(nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
-                          max_restarts=options.max_restarts)
+                          max_restarts=options.max_restarts, failure=step.failure,
+                          crash_loop=this == before)
+        before = this
         print(f"tfdist survive: the training step on {','.join(nodes)} failed; {decision.why} "
               f"(probed in {time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
         if decision.action == "fail":

@@ -103,8 +103,9 @@ def _add_scheduling(group: _Group) -> None:
                        "starts again on the nodes that answer, from the last save, while at "
                        "least M are left (tfdist survive; srun and a venv) (default: off)")
     group.add_argument("--node-restarts", type=int, metavar="R",
-                       help="with --min-nodes: restart on fewer nodes at most R times, then "
-                       "requeue the job (default: 3)")
+                       help="with --min-nodes: restart the training step at most R times (on "
+                       "the nodes left, or on the same ones after a task crashed on a healthy "
+                       "node), then requeue the job (default: 3)")
     group.add_argument("--sbatch-arg", action="append", metavar="OPTION",
                        help="one more #SBATCH option (repeat): --sbatch-arg=--qos=high, "
                        "--sbatch-arg --qos high and --sbatch-arg '--qos high' all render "

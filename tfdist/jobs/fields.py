@@ -43,7 +43,8 @@ class JobFields:
     signal: str | None = None
     requeue: bool = False
     # A lost node survived: the training goes on on the nodes left (tfdist survive), while at
-    # least min_nodes are (None: off), at most node_restarts times
+    # least min_nodes are (None: off), at most node_restarts times (a task crashed on a healthy
+    # node: the same nodes again)
     min_nodes: int | None = None
     node_restarts: int = 3
     sbatch_args: tuple[str, ...] = ()

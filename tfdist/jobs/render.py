@@ -290,7 +290,7 @@ def _launch(c: JobConfig) -> str:
         text = _horovodrun(c)
     else:
         text = _srun(c)
-    return _with_requeue(text, c.signal) if c.requeue else text
+    return _with_requeue(text, c.signal, survive=c.min_nodes is not None) if c.requeue else text
 
 
 # After a preemption every task exits 75 (tfdist.preemption.EXIT_PREEMPTED) once the state is
@@ -301,18 +301,24 @@ def _launch(c: JobConfig) -> str:
 # and USR2 to its tasks, but answers TERM by killing them, so TERM goes on as USR1. Without the
 # trap Slurm's TERM would end this shell at once, and with it the job, before the tasks had
 # saved.
-_REQUEUE = [
-    'if [ "$code" -eq 75 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "${TFDIST_MAX_REQUEUES:-20}" ]; '
-    "then",
-    '    job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"',
-    '    echo "tfdist: preempted; requeueing job ${job:-$SLURM_JOB_ID}" >&2',
-    '    scontrol requeue "${job:-$SLURM_JOB_ID}" || true',
-    "fi",
-    'exit "$code"',
-]
+# tfdist survive exits 75 too, when fewer nodes than min_nodes answer: its own line says so.
+_WHY_REQUEUE = {False: "preempted",
+                True: "preempted, or too few nodes left: the line above says which"}
 
 
-def _with_requeue(launch: str, signal: str | None) -> str:
+def _requeue(survive: bool) -> list[str]:
+    return [
+        'if [ "$code" -eq 75 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt '
+        '"${TFDIST_MAX_REQUEUES:-20}" ]; then',
+        '    job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"',
+        f'    echo "tfdist: {_WHY_REQUEUE[survive]}; requeueing job ${{job:-$SLURM_JOB_ID}}" >&2',
+        '    scontrol requeue "${job:-$SLURM_JOB_ID}" || true',
+        "fi",
+        'exit "$code"',
+    ]
+
+
+def _with_requeue(launch: str, signal: str | None, *, survive: bool = False) -> str:
     lines = launch.split("\n")
     comments = [line for line in lines if line.startswith("#")]
     command = [line for line in lines if not line.startswith("#")]
@@ -337,7 +343,7 @@ def _with_requeue(launch: str, signal: str | None) -> str:
         'while kill -0 "$launched" 2>/dev/null; do wait "$launched" || true; done',
         'code=0',
         'wait "$launched" || code=$?',
-        *_REQUEUE])
+        *_requeue(survive)])
 
 
 def _program(c: JobConfig) -> str:
