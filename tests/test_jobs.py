@@ -1363,3 +1363,31 @@ def test_a_job_that_survives_lost_nodes_says_either_cause_of_its_requeue() -> No
            'requeueing job ${job:-$SLURM_JOB_ID}" >&2' in surviving
     plain = render(JobConfig(script="t.py", requeue=True, nodes=3))
     assert 'echo "tfdist: preempted; requeueing job ${job:-$SLURM_JOB_ID}" >&2' in plain
+
+
+@pytest.mark.parametrize(("codes", "ends", "runs"), [
+    ([143, 0], 0, 2),  # a task ended by the cleanup of an earlier run: again, then on
+    ([137, 143, 0], 0, 3),
+    ([143, 143, 143], 143, 3),  # three times: the job ends with it
+    ([1], 1, 1),  # the doctor found a problem: no second run
+])
+def test_a_requeued_jobs_doctor_step_runs_again_when_a_signal_ended_a_task(
+        tmp_path: Path, codes: list[int], ends: int, runs: int) -> None:
+    # The rendered doctor step, run by bash with a stand-in srun that exits with each code of
+    # `codes` in turn (as srun does when its tasks ended so).
+    text = render(JobConfig(script="t.py", requeue=True, nodes=2))
+    start = text.index("for attempt in 1 2 3; do")
+    end = text.index('[ "$code" -eq 0 ] || exit "$code"') + len('[ "$code" -eq 0 ] || exit "$code"')
+    count = tmp_path / "count"
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\necho x >> " + str(count) + "\n"
+                    f"set -- {' '.join(map(str, codes))}\n"
+                    f"shift $(($(wc -l < {count}) - 1))\nexit \"$1\"\n")
+    srun.chmod(0o755)
+    run = subprocess.run(["bash", "-c", "set -eo pipefail\n" + text[start:end] + "\nexit 0"],
+                         env={**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"},
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert run.returncode == ends, run.stderr
+    assert len(count.read_text().splitlines()) == runs
+    assert run.stderr.count("a signal ended a task of the doctor's step") == sum(
+        code in (137, 143) for code in codes[:runs]), run.stderr

@@ -277,7 +277,39 @@ def _doctor(c: JobConfig) -> str | None:
                        + ("torch's all-reduce.)" if torch else "TensorFlow's all-reduce.)"))
     elif torch:
         command += " --framework torch"
-    return _lines(comment, _srun_segments(c, doctor=True), _apptainer(c), command)
+    step = _lines(comment, _srun_segments(c, doctor=True), _apptainer(c), command)
+    return _again_after_cleanup(step) if c.requeue or c.min_nodes is not None else step
+
+
+# A requeued job runs under the same job id: a node back from a network cut may still be
+# cleaning up the earlier run, and Slurm's cleanup then ends the new run's tasks there (the
+# test cluster: the doctor's task, SIGTERM, the job FAILED 143). The training step under tfdist
+# survive restarts such a task on the same nodes; the doctor's step runs again.
+_AGAIN = ["for attempt in 1 2 3; do", "    code=0"]
+_AGAIN_END = [
+    "    case $code in",
+    "        137|143) echo \"tfdist: a signal ended a task of the doctor's step (exit $code, "
+    "attempt $attempt of 3: Slurm's cleanup of an earlier run?)\" >&2 ;;",
+    "        *) break ;;",
+    "    esac",
+    "done",
+    '[ "$code" -eq 0 ] || exit "$code"',
+]
+
+
+def _again_after_cleanup(step: str) -> str:
+    """``step`` (comment lines, then a command) run again when a signal ended one of its tasks,
+    3 times at most; then the job ends with its code."""
+    lines = step.split("\n")
+    comments = [line for line in lines if line.startswith("#")]
+    command = [line for line in lines if not line.startswith("#")]
+    return "\n".join([
+        *comments,
+        "# A task ended by a signal (exit 143 or 137: Slurm's cleanup of an earlier run of "
+        "this job, on a", "# node back from a network cut) runs the step again, 3 times at "
+        "most.",
+        *_AGAIN, *("    " + line for line in command[:-1]), "    " + command[-1] + " || code=$?",
+        *_AGAIN_END])
 
 
 def _launch(c: JobConfig) -> str:
