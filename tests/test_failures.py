@@ -57,6 +57,13 @@ LEADER_GONE = (
     ":UNKNOWN:Error received from peer {grpc_status:14, grpc_message:\"failed to connect to all "
     "addresses; last error: UNKNOWN: ipv4:10.77.9.9:20928: Failed to connect to remote host: "
     "Connection refused\"}")
+# The leader's host silent (its network cut): the heartbeat's deadline passes.
+LEADER_SILENT = (
+    "BaseCollectiveExecutor::StartAbort DEADLINE_EXCEEDED: Failed to send RPC to coordination "
+    "service. Either the leader task was preempted/died/restarted unexpectedly or this task is "
+    "experiencing network issues.\nAdditional GRPC error information from remote target "
+    "/job:worker/replica:0/task:0 while calling /tensorflow.CoordinationService/Heartbeat:\n"
+    ":UNKNOWN:Error received from peer  {grpc_message:\"Deadline Exceeded\", grpc_status:4}")
 ADDRESSES = ("n9:20928", "n9:20929", "n10:20928", "n10:20929")
 
 # torch 2.13, gloo: rank 1 killed (rank 0 was reading from it), rank 1 raising (its group torn
@@ -128,6 +135,10 @@ MESSAGES = {
                             [1, 3], None),
     "heartbeat timeout, TensorFlow 2.15": (HEARTBEAT_TIMEOUT_215, (), {}, [1], None),
     "the coordination service's host is gone": (LEADER_GONE, ADDRESSES, {}, [0], None),
+    "the coordination service's host is silent": (LEADER_SILENT, ADDRESSES, {}, [0], None),
+    "a deadline of another call names none": (
+        "DEADLINE_EXCEEDED: Deadline Exceeded while calling /tensorflow.WorkerService/RecvTensor",
+        ADDRESSES, {}, [], None),
     "a peer refuses connections, named by address": (
         "UNAVAILABLE: failed to connect to all addresses; last error: ipv4 n10:20929: "
         "Connection refused", ADDRESSES, {}, [3], None),
@@ -168,6 +179,17 @@ def test_failed_ranks(case):
     message, addresses, aliases, ranks, host = MESSAGES[case]
     assert failed_ranks(message, addresses, aliases) == ranks
     assert failed_host(message, addresses, aliases) == host
+
+
+def test_the_failed_peers_hosts_leave_this_ranks_own_out():
+    from tfdist.failures import failed_hosts
+
+    on_n10 = ClusterEnvironment("slurm", rank=2, world_size=4, worker_addresses=ADDRESSES)
+    assert failed_hosts(LEADER_SILENT, on_n10) == ["n9"]
+    assert failed_hosts(HEARTBEATS, on_n10) == ["n9"]  # rank 1, on n9
+    on_n9 = ClusterEnvironment("slurm", rank=1, world_size=4, worker_addresses=ADDRESSES)
+    assert failed_hosts(HEARTBEATS, on_n9) == []  # rank 1 is this one
+    assert failed_hosts("OOM when allocating tensor", on_n10) == []
 
 
 def test_the_line_names_rank_host_step_and_where_to_look():

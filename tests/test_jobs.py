@@ -1359,10 +1359,12 @@ def test_a_job_that_survives_lost_nodes_says_either_cause_of_its_requeue() -> No
     surviving = render(JobConfig(script="t.py", requeue=True, nodes=3, min_nodes=2,
                                  venv="/v"))
     assert "python -m tfdist survive --min-nodes 2" in surviving
+    assert "export TFDIST_REQUEUE_IF_BATCH_LOST=1" in surviving  # the batch node lost: the tasks
     assert 'echo "tfdist: preempted, or too few nodes left: the line above says which; ' \
            'requeueing job ${job:-$SLURM_JOB_ID}" >&2' in surviving
     plain = render(JobConfig(script="t.py", requeue=True, nodes=3))
     assert 'echo "tfdist: preempted; requeueing job ${job:-$SLURM_JOB_ID}" >&2' in plain
+    assert "TFDIST_REQUEUE_IF_BATCH_LOST" not in plain  # Slurm requeues it on a node failure
 
 
 @pytest.mark.parametrize(("codes", "ends", "runs"), [

@@ -663,14 +663,17 @@ def test_a_run_resumed_on_fewer_workers_says_so_and_trains_every_step_once(tmp_p
     # bit-identical (1 replica sums in another order than 2), but within rounding.
     straight = _run(sys.executable, "mwms", tmp_path / "straight", tmp_path / "m1", "-1", "0")
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    # The learning rate scaled by the replicas (dist.scale_lr): 0.01 on 2 workers, the script's
+    # 0.005 on one; the restored optimizer trains on at the saved 0.01, and the line says so.
     stopped = _run(sys.executable, "mwms", tmp_path / "out", tmp_path / "m2", "1", "20",
-                   TFDIST_PREEMPT_CHECK_SECONDS="0.02")
+                   TFDIST_PREEMPT_CHECK_SECONDS="0.02", PREEMPT_TEST_SCALE_LR="1")
     assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     resumed = _run(sys.executable, "mwms", tmp_path / "again", tmp_path / "m2", "-1", "0",
-                   workers=1)
+                   workers=1, PREEMPT_TEST_SCALE_LR="1")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "it ran on 2 workers, now 1: the global batch is what the script sets" in (
-        resumed.stdout + resumed.stderr)
+    assert "it ran on 2 workers, now 1: the global batch is what the script sets; the " \
+           "learning rate is the saved 0.01, not the 0.005 the script set" in (
+               resumed.stdout + resumed.stderr), resumed.stdout[-3000:] + resumed.stderr[-3000:]
     before, (after,) = _results(tmp_path / "out"), _results(tmp_path / "again", workers=1)
     assert before[0]["steps"] > 0 and before[0]["steps"] + after["steps"] == 3 * STEPS_PER_EPOCH
     with np.load(tmp_path / "again" / "weights-0-0.npz") as got, \

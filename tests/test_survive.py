@@ -11,11 +11,13 @@ import textwrap
 import pytest
 from helpers import ROOT, clean_env
 
+from tfdist.env import ClusterEnvironment
 from tfdist.errors import EXIT_CONFIG, ConfigError
 from tfdist.survive import (
     decide,
     failed_task,
     failure_of,
+    orphaned,
     resumed_from,
     set_up_error,
     step_command,
@@ -214,3 +216,30 @@ def test_a_step_that_fails_the_same_way_from_the_same_save_is_a_crash_loop(tmp_p
     assert run.returncode == 137, run.stderr
     assert len([c for c in calls if "train.py" in c]) == 2, calls
     assert run.stderr.count("a crash loop of the program") == 1, run.stderr
+
+
+def _task(node_rank: int, **fields: object) -> ClusterEnvironment:
+    """A task of step 5.0 of a job on n9-n11 (one task per node), on node ``node_rank``."""
+    return ClusterEnvironment(**{
+        "launcher": "slurm", "rank": node_rank, "world_size": 3, "node_rank": node_rank,
+        "num_nodes": 3, "hosts": NODES, "job_id": "5", "step_id": "0", "batch_host": "n9",
+        **fields})
+
+
+ORPHANED = {
+    # name: (this task, the failed peers' hosts, the host template; the lost batch node)
+    "the batch node lost, seen from n10": (_task(1), ["n9"], "{host}", "n9"),
+    "the batch node lost with another": (_task(2), ["n10", "n9"], "{host}", "n9"),
+    "addresses by the template": (_task(1), ["n9-ib0"], "{host}-ib0", "n9"),
+    "another node lost: the step loop lives": (_task(1), ["n11"], "{host}", None),
+    "the task on the batch node itself": (_task(0), ["n9"], "{host}", None),
+    "no failed peer named": (_task(1), [], "{host}", None),
+    "not a step (the batch shell)": (_task(1, step_id=None), ["n9"], "{host}", None),
+    "another launcher": (_task(1, launcher="local"), ["n9"], "{host}", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ORPHANED))
+def test_a_task_outlives_its_batch_script_only_when_the_batch_node_failed(case):
+    task, failed, template, lost = ORPHANED[case]
+    assert orphaned(task, failed, template) == lost

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from tfdist.env import ClusterEnvironment
     from tfdist.patches import Where
 
-__all__ = ["continued_line", "explain", "failed_host", "failed_ranks", "install",
+__all__ = ["continued_line", "explain", "failed_host", "failed_hosts", "failed_ranks", "install",
            "install_failure_line", "linger", "progress", "report", "silent_message", "was_frozen"]
 
 _TASK = re.compile(r"/job:worker/(?:replica:\d+/)?task:(\d+)")
@@ -70,6 +70,8 @@ _UNNAMED = re.compile(r"Horovod has been shut down|Timed out waiting \d+ms for (
                       r"operation|Watchdog caught collective operation timeout|remote process "
                       r"exited or there was a network error")
 _CAUSES = "(crashed, killed, out of memory, or hung)"
+# The call a non-leader makes every few seconds to MWMS's coordination service (in task 0).
+_LEADER_SILENT = "CoordinationService/Heartbeat"
 
 # Where training was, kept up to date by tfdist's fit callbacks ({"epoch": E, "step": S}) and
 # by tfdist.torch's DDP wrapper ({"step": S}, counted over all epochs).
@@ -122,6 +124,12 @@ def _named(message: str, addresses: Sequence[str],
         _DESYNC_RANKS.findall(message.split(_DESYNC, 1)[1]) if _DESYNC in message else [])
     if lagging:
         return sorted({int(r) for group in lagging for r in group.split(",")}), None
+    if _LEADER_SILENT in message and "Deadline Exceeded" in message:
+        # This rank's heartbeat to the coordination service got no answer in time: the service
+        # runs in task 0 (MWMS's leader), whose host stopped answering (a dead node, a cut
+        # network); its name is in the error where gRPC gives it.
+        remote = _REMOTE.search(message)
+        return [int(_TASK.findall(remote.group(1))[0]) if remote else 0], None
     if not any(words in message for words in _UNREACHABLE):
         return [], None
     remote = _REMOTE.search(message)  # the service's host, from a heartbeat that failed
@@ -140,6 +148,18 @@ def _named(message: str, addresses: Sequence[str],
     ranks = [rank for rank, address in enumerate(addresses)
              if any(_same_host(_host_of(address), name) for name in spellings)]
     return ranks, (_host_of(addresses[ranks[0]]) if ranks else named)
+
+
+def failed_hosts(message: str, environment: ClusterEnvironment) -> list[str]:
+    """The hosts of the peers ``message`` names as failed (:func:`explain`'s), this process's
+    own left out; empty when it names none or the hosts are unknown."""
+    addresses = _addresses(environment)
+    ranks, host = _named(message, addresses, _aliases(message, environment))
+    found = [_host_of(addresses[r]) for r in ranks
+             if r != environment.rank and r < len(addresses)]
+    if host is not None:
+        found.append(host)
+    return list(dict.fromkeys(found))
 
 
 def _host_of(address: str) -> str:
@@ -347,6 +367,7 @@ def install(environment: ClusterEnvironment) -> None:
             line = report(str(value), _environment) if _environment is not None else None
             if line:
                 print(line, file=sys.stderr, flush=True)
+                _requeue_if_orphaned(str(value))
             linger()  # the process ends with this error: its traceback and line first
 
         return hook
@@ -355,6 +376,21 @@ def install(environment: ClusterEnvironment) -> None:
 
 
 _environment: ClusterEnvironment | None = None  # the launch install() describes
+
+
+def _requeue_if_orphaned(message: str) -> None:
+    """A Slurm job whose batch script's node is among the failed peers' is requeued from here
+    (:func:`tfdist.survive.requeue_if_orphaned`): nothing else would."""
+    if _environment is None or _environment.launcher != "slurm":
+        return
+    from tfdist import survive
+
+    try:
+        said = survive.requeue_if_orphaned(_environment, failed_hosts(message, _environment))
+    except Exception as error:  # the failure line above is what counts; say why, go on
+        said = f"tfdist: rank {_environment.rank}: the lost batch node's check failed: {error}"
+    if said:
+        print(said, file=sys.stderr, flush=True)
 
 # Seconds a failing rank of many waits after its last words (:func:`linger`).
 LINGER_S = 0.5

@@ -314,6 +314,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_requeues", "TFDIST_MAX_REQUEUES", _non_negative_int, 20,
             "after a preemption tfdist requeues a Slurm job with `scontrol requeue` while "
             "`SLURM_RESTART_COUNT` is below this"),
+    Setting("requeue_if_batch_lost", "TFDIST_REQUEUE_IF_BATCH_LOST", flag, False,
+            "`1`: a task of a Slurm job whose peers on the node of the job's batch script "
+            "failed asks that node with a one-task step and, when it does not answer, requeues "
+            "the job (`scontrol requeue`): the step loop (`tfdist survive`) ran there, and "
+            "without it the job would idle to its time limit. `tfdist job` sets it in jobs "
+            "with `min_nodes` and `requeue`"),
     Setting("checkpoint_every", "TFDIST_CHECKPOINT_EVERY", _duration, None,
             "with `dist.callbacks(model_dir=...)` or `dist.preemption()`: every rank saves the "
             "same exact state as for a preemption at one agreed step this often (`90s`, `10min`, "

@@ -48,11 +48,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
 
+from tfdist.env.base import ClusterEnvironment
 from tfdist.errors import EXIT_CONFIG, ConfigError
 from tfdist.preemption import EXIT_PREEMPTED as EXIT_REQUEUE  # the job script requeues on it
 
-__all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "failure_of", "probe",
-           "resumed_from", "run", "set_up_error", "step_command"]
+__all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "failure_of", "orphaned",
+           "probe", "requeue_if_orphaned", "resumed_from", "run", "set_up_error",
+           "step_command"]
 
 # srun's lines when a task ends badly or a node is lost (Slurm 22.05 to 24.x):
 #   srun: error: n9: task 0: Exited with exit code 1
@@ -182,21 +184,81 @@ def decide(nodes: Sequence[str], alive: Sequence[str], *, min_nodes: int, restar
                     f"{max_restarts}) from the last save")
 
 
-def probe(job_id: str, nodes: Sequence[str], timeout_s: float) -> list[str]:
+def probe(job_id: str, nodes: Sequence[str], timeout_s: float,
+          environ: Mapping[str, str] | None = None) -> list[str]:
     """The nodes of ``nodes`` that run a one-task step of job ``job_id`` within
-    ``timeout_s``, asked in parallel."""
+    ``timeout_s``, asked in parallel; ``environ``: srun's environment (default: this one)."""
     def answers(node: str) -> bool:
         command = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1",
                    f"--nodelist={node}", "--quiet", "true"]
         try:
             return subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
-                                  timeout=timeout_s, check=False).returncode == 0
+                                  timeout=timeout_s, check=False,
+                                  env=None if environ is None else dict(environ)
+                                  ).returncode == 0
         except subprocess.TimeoutExpired:
             return False
 
     with ThreadPoolExecutor(max_workers=len(nodes) or 1) as pool:
         found = list(pool.map(answers, nodes))
     return [node for node, ok in zip(nodes, found, strict=True) if ok]
+
+
+def orphaned(environment: ClusterEnvironment, failed_hosts: Sequence[str],
+             host_template: str = "{host}") -> str | None:
+    """The node of the job's batch script when this task of a Slurm step outlives it: the
+    failed peers' hosts (spelled as in the workers' addresses, ``host_template``) include it,
+    and this task runs on another node; else None (pure)."""
+    batch = environment.batch_host
+    if environment.launcher != "slurm" or environment.step_id is None or batch is None:
+        return None
+    here = (environment.hosts[environment.node_rank]
+            if environment.node_rank < len(environment.hosts) else None)
+    spellings = {batch, host_template.format(host=batch)}
+    if here is None or here == batch or not spellings & set(failed_hosts):
+        return None
+    return batch
+
+
+# How long a task gives the batch script's node to run a one-task step: a healthy node
+# answered in 0.1 s on the test cluster, a cut one failed after MessageTimeout (10 s there).
+BATCH_PROBE_S = 20.0
+
+
+def requeue_if_orphaned(environment: ClusterEnvironment,
+                        failed_hosts: Sequence[str]) -> str | None:
+    """Requeues the job when the node of its batch script is lost (:func:`orphaned`) and does
+    not answer a one-task step, where the job asked for it (``TFDIST_REQUEUE_IF_BATCH_LOST``,
+    which the rendered jobs with ``min_nodes`` and ``requeue`` set); the line to print, or
+    None. One task per node asks (its first local rank); a second ``scontrol requeue`` of a
+    job already requeued fails harmlessly."""
+    from tfdist.settings import resolve
+
+    if not resolve("requeue_if_batch_lost") or environment.local_rank != 0:
+        return None
+    batch = orphaned(environment, failed_hosts, resolve("host_template"))
+    if batch is None or environment.job_id is None:
+        return None
+    job = environment.job_id
+    if environment.array_job_id and environment.array_task_id:
+        job = f"{environment.array_job_id}_{environment.array_task_id}"
+    # srun from inside a step: without the step's variables, which would shape the probe.
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "SRUN_")) or k == "SLURM_CONF"}
+    if probe(environment.job_id, [batch], BATCH_PROBE_S, clean):
+        return None  # the batch script's node lives: its step loop decides
+    here, rank = environment.hosts[environment.node_rank], environment.rank
+    done = subprocess.run(["scontrol", "requeue", job], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60, check=False, env=clean)
+    if done.returncode == 0:
+        return (f"tfdist: rank {rank} ({here}): {batch}, the node of the job's batch script "
+                f"and its step loop, does not answer: requeued job {job} so that its "
+                "allocation does not idle to the time limit")
+    said = (done.stderr or done.stdout).strip().splitlines()
+    why = said[-1] if said else f"exit code {done.returncode}"
+    return (f"tfdist: rank {rank} ({here}): {batch}, the node of the job's batch script, does "
+            f"not answer, and `scontrol requeue {job}` failed ({why}): the job may idle to its "
+            f"time limit; scancel {job} frees it")
 
 
 @dataclass(frozen=True)

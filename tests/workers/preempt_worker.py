@@ -18,6 +18,8 @@ epochs straddle its passes) or ``validation`` (``epochs`` with
 (a slow run for the walltime guard to stop; the weights do not change);
 ``PREEMPT_TEST_BATCH=B`` sets the global batch (default 32; another drops the last, short one).
 ``PREEMPT_TEST_WIDTH=W`` sets the hidden layer's width (default 16: another is another model).
+``PREEMPT_TEST_SCALE_LR=1`` sets the learning rate with ``dist.scale_lr(0.005)`` (0.01 on 2
+workers, as without it).
 ``PREEMPT_TEST_COUNT_ROWS=1`` adds a layer that counts the rows trained on and sums their first
 feature's squares (in the model's state, so saved and resumed with it): every row trained
 exactly once over the run shows as ``rows`` (count, sum) in the result.
@@ -119,7 +121,9 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
         model = keras.Sequential([keras.Input((8,)), *counting,
                                   keras.layers.Dense(width, activation="relu"),
                                   *dropout, keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
+        # 0.01 as 0.005 scaled by 2 replicas: the same on 2 workers, 0.005 on one.
+        rate = dist.scale_lr(0.005) if os.environ.get("PREEMPT_TEST_SCALE_LR") == "1" else 0.01
+        model.compile(optimizer=keras.optimizers.Adam(rate),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batch = int(os.environ.get("PREEMPT_TEST_BATCH", "32"))  # 48 divides over 3 and 2 workers
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(

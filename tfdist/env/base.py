@@ -55,6 +55,8 @@ class ClusterEnvironment:
             ``sbatch --ntasks-per-node`` and inherited by its steps), or None.
         slurm_gpus: the physical ids of the node's GPUs Slurm gave the step (``SLURM_STEP_GPUS``,
             else ``SLURM_JOB_GPUS``), or None.
+        batch_host: the node of the Slurm job's batch script (the first of the job's nodes), or
+            None outside a Slurm job.
         end_time: when this run must end, in seconds since the epoch: ``TFDIST_END_TIME``
             (``tfdist launch --time-limit``), else Slurm's ``SLURM_JOB_END_TIME``; None when
             neither is set (:mod:`tfdist.walltime`).
@@ -88,6 +90,7 @@ class ClusterEnvironment:
     job_nodes: int | None = None
     job_tasks_per_node: int | None = None
     slurm_gpus: str | None = None
+    batch_host: str | None = None
     end_time: float | None = None
     end_time_from: str | None = None
     reason: str = ""
@@ -146,8 +149,16 @@ def common(environ: Mapping[str, str]) -> dict[str, Any]:
         "job_nodes": _optional_int(environ, "SLURM_JOB_NUM_NODES"),
         "job_tasks_per_node": _optional_int(environ, "SLURM_NTASKS_PER_NODE"),
         "slurm_gpus": environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS") or None,
+        "batch_host": _first_node(environ.get("SLURM_JOB_NODELIST")),
         **_end_time(environ),
     }
+
+
+def _first_node(nodelist: str | None) -> str | None:
+    """The first node of a Slurm node list: where Slurm runs the job's batch script."""
+    from tfdist.hostlist import expand_hostlist
+
+    return expand_hostlist(nodelist)[0] if nodelist else None
 
 
 def _end_time(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -240,6 +240,10 @@ def _environment(c: JobConfig) -> str:
         lines += ["# srun of Slurm 22.05 to 23.02 does not pass the job's --cpus-per-task on to "
                   "its tasks;", "# SRUN_CPUS_PER_TASK does.",
                   'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
+    if c.kind != "build-venv" and c.min_nodes is not None and c.requeue:
+        lines += ["# A lost node of this shell (and of tfdist survive's step loop): the tasks "
+                  "left requeue the job,", "# which would otherwise idle to its time limit.",
+                  "export TFDIST_REQUEUE_IF_BATCH_LOST=1"]
     if c.env:
         lines.append("# Variables of this job (env):")
         lines += [f"export {name}={word(value)}" for name, value in c.env.items()]

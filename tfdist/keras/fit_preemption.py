@@ -249,6 +249,7 @@ class PreemptionCallback:
                                state["path"], _where(state), why, instead)
             return
         self._build_for_loading()
+        script_rate = _learning_rate(self.model)
         state = self._load(states)
         walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
         epoch, step, saved = int(state["epoch"]), int(state["step"]), state["input"]
@@ -270,6 +271,10 @@ class PreemptionCallback:
             changed = ("" if state["world_size"] == self.dist.world_size else
                        f"; it ran on {state['world_size']} workers, now {self.dist.world_size}: "
                        "the global batch is what the script sets")
+            rate = _learning_rate(self.model)
+            if changed and None not in (rate, script_rate) and rate != script_rate:
+                changed += (f"; the learning rate is the saved {rate:g}, not the {script_rate:g} "
+                            "the script set (the optimizer's state is restored whole)")
             if before and now and before != now:
                 changed += (f"; its global batch was {before}, now {now}: it goes on after "
                             f"the same {at.skip * before} rows")
@@ -353,6 +358,21 @@ class PreemptionCallback:
             for i, variable in enumerate(_unsaved(self.model)):
                 if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
                     variable.assign(saved[f"v{i}"])
+
+
+def _learning_rate(model: Any) -> float | None:
+    """The optimizer's learning rate now, where it is one number (not a schedule)."""
+    optimizer = getattr(model, "optimizer", None)
+    if callable(getattr(optimizer, "_learning_rate", None)):  # a schedule (Keras 3, tf_keras)
+        return None
+    rate = getattr(optimizer, "learning_rate", None)
+    if rate is None or (callable(rate) and not hasattr(rate, "numpy")):
+        return None
+    try:
+        value = rate.numpy() if hasattr(rate, "numpy") else rate
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _where(state: dict[str, Any]) -> str:
