@@ -89,6 +89,8 @@ MATRIX: dict[str, dict[str, Any]] = {
     # Preemptible: a walltime warning to the tasks, requeue, the batch shell's fallback.
     "srun-preemptible-array": dict(_COMMON, venv="/sw/venvs/tf", signal="USR1@120",
                                    requeue=True, mem="64G", array="0-3%2"),
+    "srun-spare-nodes": dict(_COMMON, venv="/sw/venvs/tf", requeue=True, spare_nodes=1,
+                             min_nodes=1, node_restarts=2),
     "horovod-srun-gpus-per-task": dict(_COMMON, backend="horovod", gpus_per_task=True,
                                        venv="/sw/venvs/hvd"),
     "mpirun-venv": dict(_COMMON, backend="horovod", launcher="mpirun", venv="/sw/venvs/hvd",
@@ -374,6 +376,9 @@ ERRORS: list[tuple[dict[str, Any], list[str]]] = [
     ({"nodes": 0}, ["nodes must be at least 1, got 0"]),
     ({"cpus_per_task": 0}, ["cpus_per_task must be at least 1"]),
     ({"node_restarts": 2}, ["node_restarts 2 counts the restarts", "add min_nodes"]),
+    ({"spare_nodes": -1}, ["spare_nodes must be at least 0, got -1"]),
+    ({"spare_nodes": 1, "backend": "horovod", "launcher": "mpirun", "venv": "/v"},
+     ["spare_nodes restarts the training's srun step", "launcher mpirun", "remove spare_nodes"]),
     ({"time": "1h30"}, ["HOURS:MINUTES:SECONDS", "01:30:00", "or a duration such as 90min"]),
     ({"gpus_per_node": 0, "gpu_type": "a100"}, ["gpu_type 'a100' needs gpus_per_node"]),
     ({"job_name": "my job"}, ["contains ' '", "printable ASCII without spaces"]),
@@ -1393,3 +1398,12 @@ def test_a_requeued_jobs_doctor_step_runs_again_when_a_signal_ended_a_task(
     assert len(count.read_text().splitlines()) == runs
     assert run.stderr.count("a signal ended a task of the doctor's step") == sum(
         code in (137, 143) for code in codes[:runs]), run.stderr
+
+
+def test_spare_nodes_are_allocated_idle_and_handed_to_tfdist_survive() -> None:
+    text = render(JobConfig(script="t.py", nodes=2, spare_nodes=1, venv="/v"))
+    assert "#SBATCH --nodes=3\n" in text and "#SBATCH --no-kill" in text
+    assert "# 2 nodes train; 1 more wait idle" in text
+    # Without min_nodes a lost node is replaced, never left out: at least the 2 that train.
+    assert "python -m tfdist survive --min-nodes 2 --restarts 3 --tasks-per-node 1 --spares 1 " \
+           "--" in text

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import clean_env
+from helpers import clean_env, full_matrix_only
 from slurm_jobs import cluster_config, submit_rendered
 from slurmtest import TERMINAL_STATES, SlurmCluster
 
@@ -323,3 +323,67 @@ def test_a_job_without_a_signal_stops_before_its_time_limit_and_resumes_bit_iden
         assert 0 < before["steps"] < WALLTIME_STEPS, before  # stopped mid-training
         assert before["steps"] + after["steps"] == alone[rank]["steps"] == WALLTIME_STEPS
         assert after["digest"] == alone[rank]["digest"], (rank, after, alone[rank])
+
+
+def _cut_off_wholly(cluster: SlurmCluster, node: str) -> None:
+    """A node's death as the others see it, its job processes all gone: the network cut and
+    every process in its namespace killed but its slurmd (kept to come back after the test,
+    as after a reboot)."""
+    subprocess.run(["ip", "link", "set", f"tfd-{node}", "down"], check=True)
+    pids = subprocess.run(["ip", "netns", "pids", f"tfdist-{node}"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    for pid in pids:
+        comm = Path(f"/proc/{pid}/comm")
+        if comm.exists() and comm.read_text().strip() != "slurmd":
+            subprocess.run(["kill", "-9", pid], check=False)
+
+
+@full_matrix_only("a lost node other than the batch script's is survived "
+                  "(test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once), "
+                  "and the tasks' probe and requeue are table-tested (test_survive.py)")
+@pytest.mark.timeout(600)
+def test_losing_the_batch_scripts_node_requeues_the_job_at_once(
+        slurm_cluster: SlurmCluster) -> None:
+    # n9 runs the batch script, tfdist survive and rank 0: cut off wholly in epoch 2, nothing
+    # there can requeue the job, and Slurm 22.05 leaves a --no-kill job RUNNING to its time
+    # limit. The tasks on n10 and n11 name rank 0 (n9), find that n9 runs no step, and requeue
+    # the job. n9 back, the requeued run resumes at epoch 1's end and every step is trained
+    # once over both runs.
+    workdir = slurm_cluster.new_workdir()
+    (workdir / "out").mkdir()
+    config = cluster_config(
+        slurm_cluster, job_name="orphan", nodes=3, gpus_per_node=0, gpu_type=None,
+        tasks_per_node=1, sbatch_args=["--nodelist=n[9-11]", "--open-mode=append"],
+        min_nodes=2, node_restarts=1, requeue=True, time="00:08:00", doctor=False,
+        script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=NODE_LOSS_ENV)
+    job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
+    assert "export TFDIST_REQUEUE_IF_BATCH_LOST=1" in script.read_text()
+    rank2 = workdir / f"orphan-{job_id}-2.out"
+    deadline = time.monotonic() + 180
+    while "tfdist-test: rank 2 step 13" not in (rank2.read_text() if rank2.exists() else ""):
+        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
+        time.sleep(0.2)
+    _cut_off_wholly(slurm_cluster, "n9")
+    cut = time.monotonic()
+    try:
+        while (info := slurm_cluster.job_info(job_id)).get("Restarts", "0") == "0":
+            assert info.get("JobState") not in TERMINAL_STATES, info
+            assert time.monotonic() - cut < 120, f"not requeued 120 s after the cut: {info}"
+            time.sleep(0.5)
+        requeued = time.monotonic() - cut
+        print(f"the batch script's node cut off: the job requeued {requeued:.1f} s later")
+    finally:
+        _back(slurm_cluster, "n9")
+    result = slurm_cluster.wait(job_id, timeout=360)
+    tasks = "".join((workdir / f"orphan-{job_id}-{rank}.out").read_text() for rank in (1, 2))
+    assert "tfdist: rank 0 (host n9) failed or stopped responding" in tasks, tasks[-3000:]
+    assert f"n9, the node of the job's batch script and its step loop, does not answer: " \
+           f"requeued job {job_id}" in tasks, tasks[-3000:]
+    assert result.ok, result.describe()
+    # The requeued run's step is tfdist survive's first again (TFDIST_RESTART_COUNT=0): its
+    # results replace those the first run's ranks 1 and 2 wrote as they failed.
+    resumed = _results(workdir / "out", 0)
+    assert sorted(resumed) == [0, 1, 2] and all(r["resumed"] for r in resumed.values()), resumed
+    assert all(r["code"] == 0 and r["steps"] == STEPS - STEPS // 3 for r in resumed.values()), \
+        resumed  # from epoch 1's end (3 workers again): the 20 steps after it, once
+    assert {r["digest"] for r in resumed.values()} == {resumed[0]["digest"]}, resumed

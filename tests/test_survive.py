@@ -162,19 +162,52 @@ def test_after_a_failed_step_a_node_is_dropped_only_when_it_does_not_answer(case
     assert says in decision.why, decision.why
 
 
-def _survive(tmp_path, script: str, max_restarts: int = 3) -> tuple[subprocess.CompletedProcess[
-        str], list[str]]:
-    """tfdist survive on n1, n2 with a stand-in srun (``script``, sh; $calls counts its calls
-    and notes each): its run and the calls."""
+SPARES = ("n12", "n13")
+WITH_SPARES = {
+    # name: (the nodes that answered of NODES and SPARES, min nodes; action, nodes, spares
+    #        left, says)
+    "one lost: a spare takes its place": (
+        ("n9", "n11", "n12", "n13"), 3, "restart", ("n9", "n11", "n12"), ("n13",),
+        "n10 did not answer (spare n12 in its place): training goes on on n9, n11, n12 (as "
+        "many as before: the continuation is the uninterrupted run's; restart 1 of 3)"),
+    "two lost: both spares": (("n9", "n12", "n13"), 3, "restart", ("n9", "n12", "n13"), (),
+                              "n10, n11 did not answer (spare n12, n13 in their place)"),
+    "a spare lost too: the one left": (("n9", "n11", "n13"), 3, "restart",
+                                       ("n9", "n11", "n13"), (), "spare n13 in its place"),
+    "no spare answers: fewer nodes": (("n9", "n11"), 2, "restart", ("n9", "n11"), (),
+                                      "2 of 3 nodes"),
+    "more lost than spares: below min_nodes": (
+        ("n9", "n12"), 3, "requeue", ("n9", "n12"), (),
+        "n10, n11 did not answer (spare n12 in their place; 1 place(s) without a spare); 2 of 3 "
+        "nodes left, fewer than --min-nodes 3"),
+    "a healthy node's task failed: spares kept": (NODES + SPARES, 3, "restart", NODES,
+                                                  SPARES, "every node answered"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WITH_SPARES))
+def test_a_lost_nodes_place_goes_to_a_spare_that_answers(case):
+    alive, least, action, nodes, spares, says = WITH_SPARES[case]
+    decision = decide(NODES, alive, min_nodes=least, restarts=0, max_restarts=3,
+                      spares=SPARES)
+    assert (decision.action, decision.nodes, decision.spares) == (action, nodes, spares), \
+        decision
+    assert says in decision.why, decision.why
+
+
+def _survive(tmp_path, script: str, max_restarts: int = 3, nodes: tuple[str, ...] = ("n1", "n2"),
+             spares: int = 0) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """tfdist survive on ``nodes`` (the last ``spares`` of them idle) with a stand-in srun
+    (``script``, sh; $calls counts its calls and notes each): its run and the calls."""
     calls = tmp_path / "calls"
     srun = tmp_path / "srun"
     srun.write_text(f"#!/bin/sh\ncalls={calls}\necho \"$*\" >> $calls\n"
                     + textwrap.dedent(script))
     srun.chmod(0o755)
     code = ("from tfdist import survive\n"
-            "raise SystemExit(survive.run(survive.Options(job_id='1', nodes=('n1', 'n2'), "
-            f"min_nodes=1, max_restarts={max_restarts}, tasks_per_node=1, probe_timeout_s=5), "
-            "['srun', 'python', 'train.py']))")
+            f"raise SystemExit(survive.run(survive.Options(job_id='1', nodes={nodes!r}, "
+            f"min_nodes=1, max_restarts={max_restarts}, tasks_per_node=1, probe_timeout_s=5, "
+            f"spares={spares}), ['srun', 'python', 'train.py']))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=clean_env(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}"),
                          timeout=60, check=False)
@@ -243,3 +276,24 @@ ORPHANED = {
 def test_a_task_outlives_its_batch_script_only_when_the_batch_node_failed(case):
     task, failed, template, lost = ORPHANED[case]
     assert orphaned(task, failed, template) == lost
+
+
+def test_a_spare_node_replaces_a_lost_one_at_the_same_size(tmp_path):
+    # n1, n2 train, n3 waits; n2 is lost (the probe's step on it fails), so the step starts
+    # again on n1 and n3: two nodes, as before.
+    run, calls = _survive(tmp_path, textwrap.dedent("""\
+        case "$*" in
+            *"--nodelist=n2 "*" true") exit 1 ;;
+            *" true") exit 0 ;;
+        esac
+        n=$(grep -c train.py "$calls")
+        if [ "$n" -eq 1 ]; then echo "srun: error: Node failure on n2" >&2; exit 1; fi
+        exit 0
+    """), nodes=("n1", "n2", "n3"), spares=1)
+    assert run.returncode == 0, run.stderr
+    training = [c for c in calls if "train.py" in c]
+    assert [("--nodelist=n1,n2" in training[0]), ("--nodelist=n1,n3" in training[1])] == [
+        True, True], training
+    assert all("--nodes=2" in c for c in training), training
+    assert "n2 did not answer (spare n3 in its place): training goes on on n1, n3 (as many as " \
+           "before" in run.stderr

@@ -525,6 +525,9 @@ def _add_survive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--probe-timeout", type=_seconds, default=30.0,
                         metavar="SECONDS", help="a node that has not run a one-task step "
                         "within this is taken for lost (default: 30)")
+    parser.add_argument("--spares", type=_at_least(0), default=0, metavar="K",
+                        help="the job's last K nodes wait idle; a lost node's place goes to one "
+                        "of them, so the step starts again as large as before (default: 0)")
     parser.add_argument("srun", nargs=argparse.REMAINDER, metavar="-- srun ...",
                         help="the training's srun command")
     parser.set_defaults(handler=_run_survive)
@@ -539,14 +542,18 @@ def _run_survive(args: argparse.Namespace) -> int:
     srun = args.srun[1:] if args.srun[:1] == ["--"] else args.srun
     survive.check_place(os.environ)
     job_id, nodes = job_allocation(os.environ)
-    if args.min_nodes > len(nodes):
-        raise TfdistError(f"--min-nodes {args.min_nodes} is more than the job's {len(nodes)} "
-                          "nodes")
+    if args.spares >= len(nodes):
+        raise TfdistError(f"--spares {args.spares} leaves none of the job's {len(nodes)} nodes "
+                          "to train on")
+    if args.min_nodes > len(nodes) - args.spares:
+        raise TfdistError(f"--min-nodes {args.min_nodes} is more than the "
+                          f"{len(nodes) - args.spares} of the job's {len(nodes)} nodes that "
+                          f"train (--spares {args.spares})")
     survive.step_command(srun, nodes, args.tasks_per_node)  # refuses a command without srun
     return survive.run(survive.Options(
         job_id=job_id, nodes=tuple(nodes), min_nodes=args.min_nodes,
         max_restarts=args.restarts, tasks_per_node=args.tasks_per_node,
-        probe_timeout_s=args.probe_timeout), srun)
+        probe_timeout_s=args.probe_timeout, spares=args.spares), srun)
 
 
 def _positive_float(text: str) -> float:

@@ -141,20 +141,27 @@ class Decision:
     action: str
     nodes: tuple[str, ...]
     why: str
+    spares: tuple[str, ...] = ()  # the idle nodes left for the next loss
 
 
 def decide(nodes: Sequence[str], alive: Sequence[str], *, min_nodes: int, restarts: int,
-           max_restarts: int, failure: str | None = None, crash_loop: bool = False
-           ) -> Decision:
+           max_restarts: int, failure: str | None = None, crash_loop: bool = False,
+           spares: Sequence[str] = ()) -> Decision:
     """The step loop's choice after a failed step on ``nodes`` of which ``alive`` answered a
-    probe, ``restarts`` restarts done so far (pure).
+    probe (``spares`` asked too), ``restarts`` restarts done so far (pure).
 
     Args:
         failure: how srun said the step failed (:func:`failure_of`), for the line.
         crash_loop: the step failed the same way from the same save before.
+        spares: the job's idle nodes: a lost node's place goes to one that answered, so the
+            step starts again with as many nodes as before (the continuation is the
+            uninterrupted run's, bit for bit).
     """
     lost = [node for node in nodes if node not in alive]
-    left = [node for node in nodes if node in alive]
+    answering = [node for node in spares if node in alive]
+    taken, kept = answering[:len(lost)], tuple(answering[len(lost):])
+    left = sorted([node for node in nodes if node in alive] + taken,
+                  key=[*nodes, *spares].index)  # Slurm's order, as srun ranks them
     how = f" ({failure})" if failure else ""
     if not lost:
         if crash_loop:
@@ -169,19 +176,26 @@ def decide(nodes: Sequence[str], alive: Sequence[str], *, min_nodes: int, restar
                             "cause")
         return Decision("restart", tuple(nodes), f"every node answered: a task failed{how} on "
                         f"a healthy node; training starts again on the same {len(nodes)} "
-                        f"node(s) (restart {restarts + 1} of {max_restarts}) from the last save")
+                        f"node(s) (restart {restarts + 1} of {max_restarts}) from the last save",
+                        kept)
     named = f"{', '.join(lost)} did not answer"
+    if taken:
+        named += f" (spare {', '.join(taken)} in {'its' if len(lost) == 1 else 'their'} place" + (
+            f"; {len(lost) - len(taken)} place(s) without a spare)" if len(taken) < len(lost)
+            else ")")
     if len(left) < min_nodes:
         return Decision("requeue", tuple(left), f"{named}; {len(left)} of {len(nodes)} nodes "
                         f"left, fewer than --min-nodes {min_nodes}: requeueing the job for a "
-                        "full allocation")
+                        "full allocation", kept)
     if restarts >= max_restarts:
         return Decision("requeue", tuple(left), f"{named}; the step was restarted "
                         f"{restarts} times already (--restarts {max_restarts}): requeueing "
-                        "the job for a full allocation")
+                        "the job for a full allocation", kept)
+    size = ("as many as before: the continuation is the uninterrupted run's" if len(left) ==
+            len(nodes) else f"{len(left)} of {len(nodes)} nodes")
     return Decision("restart", tuple(left), f"{named}: training goes on on {', '.join(left)} "
-                    f"({len(left)} of {len(nodes)} nodes; restart {restarts + 1} of "
-                    f"{max_restarts}) from the last save")
+                    f"({size}; restart {restarts + 1} of {max_restarts}) from the last save",
+                    kept)
 
 
 def probe(job_id: str, nodes: Sequence[str], timeout_s: float,
@@ -265,7 +279,7 @@ def requeue_if_orphaned(environment: ClusterEnvironment,
 class Options:
     """``tfdist survive``'s options: the job's id and nodes, at least ``min_nodes`` nodes to go
     on with, at most ``max_restarts`` restarts, the tasks per node, how long a probe may
-    take."""
+    take, and how many of the nodes (the last in Slurm's order) wait idle as spares."""
 
     job_id: str
     nodes: tuple[str, ...]
@@ -273,6 +287,7 @@ class Options:
     max_restarts: int
     tasks_per_node: int
     probe_timeout_s: float = 30.0
+    spares: int = 0
 
 
 class _Step:
@@ -321,7 +336,8 @@ class _Step:
 def run(options: Options, srun: Sequence[str]) -> int:
     """Runs the training step, and the next on the survivors after a lost node; returns the
     code for the job script: the last srun's, or 75 to requeue."""
-    nodes, restarts = list(options.nodes), 0
+    training = len(options.nodes) - options.spares
+    nodes, spares, restarts = list(options.nodes[:training]), options.nodes[training:], 0
     current: list[_Step] = []
     before: tuple[str | None, str | None] | None = None  # the last failure, and its save
 
@@ -344,12 +360,12 @@ def run(options: Options, srun: Sequence[str]) -> int:
             current[0].process.wait()
             return EXIT_CONFIG
         started = time.monotonic()
-        alive = probe(options.job_id, nodes, options.probe_timeout_s)
+        alive = probe(options.job_id, [*nodes, *spares], options.probe_timeout_s)
         step = current[0]
         this = (step.failure, step.resumed)
         decision = decide(nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
                           max_restarts=options.max_restarts, failure=step.failure,
-                          crash_loop=this == before)
+                          crash_loop=this == before, spares=spares)
         before = this
         print(f"tfdist survive: the training step on {','.join(nodes)} failed; {decision.why} "
               f"(probed in {time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
@@ -358,4 +374,4 @@ def run(options: Options, srun: Sequence[str]) -> int:
         current[0].abandon()
         if decision.action == "requeue":
             return EXIT_REQUEUE
-        nodes, restarts = list(decision.nodes), restarts + 1
+        nodes, spares, restarts = list(decision.nodes), decision.spares, restarts + 1

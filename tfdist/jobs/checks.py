@@ -43,7 +43,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Keys that belong to some kinds of job only; the others apply to every kind.
 _TRAIN_KEYS = ("backend", "launcher", "launcher_args", "script", "args", "runtime", "image",
                "binds", "gpus_per_task", "tasks_per_node", "task_output", "doctor",
-               "min_nodes", "node_restarts")
+               "min_nodes", "node_restarts", "spare_nodes")
 _KEY_KINDS: dict[str, tuple[str, ...]] = {
     **{key: ("train", "scaling") for key in _TRAIN_KEYS},
     "packages": ("build-venv",), "system_site_packages": ("build-venv",),
@@ -147,22 +147,25 @@ def _check_train(c: JobFields) -> None:
 def _check_min_nodes(c: JobFields) -> None:
     if c.node_restarts < 0:
         raise ConfigError(f"node_restarts must be at least 0, got {c.node_restarts}")
-    if c.min_nodes is None:
+    if c.spare_nodes < 0:
+        raise ConfigError(f"spare_nodes must be at least 0, got {c.spare_nodes}")
+    if not c.survives:
         if c.node_restarts != JobFields.node_restarts:  # an option that needs another
             raise ConfigError(f"node_restarts {c.node_restarts} counts the restarts on the "
                               "nodes left after one is lost, which min_nodes turns on: add "
                               "min_nodes (--min-nodes M, at most nodes), or leave node_restarts "
                               "out")
         return
-    if not 1 <= c.min_nodes <= c.nodes:
+    if c.min_nodes is not None and not 1 <= c.min_nodes <= c.nodes:
         raise ConfigError(f"min_nodes {c.min_nodes} must be between 1 and nodes {c.nodes}: the "
                           "training goes on on the nodes left after one dies while at least "
                           "min_nodes are")
+    key = "min_nodes" if c.min_nodes is not None else "spare_nodes"
     if c.effective_launcher != "srun" or c.runtime != "venv" or c.kind != "train":
-        raise ConfigError(f"min_nodes restarts the training's srun step on the nodes left, "
+        raise ConfigError(f"{key} restarts the training's srun step on the nodes left, "
                           f"with tfdist from the job's venv: it needs kind train, launcher "
                           f"srun and runtime venv (here kind {c.kind}, launcher "
-                          f"{c.effective_launcher}, runtime {c.runtime}); remove min_nodes")
+                          f"{c.effective_launcher}, runtime {c.runtime}); remove {key}")
 
 
 def _check_torchrun(c: JobFields) -> None:

@@ -106,6 +106,10 @@ def _add_scheduling(group: _Group) -> None:
                        help="with --min-nodes: restart the training step at most R times (on "
                        "the nodes left, or on the same ones after a task crashed on a healthy "
                        "node), then requeue the job (default: 3)")
+    group.add_argument("--spare-nodes", type=int, metavar="K",
+                       help="K nodes more, idle: a lost node's place goes to one of them and "
+                       "training goes on as large as before, the continuation an uninterrupted "
+                       "run's (tfdist survive; srun and a venv) (default: 0)")
     group.add_argument("--sbatch-arg", action="append", metavar="OPTION",
                        help="one more #SBATCH option (repeat): --sbatch-arg=--qos=high, "
                        "--sbatch-arg --qos high and --sbatch-arg '--qos high' all render "

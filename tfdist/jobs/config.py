@@ -108,7 +108,7 @@ _LIST_KEYS = ("sbatch_args", "modules", "binds", "launcher_args", "args", "packa
 # Given as one string, these are split into words as a shell would (`args: --epochs 3`).
 _WORDS_KEYS = ("args", "launcher_args")
 _INT_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "cores_per_node",
-             "min_nodes", "node_restarts")
+             "min_nodes", "node_restarts", "spare_nodes")
 _BOOL_KEYS = ("gpus_per_task", "system_site_packages", "requeue", "doctor")
 _SIZES_KEYS = ("scaling_nodes",)
 _OPTIONAL_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig) if "None" in str(f.type))

@@ -47,6 +47,8 @@ class JobFields:
     # node: the same nodes again)
     min_nodes: int | None = None
     node_restarts: int = 3
+    # Hot spares: this many nodes more, idle until a lost node's place goes to one of them
+    spare_nodes: int = 0
     sbatch_args: tuple[str, ...] = ()
     output: str = "%x-%j.out"
     task_output: str | None = None
@@ -71,6 +73,20 @@ class JobFields:
     system_site_packages: bool = False
     # Scaling: the node counts to measure (default: powers of two below nodes, and nodes)
     scaling_nodes: tuple[int, ...] = ()
+
+    @property
+    def survives(self) -> bool:
+        """Whether the training runs under ``tfdist survive`` (``min_nodes`` or
+        ``spare_nodes``)."""
+        return self.min_nodes is not None or self.spare_nodes > 0
+
+    @property
+    def effective_min_nodes(self) -> int | None:
+        """``min_nodes``, else ``nodes`` with spares (a lost node is replaced, never left out),
+        else None."""
+        if self.min_nodes is not None:
+            return self.min_nodes
+        return self.nodes if self.spare_nodes > 0 else None
 
     @property
     def effective_launcher(self) -> str:

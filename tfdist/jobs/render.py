@@ -127,8 +127,12 @@ def _unit(c: JobConfig) -> str:
 
 
 def _directives(c: JobConfig) -> str:
-    lines = [f"#SBATCH --job-name={c.job_name}", f"#SBATCH --nodes={c.nodes}",
-             *_task_comment(c), _tasks_directive(c)]
+    lines = [f"#SBATCH --job-name={c.job_name}"]
+    if c.spare_nodes:
+        lines.append(f"# {c.nodes} nodes train; {c.spare_nodes} more wait idle, each to take a "
+                     "lost node's place (tfdist survive).")
+    lines += [f"#SBATCH --nodes={c.nodes + c.spare_nodes}", *_task_comment(c),
+              _tasks_directive(c)]
     gpus = _gpu_directive(c)
     if gpus:
         lines.append(gpus)
@@ -144,10 +148,10 @@ def _directives(c: JobConfig) -> str:
     if c.requeue:
         lines += ["# A preempted job may go back into the queue and resume where it stopped.",
                   "#SBATCH --requeue"]
-    if c.min_nodes is not None:
+    if c.survives:
         lines += ["# A node that dies ends the step, not the job: the training goes on on the "
                   "others (below).", "#SBATCH --no-kill"]
-    if (c.requeue or c.min_nodes is not None) and not any(
+    if (c.requeue or c.survives) and not any(
             option_name(option) == "--open-mode" for option in c.sbatch_args):
         run = "requeued run" if c.requeue else "step started again"
         lines += [f"# Each run appends to the output files, so the {run} keeps the "
@@ -240,7 +244,7 @@ def _environment(c: JobConfig) -> str:
         lines += ["# srun of Slurm 22.05 to 23.02 does not pass the job's --cpus-per-task on to "
                   "its tasks;", "# SRUN_CPUS_PER_TASK does.",
                   'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
-    if c.kind != "build-venv" and c.min_nodes is not None and c.requeue:
+    if c.kind != "build-venv" and c.survives and c.requeue:
         lines += ["# A lost node of this shell (and of tfdist survive's step loop): the tasks "
                   "left requeue the job,", "# which would otherwise idle to its time limit.",
                   "export TFDIST_REQUEUE_IF_BATCH_LOST=1"]
@@ -282,7 +286,7 @@ def _doctor(c: JobConfig) -> str | None:
     elif torch:
         command += " --framework torch"
     step = _lines(comment, _srun_segments(c, doctor=True), _apptainer(c), command)
-    return _again_after_cleanup(step) if c.requeue or c.min_nodes is not None else step
+    return _again_after_cleanup(step) if c.requeue or c.survives else step
 
 
 # A requeued job runs under the same job id: a node back from a network cut may still be
@@ -326,7 +330,7 @@ def _launch(c: JobConfig) -> str:
         text = _horovodrun(c)
     else:
         text = _srun(c)
-    return _with_requeue(text, c.signal, survive=c.min_nodes is not None) if c.requeue else text
+    return _with_requeue(text, c.signal, survive=c.survives) if c.requeue else text
 
 
 # After a preemption every task exits 75 (tfdist.preemption.EXIT_PREEMPTED) once the state is
@@ -464,19 +468,27 @@ def _srun(c: JobConfig) -> str:
 
 
 def _survive(c: JobConfig) -> str | None:
-    if c.min_nodes is None:
+    if not c.survives:
         return None
     python = word(c.python) if c.python else "python"
-    return (f"{python} -m tfdist survive --min-nodes {c.min_nodes} --restarts "
-            f"{c.node_restarts} --tasks-per-node {c.effective_tasks_per_node} --")
+    spares = f" --spares {c.spare_nodes}" if c.spare_nodes else ""
+    return (f"{python} -m tfdist survive --min-nodes {c.effective_min_nodes} --restarts "
+            f"{c.node_restarts} --tasks-per-node {c.effective_tasks_per_node}{spares} --")
 
 
 def _survive_comment(c: JobConfig) -> list[str]:
-    if c.min_nodes is None:
+    if not c.survives:
         return []
+    exits = "; else it exits 75: requeued." if c.requeue else "; else it exits 75."
+    if c.spare_nodes:
+        return ["# A node lost: tfdist survive asks every node; a spare that answers takes the "
+                "lost one's place", "# and the step starts again as large as before, from the "
+                "last save (the uninterrupted run's", f"# continuation); without one, on those "
+                f"left while at least {c.effective_min_nodes} are.", f"# {c.node_restarts} "
+                f"restarts at most{exits}"]
     return ["# A node lost: tfdist survive asks every node, and the step starts again on those "
             "that answer", f"# (from the last save) while at least {c.min_nodes} are left, "
-            f"{c.node_restarts} times at most; else it exits 75: requeued."]
+            f"{c.node_restarts} times at most{exits}"]
 
 
 def _mpirun(c: JobConfig) -> str:
