@@ -134,6 +134,11 @@ MESSAGES = {
                                                "/job:worker/replica:0/task:3\nThe"), (), {},
                             [1, 3], None),
     "heartbeat timeout, TensorFlow 2.15": (HEARTBEAT_TIMEOUT_215, (), {}, [1], None),
+    # Relayed by the coordination service's leader (task 0) to the other ranks: task 0 is named
+    # after the list, as where the error came from, not as failed.
+    "unhealthy, relayed by the leader": (HEARTBEATS.replace("task:1\nThe", "task:2\nThe") + (
+        "\nAdditional GRPC error information from remote target /job:worker/replica:0/task:0 "
+        "while calling /tensorflow.CoordinationService/PollForError"), (), {}, [2], None),
     "the coordination service's host is gone": (LEADER_GONE, ADDRESSES, {}, [0], None),
     "the coordination service's host is silent": (LEADER_SILENT, ADDRESSES, {}, [0], None),
     "a deadline of another call names none": (

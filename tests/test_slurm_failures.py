@@ -387,3 +387,53 @@ def test_losing_the_batch_scripts_node_requeues_the_job_at_once(
     assert all(r["code"] == 0 and r["steps"] == STEPS - STEPS // 3 for r in resumed.values()), \
         resumed  # from epoch 1's end (3 workers again): the 20 steps after it, once
     assert {r["digest"] for r in resumed.values()} == {resumed[0]["digest"]}, resumed
+
+
+@full_matrix_only("a spare's place-taking is table-tested and run with a stand-in srun "
+                  "(test_survive.py), and a lost node on the cluster is survived "
+                  "(test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once)")
+@pytest.mark.timeout(480)
+def test_a_spare_takes_a_lost_nodes_place_and_the_run_ends_bit_identical(
+        slurm_cluster: SlurmCluster) -> None:
+    # n9 and n10 train, n11 waits (spare_nodes 1); n10 cut off in epoch 2. tfdist survive
+    # finds n10 silent and n11 answering, and the step starts again on n9 and n11 from epoch
+    # 1's end: 2 workers, as before, so with Dropout too the weights are an uninterrupted
+    # 2-worker run's, bit for bit, and every step after the save is trained once.
+    workdir = slurm_cluster.new_workdir()
+    (workdir / "out").mkdir()
+    env = {**NODE_LOSS_ENV, "PREEMPT_TEST_DROPOUT": "1", "PREEMPT_TEST_BATCH": "32"}
+    config = cluster_config(
+        slurm_cluster, job_name="spare", nodes=2, spare_nodes=1, gpus_per_node=0,
+        gpu_type=None, tasks_per_node=1, sbatch_args=["--nodelist=n[9-11]"], node_restarts=1,
+        time="00:06:00", doctor=False,
+        script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=env)
+    job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
+    assert "--spares 1" in script.read_text()
+    rank1 = workdir / f"spare-{job_id}-1.out"
+    deadline = time.monotonic() + 180
+    while "tfdist-test: rank 1 step 20" not in (rank1.read_text() if rank1.exists() else ""):
+        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
+        time.sleep(0.2)
+    _cut_off(slurm_cluster, "n10")  # in epoch 2 (16 steps an epoch), 4 after epoch 1's end
+    cut = time.monotonic()
+    try:
+        result = slurm_cluster.wait(job_id, timeout=300)
+        straight = _start_straight(workdir, 2, env)
+    finally:
+        _back(slurm_cluster, "n10")
+    alone_folder = straight()
+    assert result.ok, result.describe()
+    assert "n10 did not answer (spare n11 in its place): training goes on on n9, n11 (as many " \
+           "as before" in result.output, result.describe()
+    resumed = _results(workdir / "out", 1)
+    assert sorted(resumed) == [0, 1], resumed
+    steps = 3 * (512 // 32)
+    for rank, after in resumed.items():  # from epoch 1's end: the 32 steps after it, once
+        assert after["code"] == 0 and after["steps"] == steps - steps // 3, (rank, after)
+    for rank in (0, 1):
+        with np.load(alone_folder / f"weights-{rank}-0.npz") as alone, \
+                np.load(workdir / "out" / f"weights-{rank}-1.npz") as after:
+            for key in alone.files:
+                np.testing.assert_array_equal(after[key], alone[key])
+    print(f"a spare took a lost node's place; the job ended {time.monotonic() - cut:.0f} s "
+          "after the cut")

@@ -113,7 +113,7 @@ def failed_host(message: str, addresses: Sequence[str] = (),
 def _named(message: str, addresses: Sequence[str],
            aliases: Mapping[str, str]) -> tuple[list[int], str | None]:
     if "unhealthy" in message:  # the coordination service: missed heartbeats
-        return sorted({int(task) for task in _TASK.findall(message.split("unhealthy", 1)[1])}), None
+        return _unhealthy(message), None
     timed_out = _TIMED_OUT_TASK.findall(message)
     if timed_out:
         return sorted({int(task) for task in timed_out}), None
@@ -160,6 +160,20 @@ def failed_hosts(message: str, environment: ClusterEnvironment) -> list[str]:
     if host is not None:
         found.append(host)
     return list(dict.fromkeys(found))
+
+
+def _unhealthy(message: str) -> list[int]:
+    """The tasks the coordination service lists as unhealthy: the lines of task names after
+    its sentence, not a task named later (the leader, task 0, relaying the error to the other
+    tasks: "... from remote target /job:worker/replica:0/task:0 while calling
+    /tensorflow.CoordinationService/PollForError")."""
+    listed: set[int] = set()
+    for line in message.split("unhealthy", 1)[1].split("\n")[1:]:
+        tasks = _TASK.findall(line)
+        if not tasks or _TASK.sub("", line).strip(" ,;") != "":
+            break
+        listed.update(int(task) for task in tasks)
+    return sorted(listed)
 
 
 def _host_of(address: str) -> str:
