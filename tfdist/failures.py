@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from tfdist.patches import Where
 
 __all__ = ["continued_line", "explain", "failed_host", "failed_hosts", "failed_ranks", "install",
-           "install_failure_line", "linger", "progress", "report", "silent_message", "was_frozen"]
+           "install_failure_line", "linger", "progress", "report", "requeue_if_orphaned",
+           "silent_message", "was_frozen"]
 
 _TASK = re.compile(r"/job:worker/(?:replica:\d+/)?task:(\d+)")
 _REMOTE = re.compile(r"remote target (/job:worker/(?:replica:\d+/)?task:\d+)")
@@ -381,7 +382,7 @@ def install(environment: ClusterEnvironment) -> None:
             line = report(str(value), _environment) if _environment is not None else None
             if line:
                 print(line, file=sys.stderr, flush=True)
-                _requeue_if_orphaned(str(value))
+                requeue_if_orphaned(str(value))
             linger()  # the process ends with this error: its traceback and line first
 
         return hook
@@ -392,7 +393,7 @@ def install(environment: ClusterEnvironment) -> None:
 _environment: ClusterEnvironment | None = None  # the launch install() describes
 
 
-def _requeue_if_orphaned(message: str) -> None:
+def requeue_if_orphaned(message: str) -> None:
     """A Slurm job whose batch script's node is among the failed peers' is requeued from here
     (:func:`tfdist.survive.requeue_if_orphaned`): nothing else would."""
     if _environment is None or _environment.launcher != "slurm":

@@ -178,6 +178,7 @@ class Heartbeat:
         line = failures.report(message, self.environment) or ""
         print(f"tfdist: {message}; rank {self.rank} was waiting here (most recent call last):\n"
               f"{stack}{line}", file=sys.stderr, flush=True)
+        failures.requeue_if_orphaned(message)
         if self.size > 2 and not learnt:
             time.sleep(2 * self.interval)  # the others read the verdict and name the same rank
         failures.linger(self.environment)

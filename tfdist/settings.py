@@ -219,6 +219,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Horovod on Gloo and the torch shim: tfdist's heartbeat through the rendezvous' "
             "store (torch: at most half TFDIST_TORCH_TIMEOUT). The heartbeat is a thread of its "
             "own, so a rank that computes, saves or evaluates alone keeps beating"),
+    Setting("peer_watch", "TFDIST_PEER_WATCH", _duration, 10.0,
+            "MWMS on several nodes: a rank whose host has not answered a TCP connection to its "
+            "port for this long (a dead node, a cut network; a busy or stopped process still "
+            "answers) is named and this rank exits, so `tfdist survive` starts again sooner "
+            "than the heartbeat's verdict; `0`: off"),
     Setting("threads", "TFDIST_NUM_THREADS", _positive_int, None,
             "TensorFlow (and torch) threads; default: the cores this process is pinned to; "
             "unpinned beside other ranks on the machine (srun without CPU binding, horovodrun, "

@@ -140,5 +140,6 @@ def resolve_settings(backend: str | None = None, collective: str | None = None,
             "collective_timeout": resolve("collective_timeout", collective_timeout, environ),
             "cpu_replicas": resolve("cpu_replicas", None, environ),
             "heartbeat_timeout": resolve("heartbeat_timeout", None, environ),
+            "peer_watch": resolve("peer_watch", None, environ),
             # the patches to leave out (tfdist.patches): TFDIST_SKIP_PATCHES, the old switches
             "skip_patches": skipped_patches(environ)}

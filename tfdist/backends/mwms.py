@@ -206,6 +206,9 @@ def create(environment: ClusterEnvironment, settings: Settings) -> MultiWorkerDi
             raise too_late(environment) from None
         raise
     handle = MultiWorkerDistributed(environment, strategy, collective, num_gpus)
+    from tfdist import peer_watch
+
+    peer_watch.start(environment, settings.get("peer_watch"))  # a peer's host lost: seconds
     if handle.is_chief:
         per_worker = (f"{num_gpus} GPU(s) per worker" if num_gpus else
                       f"{cpu_replicas} logical CPUs per worker" if cpu_replicas > 1 else
