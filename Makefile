@@ -98,7 +98,7 @@ train: $(STAMP)
 # main run tests every case on tf_keras 2.21 and, under Horovod, 2.18: the same Keras 2): fit
 # and custom loops on several workers, the Keras features and numbers against one process
 # (MWMS: only here on Keras 2, tests/test_keras_traps.py says why), the replica sync check, resume after a stop (fit on MWMS stopped by the walltime
-# guard, a custom loop after a signal, Keras 2's legacy random ops) and from an epoch's end,
+# guard and after a signal with Keras 2's legacy random ops, a custom loop after a signal),
 # several replicas in one process, the digits example, and tfdist's Slurm resolver, which
 # subclasses TensorFlow's, against TensorFlow 2.15's own (test_resolver.py, in one process: the
 # rendered jobs on the Slurm test cluster run in the main run). Its tf_keras cases are
@@ -109,7 +109,6 @@ train: $(STAMP)
 # matplotlib, the main one leaves it out (with scikit-learn) because Keras 3 imports both at
 # start-up when they are installed, 2.3 s of every TensorFlow process's 7.9 s import on one core.
 TF215_TESTS := tests/test_keras_compat.py tests/test_keras_traps.py tests/test_quiet.py \
-	"tests/test_preemption.py::test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact[epoch-end-mwms-keras3]" \
 	"tests/test_preemption.py::test_a_custom_loop_resumes_at_the_agreed_step_bit_identical[mwms-keras3]" \
 	tests/test_preemption.py::test_the_control_keras2_dropout_on_legacy_random_ops_resumes_with_other_masks \
 	tests/test_mirrored.py::test_auto_mirrors_one_process_over_its_devices \
@@ -119,12 +118,15 @@ TF215_TESTS := tests/test_keras_compat.py tests/test_keras_traps.py tests/test_q
 TF215_SELECT := not tf_keras and not horovod
 # The lane's part of `make test-full` only: the bit-identical 2-worker runs, the sync check and
 # the example from a flagfile, whose TensorFlow 2.15 collectives and training the Keras-traps
-# launch and the preemption cases above run too; and the walltime guard (its stop is a signal's,
+# launch and the preemption cases above run too; the walltime guard (its stop is a signal's,
 # which tf_keras's fit takes in the main run and the custom loop above here; it waits most of
-# its 69 s).
+# its 69 s); and fit's resume after a hard kill from an epoch's end (45 s: the dropout control
+# above stops and resumes fit on Keras 2.15, every step once; the main run resumes tf_keras's
+# fit bit-identical after a hard kill).
 TF215_FULL_TESTS := tests/test_multiworker.py tests/test_sync.py \
 	tests/test_examples.py::test_two_workers_train_the_digits_from_a_flagfile \
-	"tests/test_preemption.py::test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes[mwms-keras3]"
+	"tests/test_preemption.py::test_the_walltime_guard_saves_in_time_with_no_signal_and_the_next_run_resumes[mwms-keras3]" \
+	"tests/test_preemption.py::test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact[epoch-end-mwms-keras3]"
 
 # The TensorFlow 2.22 lane (the release candidate; the release when it is out): the example on
 # 2 workers and the tests of what a TensorFlow or Keras release changes: the Keras internals

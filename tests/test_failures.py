@@ -435,13 +435,17 @@ def test_a_rank_that_was_stopped_and_continued_blames_itself_not_its_peers():
 
 
 FROZEN = {
-    # name: (SIGCONT handled at, the ticker ran again after a gap at; the rank was stopped?)
-    "stopped, then continued": (100.0, 99.5, True),
-    "continued, never stopped (srun ending the step after a peer's SIGKILL)": (100.0, None,
-                                                                               False),
-    "stopped long ago, continued now": (100.0, 100.0 - 61, False),
-    "never continued": (None, 99.5, False),
-    "a freeze after the continue": (100.0, 101.0, False),
+    # name: (SIGCONT handled at, the ticker ran again after a gap at, its last turn; the rank
+    #        was stopped?) (now: 100.5)
+    "stopped, then continued": (100.0, 99.5, 100.4, True),
+    "the ticker woke just after the handler ran": (100.0, 100.2, 100.4, True),
+    "the ticker has had no turn since the stop": (100.0, None, 80.0, True),
+    "continued, never stopped (srun ending the step after a peer's SIGKILL)": (
+        100.0, None, 100.3, False),
+    "stopped long ago, continued now": (100.0, 100.0 - 61, 100.3, False),
+    "never continued": (None, 99.5, 80.0, False),
+    "a freeze long after the continue": (100.0, 110.0, 110.2, False),
+    "no ticker": (100.0, None, None, False),
 }
 
 
@@ -449,8 +453,8 @@ FROZEN = {
 def test_only_a_rank_that_did_not_run_is_taken_for_stopped(case):
     from tfdist.failures import was_frozen
 
-    continued, frozen, stopped = FROZEN[case]
-    assert was_frozen(continued, frozen) is stopped
+    continued, frozen, last_tick, stopped = FROZEN[case]
+    assert was_frozen(continued, frozen, last_tick, 100.5) is stopped
 
 
 _TICKING = ("import time, threading\n"

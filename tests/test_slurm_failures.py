@@ -131,6 +131,9 @@ def test_a_killed_task_ends_the_step_in_seconds_and_srun_names_it(
     print(f"a killed task: the step ended {took:.1f} s after the kill")
     assert code != 0
     assert "srun: error: n10: task 1: Killed" in batch, batch
+    # srun ends the step by SIGCONT, SIGTERM and SIGKILL to the others: rank 0, never stopped,
+    # must not take that SIGCONT for a stop of its own.
+    assert "was stopped (SIGSTOP" not in tasks[0], tasks[0][-3000:]
     assert took < BOUND_S, f"{took:.0f} s\n{batch}\n{tasks[0][-2000:]}"
 
 
@@ -437,3 +440,58 @@ def test_a_spare_takes_a_lost_nodes_place_and_the_run_ends_bit_identical(
                 np.testing.assert_array_equal(after[key], alone[key])
     print(f"a spare took a lost node's place; the job ended {time.monotonic() - cut:.0f} s "
           "after the cut")
+
+
+def _kill_tasks(node: str) -> None:
+    """The kernel's OOM killer, as it looks to the others: the node's training task SIGKILLed,
+    the node itself healthy."""
+    pids = subprocess.run(["ip", "netns", "pids", f"tfdist-{node}"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    for pid in pids:
+        comm = Path(f"/proc/{pid}/comm")
+        if comm.exists() and comm.read_text().strip().startswith("python"):
+            subprocess.run(["kill", "-9", pid], check=False)
+
+
+@full_matrix_only("a task that failed while every node answered is restarted on the same nodes, "
+                  "a crash loop is not, with a stand-in srun (test_survive.py)")
+@pytest.mark.timeout(480)
+def test_a_task_killed_on_a_healthy_node_restarts_and_the_run_ends_bit_identical(
+        slurm_cluster: SlurmCluster) -> None:
+    # n9 and n10 train (min_nodes 2); rank 1's process on n10 is SIGKILLed in epoch 2, as the
+    # OOM killer would. Every node answers tfdist survive's probe, so the step starts again on
+    # both from epoch 1's end: the same 2 workers, and with Dropout the weights are an
+    # uninterrupted run's, bit for bit; no rank takes srun's SIGCONT for a stop of its own.
+    workdir = slurm_cluster.new_workdir()
+    (workdir / "out").mkdir()
+    env = {**NODE_LOSS_ENV, "PREEMPT_TEST_DROPOUT": "1", "PREEMPT_TEST_BATCH": "32"}
+    config = cluster_config(
+        slurm_cluster, job_name="oom", nodes=2, min_nodes=2, gpus_per_node=0, gpu_type=None,
+        tasks_per_node=1, sbatch_args=["--nodelist=n[9-10]", "--open-mode=append"],
+        node_restarts=1, time="00:06:00", doctor=False,
+        script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=env)
+    job_id, _ = submit_rendered(slurm_cluster, config, workdir=workdir)
+    rank1 = workdir / f"oom-{job_id}-1.out"
+    deadline = time.monotonic() + 180
+    while "tfdist-test: rank 1 step 20" not in (rank1.read_text() if rank1.exists() else ""):
+        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
+        time.sleep(0.2)
+    _kill_tasks("n10")
+    result = slurm_cluster.wait(job_id, timeout=300)
+    alone_folder = _start_straight(workdir, 2, env)()
+    assert result.ok, result.describe()
+    assert "every node answered: a task failed (task 1: Killed) on a healthy node; training " \
+           "starts again on the same 2 node(s) (restart 1 of 1) from the last save" in \
+           result.output, result.describe()
+    tasks = "".join((workdir / f"oom-{job_id}-{rank}.out").read_text() for rank in (0, 1))
+    assert "was stopped (SIGSTOP" not in tasks, tasks[-3000:]
+    resumed = _results(workdir / "out", 1)
+    steps = 3 * (512 // 32)
+    assert sorted(resumed) == [0, 1], resumed
+    for rank, after in resumed.items():  # from epoch 1's end: the 32 steps after it, once
+        assert after["code"] == 0 and after["steps"] == steps - steps // 3, (rank, after)
+    for rank in (0, 1):
+        with np.load(alone_folder / f"weights-{rank}-0.npz") as alone, \
+                np.load(workdir / "out" / f"weights-{rank}-1.npz") as after:
+            for key in alone.files:
+                np.testing.assert_array_equal(after[key], alone[key])

@@ -298,21 +298,28 @@ def report(message: str, environment: ClusterEnvironment) -> str | None:
     when this process was itself stopped and continued just before (:func:`continued_line`),
     that: the peers it would blame only gave up on it."""
     line = explain(message, environment, progress, _aliases(message, environment))
-    if line is None or not was_frozen(_continued_at, _frozen_at):
+    now = time.monotonic()
+    if line is None or not was_frozen(_continued_at, _frozen_at, _last_tick, now):
         return line
-    assert _frozen_at is not None
-    return continued_line(environment.rank, time.monotonic() - _frozen_at) or line
+    assert _continued_at is not None
+    return continued_line(environment.rank, now - _continued_at) or line
 
 
-def was_frozen(continued_at: float | None, frozen_at: float | None) -> bool:
-    """Whether this process was stopped: it got SIGCONT (``continued_at``, when Python ran the
-    handler: after the C call the main thread was in) and, before that, its ticker found a gap in
-    its own run (``frozen_at``: when it ran again) (pure).
+def was_frozen(continued_at: float | None, frozen_at: float | None, last_tick: float | None,
+               now: float) -> bool:
+    """Whether this process was stopped: it got SIGCONT (``continued_at``: when Python ran the
+    handler, after the C call the main thread was in) and its ticker found a gap in its own
+    run around then (``frozen_at``: when it ran again), or has not run since a gap began
+    (``last_tick``: it had no turn yet after the continue) (pure).
 
     SIGCONT alone says nothing: srun ends a step by SIGCONT, SIGTERM, SIGKILL to every task, so
     the ranks that survive a peer's SIGKILL get it too, though they never stopped."""
-    return (continued_at is not None and frozen_at is not None
-            and 0 <= continued_at - frozen_at <= CONTINUED_RECENTLY_S)
+    if continued_at is None:
+        return False
+    if frozen_at is not None and -FROZEN_GAP_S <= continued_at - frozen_at \
+            <= CONTINUED_RECENTLY_S:
+        return True
+    return last_tick is not None and now - last_tick > FROZEN_GAP_S
 
 
 def continued_line(rank: int, seconds_ago: float) -> str | None:
@@ -332,6 +339,7 @@ def continued_line(rank: int, seconds_ago: float) -> str | None:
 CONTINUED_RECENTLY_S = 60.0
 _continued_at: float | None = None  # the last SIGCONT
 _frozen_at: float | None = None  # when the ticker last ran again after a gap (it was stopped)
+_last_tick: float | None = None  # the ticker's last turn (None: no ticker)
 # The ticker wakes every TICK_S; a wake-up FROZEN_GAP_S late means this process did not run.
 TICK_S = 0.5
 FROZEN_GAP_S = 5.0
@@ -345,14 +353,14 @@ def _continued(signum: int, frame: object) -> None:
 def _tick() -> None:
     """Notes when this process runs again after it was stopped (a daemon thread: SIGSTOP, a
     debugger, a frozen node stop it with the rest)."""
-    global _frozen_at
-    last = time.monotonic()
+    global _frozen_at, _last_tick
+    _last_tick = time.monotonic()
     while True:
         time.sleep(TICK_S)
         now = time.monotonic()
-        if now - last > FROZEN_GAP_S:
+        if now - _last_tick > FROZEN_GAP_S:
             _frozen_at = now
-        last = now
+        _last_tick = now
 
 
 def install_failure_line(where: Where, dist: Any) -> None:
