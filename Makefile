@@ -97,8 +97,8 @@ train: $(STAMP)
 # The TensorFlow 2.15 lane runs what differs on Keras 2 as tf.keras, one test of each kind (the
 # main run tests every case on tf_keras 2.21 and, under Horovod, 2.18: the same Keras 2): fit
 # and custom loops on several workers, the Keras features and numbers against one process
-# (MWMS: only here on Keras 2, tests/test_keras_traps.py says why), the replica sync check, resume after a stop (fit on MWMS stopped by the walltime
-# guard and after a signal with Keras 2's legacy random ops, a custom loop after a signal),
+# (MWMS: only here on Keras 2, tests/test_keras_traps.py says why), the replica sync check, resume after a stop (fit on MWMS after a
+# signal with Keras 2's legacy random ops, a custom loop after a signal),
 # several replicas in one process, the digits example, and tfdist's Slurm resolver, which
 # subclasses TensorFlow's, against TensorFlow 2.15's own (test_resolver.py, in one process: the
 # rendered jobs on the Slurm test cluster run in the main run). Its tf_keras cases are

@@ -47,7 +47,7 @@ def test_the_launchers_are_the_documented_ones():
 
 COLUMNS = {  # the columns that are true for each row; every other is false
     ("slurm", None): {"horovod_joins", "serves_rendezvous", "slurm_addresses",
-                      "output_per_task"},
+                      "output_per_task", "batch_script_steps"},
     ("tf_config", None): {"tf_config_addresses"},
     ("local", "mwms"): {"tf_config_addresses"},
     ("local", "horovod"): {"horovod", "horovod_joins"},

@@ -404,7 +404,7 @@ _environment: ClusterEnvironment | None = None  # the launch install() describes
 def requeue_if_orphaned(message: str) -> None:
     """A Slurm job whose batch script's node is among the failed peers' is requeued from here
     (:func:`tfdist.survive.requeue_if_orphaned`): nothing else would."""
-    if _environment is None or _environment.launcher != "slurm":
+    if _environment is None or not _environment.facts.batch_script_steps:
         return
     from tfdist import survive
 

@@ -224,7 +224,7 @@ def orphaned(environment: ClusterEnvironment, failed_hosts: Sequence[str],
     failed peers' hosts (spelled as in the workers' addresses, ``host_template``) include it,
     and this task runs on another node; else None (pure)."""
     batch = environment.batch_host
-    if environment.launcher != "slurm" or environment.step_id is None or batch is None:
+    if not environment.facts.batch_script_steps or environment.step_id is None or batch is None:
         return None
     here = (environment.hosts[environment.node_rank]
             if environment.node_rank < len(environment.hosts) else None)

@@ -49,6 +49,9 @@ class Launcher:
             agent): torch joins it (``env://``), JAX's runtime meets one port above it.
         output_per_task: each task's output can be a file of its own (``srun
             --output=...%t``), which the lines about a failed peer point at.
+        batch_script_steps: the ranks are the tasks of a step that the job's batch script
+            started on the job's first node: when that node is lost they are left without it,
+            and may requeue the job (:func:`tfdist.survive.requeue_if_orphaned`).
     """
 
     name: str
@@ -61,6 +64,7 @@ class Launcher:
     tf_config_addresses: bool = False
     torch_store: bool = False
     output_per_task: bool = False
+    batch_script_steps: bool = False
 
     @property
     def tfdist_launch(self) -> bool:
@@ -71,7 +75,7 @@ class Launcher:
 
 LAUNCHERS: tuple[Launcher, ...] = (
     Launcher("slurm", horovod_joins=True, serves_rendezvous=True, slurm_addresses=True,
-             output_per_task=True),
+             output_per_task=True, batch_script_steps=True),
     Launcher("tf_config", tf_config_addresses=True),
     Launcher("local", "mwms", tf_config_addresses=True),
     Launcher("local", "horovod", horovod=True, horovod_joins=True),
