@@ -196,7 +196,8 @@ def test_a_lost_nodes_place_goes_to_a_spare_that_answers(case):
 
 
 def _survive(tmp_path, script: str, max_restarts: int = 3, nodes: tuple[str, ...] = ("n1", "n2"),
-             spares: int = 0) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+             spares: int = 0, every: float = 30.0
+             ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """tfdist survive on ``nodes`` (the last ``spares`` of them idle) with a stand-in srun
     (``script``, sh; $calls counts its calls and notes each): its run and the calls."""
     calls = tmp_path / "calls"
@@ -207,7 +208,7 @@ def _survive(tmp_path, script: str, max_restarts: int = 3, nodes: tuple[str, ...
     code = ("from tfdist import survive\n"
             f"raise SystemExit(survive.run(survive.Options(job_id='1', nodes={nodes!r}, "
             f"min_nodes=1, max_restarts={max_restarts}, tasks_per_node=1, probe_timeout_s=5, "
-            f"spares={spares}), ['srun', 'python', 'train.py']))")
+            f"spares={spares}, return_probe_s={every}), ['srun', 'python', 'train.py']))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=clean_env(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}"),
                          timeout=60, check=False)
@@ -297,3 +298,47 @@ def test_a_spare_node_replaces_a_lost_one_at_the_same_size(tmp_path):
     assert all("--nodes=2" in c for c in training), training
     assert "n2 did not answer (spare n3 in its place): training goes on on n1, n3 (as many as " \
            "before" in run.stderr
+
+
+def test_a_lost_node_that_answers_again_rejoins_at_the_next_save(tmp_path):
+    # n2 is lost (its probe fails while the file `down` is there); the step goes on on n1,
+    # which takes n2 back once it answers: the step is asked to stop at a save (SIGUSR1; the
+    # stand-in exits 75 as tfdist's ranks do) and starts again on n1 and n2.
+    down = tmp_path / "down"
+    down.touch()
+    run, calls = _survive(tmp_path, textwrap.dedent(f"""\
+        case "$*" in
+            *"--nodelist=n2 "*" true") [ -e {down} ] && exit 1; exit 0 ;;
+            *" true") exit 0 ;;
+        esac
+        n=$(grep -c train.py "$calls")
+        if [ "$n" -eq 1 ]; then echo "srun: error: Node failure on n2" >&2; exit 1; fi
+        if [ "$n" -eq 2 ]; then
+            trap 'exit 75' USR1
+            rm {down}
+            while :; do sleep 0.1; done
+        fi
+        exit 0
+    """), every=0.5)
+    assert run.returncode == 0, run.stderr
+    training = [c for c in calls if "train.py" in c]
+    assert ["--nodelist=n1,n2" in training[0], "--nodelist=n1 " in training[1],
+            "--nodelist=n1,n2" in training[2]] == [True] * 3 and len(training) == 3, training
+    assert "n2 answers again: the step stops at its next save" in run.stderr, run.stderr
+    assert "training goes on on n1, n2 (2 of 2 nodes) from it" in run.stderr, run.stderr
+
+
+def test_a_preemption_during_the_wait_for_a_lost_node_is_still_a_requeue(tmp_path):
+    # The control: the step on n1 exits 75 because of a signal from outside (here: its own
+    # preemption, with no node back): 75 goes to the job script, nothing is started again.
+    run, calls = _survive(tmp_path, textwrap.dedent("""\
+        case "$*" in
+            *"--nodelist=n2 "*" true") exit 1 ;;
+            *" true") exit 0 ;;
+        esac
+        n=$(grep -c train.py "$calls")
+        if [ "$n" -eq 1 ]; then echo "srun: error: Node failure on n2" >&2; exit 1; fi
+        exit 75
+    """), every=0.5)
+    assert run.returncode == 75, run.stderr
+    assert len([c for c in calls if "train.py" in c]) == 2, calls

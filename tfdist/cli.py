@@ -525,6 +525,10 @@ def _add_survive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--probe-timeout", type=_seconds, default=30.0,
                         metavar="SECONDS", help="a node that has not run a one-task step "
                         "within this is taken for lost (default: 30)")
+    parser.add_argument("--probe-again", type=_seconds, default=30.0, metavar="SECONDS",
+                        help="while training runs, ask the lost nodes again this often: one "
+                        "that answers is a spare, or rejoins the step at its next save when it "
+                        "runs short (default: 30)")
     parser.add_argument("--spares", type=_at_least(0), default=0, metavar="K",
                         help="the job's last K nodes wait idle; a lost node's place goes to one "
                         "of them, so the step starts again as large as before (default: 0)")
@@ -553,7 +557,8 @@ def _run_survive(args: argparse.Namespace) -> int:
     return survive.run(survive.Options(
         job_id=job_id, nodes=tuple(nodes), min_nodes=args.min_nodes,
         max_restarts=args.restarts, tasks_per_node=args.tasks_per_node,
-        probe_timeout_s=args.probe_timeout, spares=args.spares), srun)
+        probe_timeout_s=args.probe_timeout, spares=args.spares,
+        return_probe_s=args.probe_again), srun)
 
 
 def _positive_float(text: str) -> float:

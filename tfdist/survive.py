@@ -288,6 +288,7 @@ class Options:
     tasks_per_node: int
     probe_timeout_s: float = 30.0
     spares: int = 0
+    return_probe_s: float = 30.0  # how often a lost node is asked again while the step runs
 
 
 class _Step:
@@ -335,22 +336,70 @@ class _Step:
 
 def run(options: Options, srun: Sequence[str]) -> int:
     """Runs the training step, and the next on the survivors after a lost node; returns the
-    code for the job script: the last srun's, or 75 to requeue."""
+    code for the job script: the last srun's, or 75 to requeue.
+
+    While a step runs, the nodes lost so far are asked again every ``return_probe_s``: one
+    that answers becomes a spare, or, when the step runs on fewer nodes than planned, the step
+    is asked to stop at a save (SIGUSR1: every rank saves at one agreed step and exits 75) and
+    starts again on the nodes it had plus the returned one."""
     training = len(options.nodes) - options.spares
-    nodes, spares, restarts = list(options.nodes[:training]), options.nodes[training:], 0
+    nodes, spares, restarts = list(options.nodes[:training]), list(options.nodes[training:]), 0
+    order = list(options.nodes)  # Slurm's order, as srun ranks the tasks
     current: list[_Step] = []
     before: tuple[str | None, str | None] | None = None  # the last failure, and its save
+    lost: list[str] = []  # dropped nodes, asked again while a step runs
+    back: list[str] = []  # lost nodes that answered again, for the next step
+    outside = threading.Event()  # a signal came from outside (a preemption): no regrowth
+    lock = threading.Lock()
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        outside.set()
         if current and current[0].process.poll() is None:
             current[0].process.send_signal(signal.SIGUSR1 if signum == signal.SIGTERM
                                            else signum)
+
+    def ask_again(step: _Step) -> None:
+        """Asks the lost nodes again while ``step`` runs (a daemon thread)."""
+        while step.process.poll() is None:
+            time.sleep(options.return_probe_s)
+            with lock:
+                asked = list(lost)
+            if not asked or step.process.poll() is not None:
+                continue
+            answered = probe(options.job_id, asked, options.probe_timeout_s)
+            with lock:
+                for node in answered:
+                    lost.remove(node)
+                    if len(nodes) + len(back) < training:
+                        back.append(node)
+                    else:
+                        spares.append(node)
+                        print(f"tfdist survive: {node} answers again: a spare now",
+                              file=sys.stderr, flush=True)
+                grow = bool(back)
+            if grow and not outside.is_set() and step.process.poll() is None:
+                print(f"tfdist survive: {', '.join(back)} answers again: the step stops at "
+                      "its next save to start again on more nodes", file=sys.stderr,
+                      flush=True)
+                step.process.send_signal(signal.SIGUSR1)
+                return
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, forward)
     while True:
         current[:] = [_Step(step_command(srun, nodes, options.tasks_per_node), restarts)]
+        threading.Thread(target=ask_again, args=(current[0],), daemon=True).start()
         code = current[0].wait()
+        with lock:
+            grown = sorted(nodes + back, key=order.index)
+            regrow = code == EXIT_REQUEUE and bool(back) and not outside.is_set()
+            back.clear()
+        if regrow:
+            print(f"tfdist survive: the step stopped at a save; training goes on on "
+                  f"{', '.join(grown)} ({len(grown)} of {training} nodes) from it",
+                  file=sys.stderr, flush=True)
+            nodes = grown
+            continue
         if code in (0, EXIT_REQUEUE):
             return code
         if code == EXIT_CONFIG or current[0].set_up_error:
@@ -360,12 +409,15 @@ def run(options: Options, srun: Sequence[str]) -> int:
             current[0].process.wait()
             return EXIT_CONFIG
         started = time.monotonic()
-        alive = probe(options.job_id, [*nodes, *spares], options.probe_timeout_s)
+        with lock:
+            asked = [*nodes, *spares]
+        alive = probe(options.job_id, asked, options.probe_timeout_s)
         step = current[0]
         this = (step.failure, step.resumed)
-        decision = decide(nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
-                          max_restarts=options.max_restarts, failure=step.failure,
-                          crash_loop=this == before, spares=spares)
+        with lock:
+            decision = decide(nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
+                              max_restarts=options.max_restarts, failure=step.failure,
+                              crash_loop=this == before, spares=spares)
         before = this
         print(f"tfdist survive: the training step on {','.join(nodes)} failed; {decision.why} "
               f"(probed in {time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
@@ -374,4 +426,6 @@ def run(options: Options, srun: Sequence[str]) -> int:
         current[0].abandon()
         if decision.action == "requeue":
             return EXIT_REQUEUE
-        nodes, spares, restarts = list(decision.nodes), decision.spares, restarts + 1
+        with lock:
+            lost += [node for node in [*nodes, *spares] if node not in alive]
+            nodes, spares[:], restarts = list(decision.nodes), decision.spares, restarts + 1
