@@ -495,3 +495,58 @@ def test_a_task_killed_on_a_healthy_node_restarts_and_the_run_ends_bit_identical
                 np.load(workdir / "out" / f"weights-{rank}-1.npz") as after:
             for key in alone.files:
                 np.testing.assert_array_equal(after[key], alone[key])
+
+
+@full_matrix_only("a lost node that answers again rejoins at the next save, with a stand-in "
+                  "srun (test_survive.py)")
+@pytest.mark.timeout(600)
+def test_a_lost_node_that_comes_back_rejoins_the_job_at_its_next_save(
+        slurm_cluster: SlurmCluster) -> None:
+    # n11 cut off in epoch 2: training goes on on n9 and n10. Once it is back, tfdist survive's
+    # next probe of the lost nodes (every 30 s) finds it; the step stops at a save (every rank
+    # at one agreed step, exit 75) and goes on on all three, from that save: every step
+    # trained once over the three runs, the weights an uninterrupted 3-worker run's within
+    # rounding (3, 2, then 3 workers sum in other orders).
+    workdir = slurm_cluster.new_workdir()
+    (workdir / "out").mkdir()
+    env = {**NODE_LOSS_ENV, "PREEMPT_TEST_STEP_SLEEP": "1.5",
+           "TFDIST_PREEMPT_CHECK_SECONDS": "0.05"}
+    config = cluster_config(
+        slurm_cluster, job_name="grow", nodes=3, gpus_per_node=0, gpu_type=None,
+        tasks_per_node=1, sbatch_args=["--nodelist=n[9-11]"], min_nodes=2, node_restarts=1,
+        time="00:09:00", doctor=False,
+        script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=env)
+    job_id, _ = submit_rendered(slurm_cluster, config, workdir=workdir)
+    batch = workdir / f"grow-{job_id}.out"
+    rank2 = workdir / f"grow-{job_id}-2.out"
+    deadline = time.monotonic() + 240
+    while "tfdist-test: rank 2 step 13" not in (rank2.read_text() if rank2.exists() else ""):
+        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
+        time.sleep(0.2)
+    _cut_off(slurm_cluster, "n11")
+    try:
+        while "training goes on on n9, n10" not in (batch.read_text() if batch.exists() else ""):
+            assert time.monotonic() < deadline + 120, slurm_cluster.job_info(job_id)
+            time.sleep(0.2)
+    finally:
+        _back(slurm_cluster, "n11")
+    returned = time.monotonic()
+    while "training goes on on n9, n10, n11 (3 of 3 nodes)" not in batch.read_text():
+        assert time.monotonic() - returned < 120, batch.read_text()[-3000:]
+        time.sleep(0.2)
+    print(f"a lost node back: training on 3 nodes again {time.monotonic() - returned:.0f} s "
+          "after it answered")
+    result = slurm_cluster.wait(job_id, timeout=300)
+    alone_folder = _start_straight(workdir, 3, env)()
+    assert result.ok, result.describe()
+    assert "n11 answers again: the step stops at its next save" in result.output, \
+        result.describe()
+    runs = [_results(workdir / "out", run) for run in (0, 1, 2)]
+    assert sorted(runs[2]) == [0, 1, 2] and all(r["code"] == 0 for r in runs[2].values()), runs
+    assert all(r["code"] == 75 for r in runs[1].values()), runs[1]  # stopped at a save
+    # Every step after epoch 1's end once: those of the 2-node run, then the rest on 3.
+    assert runs[1][0]["steps"] + runs[2][0]["steps"] == STEPS - STEPS // 3, runs
+    with np.load(alone_folder / "weights-0-0.npz") as alone, \
+            np.load(workdir / "out" / "weights-0-2.npz") as after:
+        for key in alone.files:
+            np.testing.assert_allclose(after[key], alone[key], rtol=1e-4, atol=1e-5)

@@ -344,6 +344,7 @@ def run(options: Options, srun: Sequence[str]) -> int:
     starts again on the nodes it had plus the returned one."""
     training = len(options.nodes) - options.spares
     nodes, spares, restarts = list(options.nodes[:training]), list(options.nodes[training:]), 0
+    started = 0  # steps started again, a regrowth too (TFDIST_RESTART_COUNT)
     order = list(options.nodes)  # Slurm's order, as srun ranks the tasks
     current: list[_Step] = []
     before: tuple[str | None, str | None] | None = None  # the last failure, and its save
@@ -387,7 +388,8 @@ def run(options: Options, srun: Sequence[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, forward)
     while True:
-        current[:] = [_Step(step_command(srun, nodes, options.tasks_per_node), restarts)]
+        current[:] = [_Step(step_command(srun, nodes, options.tasks_per_node), started)]
+        started += 1
         threading.Thread(target=ask_again, args=(current[0],), daemon=True).start()
         code = current[0].wait()
         with lock:
@@ -408,7 +410,7 @@ def run(options: Options, srun: Sequence[str]) -> int:
                   file=sys.stderr, flush=True)
             current[0].process.wait()
             return EXIT_CONFIG
-        started = time.monotonic()
+        probed_at = time.monotonic()
         with lock:
             asked = [*nodes, *spares]
         alive = probe(options.job_id, asked, options.probe_timeout_s)
@@ -420,7 +422,7 @@ def run(options: Options, srun: Sequence[str]) -> int:
                               crash_loop=this == before, spares=spares)
         before = this
         print(f"tfdist survive: the training step on {','.join(nodes)} failed; {decision.why} "
-              f"(probed in {time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+              f"(probed in {time.monotonic() - probed_at:.1f} s)", file=sys.stderr, flush=True)
         if decision.action == "fail":
             return code if code is not None else current[0].process.wait()
         current[0].abandon()
