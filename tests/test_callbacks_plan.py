@@ -62,34 +62,34 @@ WRITERS = [CHECKPOINT, TENSORBOARD, PREEMPTION]
 
 PLANS: dict[str, tuple[dict[str, Any], Facts, list[str]]] = {
     # name: (options, facts, the kinds in order)
-    "MWMS Keras 3": ({}, facts(), [BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK, PROGRESS,
+    "MWMS Keras 3": ({}, facts(), [PROGRESS, BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK,
                                    THROUGHPUT]),
     "MWMS Keras 3, model_dir": (MODEL_DIR, facts(), [
-        BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK, *WRITERS, PROGRESS, THROUGHPUT]),
+        PROGRESS, BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK, *WRITERS, THROUGHPUT]),
     "MWMS tf_keras (synced statistics), rank 1": (MODEL_DIR, facts(keras=TF_KERAS, rank=1), [
-        BACKEND, YOURS, SYNC_CHECK, *WRITERS, PROGRESS, THROUGHPUT, SILENT_PROGRESS_BAR]),
+        PROGRESS, BACKEND, YOURS, SYNC_CHECK, *WRITERS, THROUGHPUT, SILENT_PROGRESS_BAR]),
     "Horovod tf_keras (each rank its statistics)": ({}, facts("horovod", TF_KERAS), [
-        BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK, PROGRESS, THROUGHPUT]),
+        PROGRESS, BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK, THROUGHPUT]),
     "fit's input not followed: Keras's backup": (MODEL_DIR, facts(input_tracked=False), [
-        BACKEND, BATCH_STATISTICS, BACKUP, YOURS, SYNC_CHECK, *WRITERS, PROGRESS, THROUGHPUT]),
+        PROGRESS, BACKEND, BATCH_STATISTICS, BACKUP, YOURS, SYNC_CHECK, *WRITERS, THROUGHPUT]),
     "preempt=False: Keras's backup": ({**MODEL_DIR, "preempt": False}, facts(), [
-        BACKEND, BATCH_STATISTICS, BACKUP, YOURS, SYNC_CHECK, CHECKPOINT, TENSORBOARD,
-        PROGRESS, THROUGHPUT]),
+        PROGRESS, BACKEND, BATCH_STATISTICS, BACKUP, YOURS, SYNC_CHECK, CHECKPOINT, TENSORBOARD,
+        THROUGHPUT]),
     "warm-up and chief_only": ({"warmup_epochs": 2, "chief_only": [object()]}, facts(), [
-        BACKEND, BATCH_STATISTICS, WARMUP, YOURS, SYNC_CHECK, CHIEF_ONLY, PROGRESS,
+        PROGRESS, BACKEND, BATCH_STATISTICS, WARMUP, YOURS, SYNC_CHECK, CHIEF_ONLY,
         THROUGHPUT]),
     "one replica: nothing to average or compare": (
-        {}, facts("single", world_size=1, num_replicas=1), [BACKEND, YOURS, PROGRESS,
+        {}, facts("single", world_size=1, num_replicas=1), [PROGRESS, BACKEND, YOURS,
                                                             THROUGHPUT]),
     "mirrored, 2 replicas in one process": (
-        {}, facts("mirrored", world_size=1), [BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK,
-                                             PROGRESS, THROUGHPUT]),
+        {}, facts("mirrored", world_size=1), [PROGRESS, BACKEND, BATCH_STATISTICS, YOURS,
+                                             SYNC_CHECK, THROUGHPUT]),
     "everything off": (
         {**MODEL_DIR, "checkpoint": False, "tensorboard": False, "backup": False,
          "preempt": False, "sync_check": False, "average_batch_statistics": False,
-         "throughput": False}, facts(), [BACKEND, YOURS, PROGRESS]),
+         "throughput": False}, facts(), [PROGRESS, BACKEND, YOURS]),
     "tensorboard not installed": (MODEL_DIR, facts(tensorboard_missing=("tensorboard",)), [
-        BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK, CHECKPOINT, PREEMPTION, PROGRESS,
+        PROGRESS, BACKEND, BATCH_STATISTICS, YOURS, SYNC_CHECK, CHECKPOINT, PREEMPTION,
         THROUGHPUT]),
     "Keras 3 on JAX": (MODEL_DIR, facts("jax", KERAS3_JAX), [
         BACKEND, YOURS, SYNC_CHECK, *WRITERS, THROUGHPUT]),

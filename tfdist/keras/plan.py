@@ -42,11 +42,12 @@ CHIEF_ONLY = "chief_only"
 CHECKPOINT = "checkpoint"
 TENSORBOARD = "tensorboard"
 PREEMPTION = "preemption"  # after the writers: a stop at an epoch's end comes after its backup
-PROGRESS = "progress"  # the step a rank stood at, for the line naming a failed peer
 THROUGHPUT = "throughput"
 SILENT_PROGRESS_BAR = "silent_progress_bar"  # on the other ranks: the chief's bar alone
-KINDS = (BACKEND, BATCH_STATISTICS, BACKUP, WARMUP, YOURS, SYNC_CHECK, CHIEF_ONLY, CHECKPOINT,
-         TENSORBOARD, PREEMPTION, PROGRESS, THROUGHPUT, SILENT_PROGRESS_BAR)
+# First of all: the step a rank stood at, for the line naming a failed peer.
+PROGRESS = "progress"
+KINDS = (PROGRESS, BACKEND, BATCH_STATISTICS, BACKUP, WARMUP, YOURS, SYNC_CHECK, CHIEF_ONLY,
+         CHECKPOINT, TENSORBOARD, PREEMPTION, THROUGHPUT, SILENT_PROGRESS_BAR)
 
 # How a user's writer runs on a rank (:func:`route`).
 AS_GIVEN, PER_RANK, CHIEF_WRITES, CHIEF_ALONE = ("as given", "a folder per rank",
@@ -204,7 +205,10 @@ def plan(o: CallbackOptions, facts: Facts, extra: Sequence[Any] = (),
     notes: list[tuple[int, str]] = []
     averaged = _averages(o, facts, environ)
     exact = bool(model_dir and o.preempt and facts.input_tracked)
-    steps = [Step(BACKEND)]
+    # The step a rank stood at first, before any callback's collective: a peer lost during a
+    # save (or the backend's averaging) is reported after the step just trained.
+    steps = [Step(PROGRESS)] if facts.keras != KERAS3_JAX else []  # JAX: no failure line
+    steps.append(Step(BACKEND))
     steps += [Step(BATCH_STATISTICS)] if averaged else []
     if model_dir and o.backup and not exact:
         steps.append(Step(BACKUP, {"path": layout.path(model_dir, layout.BACKUP)}))
@@ -220,8 +224,6 @@ def plan(o: CallbackOptions, facts: Facts, extra: Sequence[Any] = (),
     if model_dir and o.preempt:
         steps.append(Step(PREEMPTION, {"model_dir": model_dir, "every": o.checkpoint_every,
                                        "epoch_saves": exact and o.backup}))
-    if facts.keras != KERAS3_JAX:  # read by the line naming a failed peer, which JAX lacks
-        steps.append(Step(PROGRESS))
     if o.throughput:
         steps.append(Step(THROUGHPUT, {"global_batch": o.global_batch, "model_dir": model_dir}))
     steps += [] if facts.is_chief else [Step(SILENT_PROGRESS_BAR)]
