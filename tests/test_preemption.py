@@ -206,6 +206,8 @@ REQUEUE = {
     "not a Slurm job": (ClusterEnvironment("local"), 20, "scontrol", None, "--max-restarts"),
     "tfdist launch inside an allocation": (ClusterEnvironment("local", job_id="42"), 20,
                                            "scontrol", None, "--max-restarts"),
+    "a step of tfdist survive": (ClusterEnvironment("slurm", job_id="42", step_loop="survive"),
+                                 20, "scontrol", None, "tfdist survive runs this step"),
 }
 
 

@@ -24,7 +24,7 @@ from tfdist.settings import SETTINGS, resolve
 PACKAGE = ROOT / "tfdist"
 # Written by `tfdist launch` for its workers and read by detection: a protocol, not settings.
 LAUNCH_PROTOCOL = {"TFDIST_LAUNCHER", "TFDIST_LOCAL_RANK", "TFDIST_LOCAL_WORLD_SIZE",
-                   "TFDIST_END_TIME"}
+                   "TFDIST_END_TIME", "TFDIST_STEP_LOOP"}
 
 
 # --- precedence and parsing ------------------------------------------------------------------

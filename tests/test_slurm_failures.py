@@ -524,13 +524,14 @@ def test_a_lost_node_that_comes_back_rejoins_the_job_at_its_next_save(
         assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
         time.sleep(0.2)
     _cut_off(slurm_cluster, "n11")
+    returned = None
     try:
         while "training goes on on n9, n10" not in (batch.read_text() if batch.exists() else ""):
             assert time.monotonic() < deadline + 120, slurm_cluster.job_info(job_id)
             time.sleep(0.2)
     finally:
+        returned = time.monotonic()  # its network up again (and the node back in service)
         _back(slurm_cluster, "n11")
-    returned = time.monotonic()
     while "training goes on on n9, n10, n11 (3 of 3 nodes)" not in batch.read_text():
         assert time.monotonic() - returned < 120, batch.read_text()[-3000:]
         time.sleep(0.2)

@@ -31,6 +31,8 @@ SRUN_LINES = {
     "srun: error: n9: tasks 0,2: Terminated": True,
     "srun: error: Node failure on n11": True,
     "srun: error: n9: task 0: Exited with exit code 0": False,
+    "srun: error: n10: task 1: Exited with exit code 75": False,  # saved and stopped: no failure
+    "srun: error: n9: tasks 0-1: Exited with exit code 175": True,
     "srun: launch/slurm: _step_signal: Terminating StepId=47.0": False,
     "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.": False,
     "tfdist: rank 2 (host n11) failed or stopped responding": False,
@@ -338,7 +340,9 @@ def test_a_preemption_during_the_wait_for_a_lost_node_is_still_a_requeue(tmp_pat
         esac
         n=$(grep -c train.py "$calls")
         if [ "$n" -eq 1 ]; then echo "srun: error: Node failure on n2" >&2; exit 1; fi
+        echo "srun: error: n1: task 0: Exited with exit code 75" >&2
         exit 75
     """), every=0.5)
     assert run.returncode == 75, run.stderr
     assert len([c for c in calls if "train.py" in c]) == 2, calls
+    assert run.stderr.count("tfdist survive: the training step") == 1, run.stderr  # no probe

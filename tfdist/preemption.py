@@ -485,6 +485,9 @@ def requeue_plan(environment: ClusterEnvironment, max_requeues: int,
     if environment.job_id is None or environment.facts.tfdist_launch:
         return None, ("not a Slurm job (or started by tfdist launch inside one): start it "
                       "again; tfdist launch --max-restarts does")
+    if environment.step_loop is not None:
+        return None, (f"tfdist {environment.step_loop} runs this step and decides what follows "
+                      f"exit code {EXIT_PREEMPTED} (the job script requeues a preempted job)")
     if environment.restart_count >= max_requeues:
         return None, (f"the job was already requeued {environment.restart_count} times, the "
                       f"limit (TFDIST_MAX_REQUEUES={max_requeues}): not again")

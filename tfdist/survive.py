@@ -65,8 +65,12 @@ _FAILED = re.compile(r"^srun: error: (?:\S+: tasks? [\d,-]+: (?:Exited with exit
 
 
 def failed_task(line: str) -> bool:
-    """Whether srun's stderr ``line`` says that a task failed or a node was lost (pure)."""
-    return bool(_FAILED.match(line.strip()))
+    """Whether srun's stderr ``line`` says that a task failed or a node was lost (pure). A task
+    that exited 75 did not fail: it saved at the agreed step and stopped (a preemption, the
+    walltime, a stop to grow back), and srun's code says so once every task has."""
+    text = line.strip()
+    return bool(_FAILED.match(text)) and not text.endswith(
+        f"Exited with exit code {EXIT_REQUEUE}")
 
 
 # The node in srun's line, left out of a failure's description: a task that fails the same way
@@ -296,7 +300,9 @@ class _Step:
     where the run resumed."""
 
     def __init__(self, command: list[str], restart: int) -> None:
-        env = {**os.environ, "TFDIST_RESTART_COUNT": str(restart)}
+        # The step loop is this: the ranks leave what follows exit 75 to it (a preemption's
+        # requeue, or a stop at a save to grow back), TFDIST_STEP_LOOP.
+        env = {**os.environ, "TFDIST_RESTART_COUNT": str(restart), "TFDIST_STEP_LOOP": "survive"}
         self.failed = threading.Event()
         self.set_up_error = False  # a task exited 78 (set_up_error)
         self.failure: str | None = None  # srun's first failure line (failure_of)
@@ -334,6 +340,70 @@ class _Step:
         self.process.wait()
 
 
+class _Nodes:
+    """The step loop's nodes, shared with the thread that asks the lost ones again: those that
+    train, the idle spares, the lost, and the lost that answered again (for the next step)."""
+
+    def __init__(self, options: Options) -> None:
+        self.training = len(options.nodes) - options.spares
+        self.order = list(options.nodes)  # Slurm's order, as srun ranks the tasks
+        self.nodes = list(options.nodes[:self.training])
+        self.spares = list(options.nodes[self.training:])
+        self.lost: list[str] = []
+        self.back: list[str] = []
+        self.outside = threading.Event()  # a signal came from outside (a preemption)
+        self.lock = threading.Lock()
+
+    def ask_again(self, step: _Step, options: Options) -> None:
+        """While ``step`` runs, asks the lost nodes again every ``return_probe_s``: one that
+        answers is a spare, or, while the step runs short, is taken back: the step is asked
+        to stop at its next save (SIGUSR1) (a daemon thread)."""
+        while step.process.poll() is None:
+            time.sleep(options.return_probe_s)
+            with self.lock:
+                asked = list(self.lost)
+            if not asked or step.process.poll() is not None:
+                continue
+            answered = probe(options.job_id, asked, options.probe_timeout_s)
+            with self.lock:
+                for node in answered:
+                    self.lost.remove(node)
+                    if len(self.nodes) + len(self.back) < self.training:
+                        self.back.append(node)
+                    else:
+                        self.spares.append(node)
+                        _say(f"{node} answers again: a spare now")
+                back = list(self.back)
+            if back and not self.outside.is_set() and step.process.poll() is None:
+                _say(f"{', '.join(back)} answers again: the step stops at its next save to "
+                     "start again on more nodes")
+                step.process.send_signal(signal.SIGUSR1)
+                return
+
+    def grown(self, code: int | None) -> bool:
+        """After a step ended with ``code``: whether it stopped to take nodes back (then they
+        train from now on)."""
+        with self.lock:
+            regrow = code == EXIT_REQUEUE and bool(self.back) and not self.outside.is_set()
+            if regrow:
+                self.nodes = sorted(self.nodes + self.back, key=self.order.index)
+            self.back.clear()
+        if regrow:
+            _say(f"the step stopped at a save; training goes on on {', '.join(self.nodes)} "
+                 f"({len(self.nodes)} of {self.training} nodes) from it")
+        return regrow
+
+    def follow(self, decision: Decision, alive: Sequence[str]) -> None:
+        """Takes the nodes of a restart ``decision``; those that did not answer are lost."""
+        with self.lock:
+            self.lost += [n for n in [*self.nodes, *self.spares] if n not in alive]
+            self.nodes, self.spares = list(decision.nodes), list(decision.spares)
+
+
+def _say(line: str) -> None:
+    print(f"tfdist survive: {line}", file=sys.stderr, flush=True)
+
+
 def run(options: Options, srun: Sequence[str]) -> int:
     """Runs the training step, and the next on the survivors after a lost node; returns the
     code for the job script: the last srun's, or 75 to requeue.
@@ -341,93 +411,46 @@ def run(options: Options, srun: Sequence[str]) -> int:
     While a step runs, the nodes lost so far are asked again every ``return_probe_s``: one
     that answers becomes a spare, or, when the step runs on fewer nodes than planned, the step
     is asked to stop at a save (SIGUSR1: every rank saves at one agreed step and exits 75) and
-    starts again on the nodes it had plus the returned one."""
-    training = len(options.nodes) - options.spares
-    nodes, spares, restarts = list(options.nodes[:training]), list(options.nodes[training:]), 0
-    started = 0  # steps started again, a regrowth too (TFDIST_RESTART_COUNT)
-    order = list(options.nodes)  # Slurm's order, as srun ranks the tasks
+    starts again on the nodes it had plus the returned one (:class:`_Nodes`)."""
+    state, restarts, started = _Nodes(options), 0, 0
     current: list[_Step] = []
     before: tuple[str | None, str | None] | None = None  # the last failure, and its save
-    lost: list[str] = []  # dropped nodes, asked again while a step runs
-    back: list[str] = []  # lost nodes that answered again, for the next step
-    outside = threading.Event()  # a signal came from outside (a preemption): no regrowth
-    lock = threading.Lock()
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        outside.set()
+        state.outside.set()
         if current and current[0].process.poll() is None:
             current[0].process.send_signal(signal.SIGUSR1 if signum == signal.SIGTERM
                                            else signum)
 
-    def ask_again(step: _Step) -> None:
-        """Asks the lost nodes again while ``step`` runs (a daemon thread)."""
-        while step.process.poll() is None:
-            time.sleep(options.return_probe_s)
-            with lock:
-                asked = list(lost)
-            if not asked or step.process.poll() is not None:
-                continue
-            answered = probe(options.job_id, asked, options.probe_timeout_s)
-            with lock:
-                for node in answered:
-                    lost.remove(node)
-                    if len(nodes) + len(back) < training:
-                        back.append(node)
-                    else:
-                        spares.append(node)
-                        print(f"tfdist survive: {node} answers again: a spare now",
-                              file=sys.stderr, flush=True)
-                grow = bool(back)
-            if grow and not outside.is_set() and step.process.poll() is None:
-                print(f"tfdist survive: {', '.join(back)} answers again: the step stops at "
-                      "its next save to start again on more nodes", file=sys.stderr,
-                      flush=True)
-                step.process.send_signal(signal.SIGUSR1)
-                return
-
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, forward)
     while True:
-        current[:] = [_Step(step_command(srun, nodes, options.tasks_per_node), started)]
-        started += 1
-        threading.Thread(target=ask_again, args=(current[0],), daemon=True).start()
-        code = current[0].wait()
-        with lock:
-            grown = sorted(nodes + back, key=order.index)
-            regrow = code == EXIT_REQUEUE and bool(back) and not outside.is_set()
-            back.clear()
-        if regrow:
-            print(f"tfdist survive: the step stopped at a save; training goes on on "
-                  f"{', '.join(grown)} ({len(grown)} of {training} nodes) from it",
-                  file=sys.stderr, flush=True)
-            nodes = grown
+        step = _Step(step_command(srun, state.nodes, options.tasks_per_node), started)
+        current[:], started = [step], started + 1  # TFDIST_RESTART_COUNT: a regrowth too
+        threading.Thread(target=state.ask_again, args=(step, options), daemon=True).start()
+        code = step.wait()
+        if state.grown(code):
             continue
         if code in (0, EXIT_REQUEUE):
             return code
-        if code == EXIT_CONFIG or current[0].set_up_error:
-            print("tfdist survive: the training step ended with one of tfdist's own errors "
-                  "(exit code 78, its line above): no node is probed, nothing restarted",
-                  file=sys.stderr, flush=True)
-            current[0].process.wait()
+        if code == EXIT_CONFIG or step.set_up_error:
+            _say("the training step ended with one of tfdist's own errors (exit code 78, its "
+                 "line above): no node is probed, nothing restarted")
+            step.process.wait()
             return EXIT_CONFIG
         probed_at = time.monotonic()
-        with lock:
-            asked = [*nodes, *spares]
-        alive = probe(options.job_id, asked, options.probe_timeout_s)
-        step = current[0]
+        alive = probe(options.job_id, [*state.nodes, *state.spares], options.probe_timeout_s)
         this = (step.failure, step.resumed)
-        with lock:
-            decision = decide(nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
-                              max_restarts=options.max_restarts, failure=step.failure,
-                              crash_loop=this == before, spares=spares)
+        decision = decide(state.nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
+                          max_restarts=options.max_restarts, failure=step.failure,
+                          crash_loop=this == before, spares=state.spares)
         before = this
-        print(f"tfdist survive: the training step on {','.join(nodes)} failed; {decision.why} "
-              f"(probed in {time.monotonic() - probed_at:.1f} s)", file=sys.stderr, flush=True)
+        _say(f"the training step on {','.join(state.nodes)} failed; {decision.why} (probed in "
+             f"{time.monotonic() - probed_at:.1f} s)")
         if decision.action == "fail":
-            return code if code is not None else current[0].process.wait()
-        current[0].abandon()
+            return code if code is not None else step.process.wait()
+        step.abandon()
         if decision.action == "requeue":
             return EXIT_REQUEUE
-        with lock:
-            lost += [node for node in [*nodes, *spares] if node not in alive]
-            nodes, spares[:], restarts = list(decision.nodes), decision.spares, restarts + 1
+        state.follow(decision, alive)
+        restarts += 1

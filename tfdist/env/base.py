@@ -57,6 +57,9 @@ class ClusterEnvironment:
             else ``SLURM_JOB_GPUS``), or None.
         batch_host: the node of the Slurm job's batch script (the first of the job's nodes), or
             None outside a Slurm job.
+        step_loop: ``"survive"`` when ``tfdist survive`` started this step
+            (``TFDIST_STEP_LOOP``): it decides what follows exit code 75, a preemption's
+            requeue included; else None.
         end_time: when this run must end, in seconds since the epoch: ``TFDIST_END_TIME``
             (``tfdist launch --time-limit``), else Slurm's ``SLURM_JOB_END_TIME``; None when
             neither is set (:mod:`tfdist.walltime`).
@@ -91,6 +94,7 @@ class ClusterEnvironment:
     job_tasks_per_node: int | None = None
     slurm_gpus: str | None = None
     batch_host: str | None = None
+    step_loop: str | None = None
     end_time: float | None = None
     end_time_from: str | None = None
     reason: str = ""
@@ -150,6 +154,7 @@ def common(environ: Mapping[str, str]) -> dict[str, Any]:
         "job_tasks_per_node": _optional_int(environ, "SLURM_NTASKS_PER_NODE"),
         "slurm_gpus": environ.get("SLURM_STEP_GPUS") or environ.get("SLURM_JOB_GPUS") or None,
         "batch_host": _first_node(environ.get("SLURM_JOB_NODELIST")),
+        "step_loop": environ.get("TFDIST_STEP_LOOP") or None,
         **_end_time(environ),
     }
 
