@@ -159,16 +159,42 @@ NODE_LOSS_ENV = {"TFDIST_HEARTBEAT_TIMEOUT": "10", "PREEMPT_TEST_STEP_SLEEP": "0
 STEPS = 3 * (512 // 48)  # 3 epochs of 10 steps
 
 
-def _cut_off(cluster: SlurmCluster, node: str) -> None:
-    """What a node's death looks like to the others: its network cut, its tasks gone (its
-    slurmd stays, to come back after the test)."""
-    subprocess.run(["ip", "link", "set", f"tfd-{node}", "down"], check=True)
+def _kill_in(node: str, *, everything: bool = False) -> None:
+    """SIGKILLs the Python processes in ``node``'s namespace (``everything``: all but its
+    slurmd, which stays to come back after the test, as after a reboot)."""
     pids = subprocess.run(["ip", "netns", "pids", f"tfdist-{node}"], capture_output=True,
                           text=True, check=True).stdout.split()
     for pid in pids:
         comm = Path(f"/proc/{pid}/comm")
-        if comm.exists() and comm.read_text().strip().startswith("python"):
+        name = comm.read_text().strip() if comm.exists() else "slurmd"
+        doomed = name != "slurmd" if everything else name.startswith("python")
+        if doomed:
             subprocess.run(["kill", "-9", pid], check=False)
+
+
+def _cut_off(cluster: SlurmCluster, node: str) -> None:
+    """What a node's death looks like to the others: its network cut, its tasks gone (its
+    slurmd stays, to come back after the test)."""
+    subprocess.run(["ip", "link", "set", f"tfd-{node}", "down"], check=True)
+    _kill_in(node)
+
+
+def _wait_for_line(cluster: SlurmCluster, job_id: str, path: Path, line: str,
+                   seconds: float) -> None:
+    """Waits until ``path`` (a task's output) holds ``line``."""
+    deadline = time.monotonic() + seconds
+    while line not in (path.read_text() if path.exists() else ""):
+        assert time.monotonic() < deadline, cluster.job_info(job_id)
+        time.sleep(0.2)
+
+
+def _assert_bit_identical(alone: Path, out: Path, run: int) -> None:
+    """Every rank's weights after ``run`` in ``out`` are those of the uninterrupted run."""
+    for rank in (0, 1):
+        with np.load(alone / f"weights-{rank}-0.npz") as want, \
+                np.load(out / f"weights-{rank}-{run}.npz") as got:
+            for key in want.files:
+                np.testing.assert_array_equal(got[key], want[key])
 
 
 def _back(cluster: SlurmCluster, node: str) -> None:
@@ -330,15 +356,9 @@ def test_a_job_without_a_signal_stops_before_its_time_limit_and_resumes_bit_iden
 
 def _cut_off_wholly(cluster: SlurmCluster, node: str) -> None:
     """A node's death as the others see it, its job processes all gone: the network cut and
-    every process in its namespace killed but its slurmd (kept to come back after the test,
-    as after a reboot)."""
+    every process in its namespace killed but its slurmd."""
     subprocess.run(["ip", "link", "set", f"tfd-{node}", "down"], check=True)
-    pids = subprocess.run(["ip", "netns", "pids", f"tfdist-{node}"], capture_output=True,
-                          text=True, check=True).stdout.split()
-    for pid in pids:
-        comm = Path(f"/proc/{pid}/comm")
-        if comm.exists() and comm.read_text().strip() != "slurmd":
-            subprocess.run(["kill", "-9", pid], check=False)
+    _kill_in(node, everything=True)
 
 
 @full_matrix_only("a lost node other than the batch script's is survived "
@@ -361,11 +381,8 @@ def test_losing_the_batch_scripts_node_requeues_the_job_at_once(
         script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=NODE_LOSS_ENV)
     job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
     assert "export TFDIST_REQUEUE_IF_BATCH_LOST=1" in script.read_text()
-    rank2 = workdir / f"orphan-{job_id}-2.out"
-    deadline = time.monotonic() + 180
-    while "tfdist-test: rank 2 step 13" not in (rank2.read_text() if rank2.exists() else ""):
-        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
-        time.sleep(0.2)
+    _wait_for_line(slurm_cluster, job_id, workdir / f"orphan-{job_id}-2.out",
+                   "tfdist-test: rank 2 step 13", 180)
     _cut_off_wholly(slurm_cluster, "n9")
     cut = time.monotonic()
     try:
@@ -412,11 +429,8 @@ def test_a_spare_takes_a_lost_nodes_place_and_the_run_ends_bit_identical(
         script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=env)
     job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
     assert "--spares 1" in script.read_text()
-    rank1 = workdir / f"spare-{job_id}-1.out"
-    deadline = time.monotonic() + 180
-    while "tfdist-test: rank 1 step 20" not in (rank1.read_text() if rank1.exists() else ""):
-        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
-        time.sleep(0.2)
+    _wait_for_line(slurm_cluster, job_id, workdir / f"spare-{job_id}-1.out",
+                   "tfdist-test: rank 1 step 20", 180)
     _cut_off(slurm_cluster, "n10")  # in epoch 2 (16 steps an epoch), 4 after epoch 1's end
     cut = time.monotonic()
     try:
@@ -433,24 +447,9 @@ def test_a_spare_takes_a_lost_nodes_place_and_the_run_ends_bit_identical(
     steps = 3 * (512 // 32)
     for rank, after in resumed.items():  # from epoch 1's end: the 32 steps after it, once
         assert after["code"] == 0 and after["steps"] == steps - steps // 3, (rank, after)
-    for rank in (0, 1):
-        with np.load(alone_folder / f"weights-{rank}-0.npz") as alone, \
-                np.load(workdir / "out" / f"weights-{rank}-1.npz") as after:
-            for key in alone.files:
-                np.testing.assert_array_equal(after[key], alone[key])
+    _assert_bit_identical(alone_folder, workdir / "out", 1)
     print(f"a spare took a lost node's place; the job ended {time.monotonic() - cut:.0f} s "
           "after the cut")
-
-
-def _kill_tasks(node: str) -> None:
-    """The kernel's OOM killer, as it looks to the others: the node's training task SIGKILLed,
-    the node itself healthy."""
-    pids = subprocess.run(["ip", "netns", "pids", f"tfdist-{node}"], capture_output=True,
-                          text=True, check=True).stdout.split()
-    for pid in pids:
-        comm = Path(f"/proc/{pid}/comm")
-        if comm.exists() and comm.read_text().strip().startswith("python"):
-            subprocess.run(["kill", "-9", pid], check=False)
 
 
 @full_matrix_only("a task that failed while every node answered is restarted on the same nodes, "
@@ -471,12 +470,9 @@ def test_a_task_killed_on_a_healthy_node_restarts_and_the_run_ends_bit_identical
         node_restarts=1, time="00:06:00", doctor=False,
         script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=env)
     job_id, _ = submit_rendered(slurm_cluster, config, workdir=workdir)
-    rank1 = workdir / f"oom-{job_id}-1.out"
-    deadline = time.monotonic() + 180
-    while "tfdist-test: rank 1 step 20" not in (rank1.read_text() if rank1.exists() else ""):
-        assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
-        time.sleep(0.2)
-    _kill_tasks("n10")
+    _wait_for_line(slurm_cluster, job_id, workdir / f"oom-{job_id}-1.out",
+                   "tfdist-test: rank 1 step 20", 180)
+    _kill_in("n10")  # as the kernel's OOM killer would: the task gone, the node healthy
     result = slurm_cluster.wait(job_id, timeout=300)
     alone_folder = _start_straight(workdir, 2, env)()
     assert result.ok, result.describe()
@@ -490,11 +486,7 @@ def test_a_task_killed_on_a_healthy_node_restarts_and_the_run_ends_bit_identical
     assert sorted(resumed) == [0, 1], resumed
     for rank, after in resumed.items():  # from epoch 1's end: the 32 steps after it, once
         assert after["code"] == 0 and after["steps"] == steps - steps // 3, (rank, after)
-    for rank in (0, 1):
-        with np.load(alone_folder / f"weights-{rank}-0.npz") as alone, \
-                np.load(workdir / "out" / f"weights-{rank}-1.npz") as after:
-            for key in alone.files:
-                np.testing.assert_array_equal(after[key], alone[key])
+    _assert_bit_identical(alone_folder, workdir / "out", 1)
 
 
 @full_matrix_only("a lost node that answers again rejoins at the next save, with a stand-in "
