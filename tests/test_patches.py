@@ -120,7 +120,8 @@ WRITERS = ["user-writers", "save-once"]
         "failure-line"]),
     ("mwms", "3.15.1", True, False, [
         *KERAS3_MWMS, "keras3-loss-scaling", "keras3-global-draws", "predict-on-batch",
-        "epoch-results", "input-end-check", "host-input-iterator", "arrays-one-order",
+        "predict-empty-replica", "epoch-results", "input-end-check", "host-input-iterator",
+        "arrays-one-order",
         "sequence-one-order", "generator-copies", "compile-without-xla", "keras3-input-position",
         *TF_TAIL, *WRITERS, "failure-line"]),
     ("mwms", "2.15.0", True, False, [

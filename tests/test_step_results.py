@@ -1,6 +1,8 @@
-"""The pure parts of tfdist.keras.step_results: which metrics are the user's, and the warning for a
-model whose own step returns values that are not its metrics' results. The patches themselves
-are tested on 2 real workers against one process (tests/test_keras_traps.py)."""
+"""The parts of tfdist.keras.step_results that need no workers: which metrics are the user's, the
+warning for a model whose own step returns values that are not its metrics' results, and the
+predict step of a replica with an empty batch. The patches themselves are tested on 2 real
+workers against one process (tests/test_keras_traps.py; the empty batch in tests/test_corpus.py's
+cell, convnet_mnist's predict on one row)."""
 
 from __future__ import annotations
 
@@ -100,3 +102,25 @@ def test_per_rank_writer_paths_are_found_by_a_float32_sum():
              [Writer("/tmp/tmpb2/log.csv"), Writer("/runs/a/ckpt.keras")]]
     assert on_two_ranks(apart) == {0}
     assert on_two_ranks([same, same[:1]]) == set()
+
+
+def test_a_replicas_empty_predict_batch_runs_on_one_row_of_zeros_and_returns_none():
+    # Two convolutions in a graph on an empty batch: TensorFlow 2.21's oneDNN kernels fail
+    # ("input depth must be evenly divisible by filter depth: 1 vs 16") on an AVX-512 CPU, where
+    # MWMS gives a replica none of predict(x[:1])'s one row. The padded step returns no rows
+    # for none and the same outputs as Keras's for some.
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist.keras.step_results import padded_predict_step
+
+    model = keras.Sequential([
+        keras.Input((12, 12, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.MaxPooling2D(), keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Flatten(), keras.layers.Dense(3)])
+    plain = tf.function(lambda x: model.predict_step((x,)))
+    padded = tf.function(lambda x: padded_predict_step(type(model).predict_step)(model, (x,)))
+    x = np.random.default_rng(0).normal(size=(5, 12, 12, 1)).astype("float32")
+    assert padded(x[:0]).shape == (0, 3)
+    np.testing.assert_array_equal(padded(x).numpy(), plain(x).numpy())

@@ -315,6 +315,15 @@ INVENTORY: tuple[Patch, ...] = (
           "Keras 3 gives every replica the whole batch and concatenates them all (each row "
           "once per replica); runs the batch through the model once, on this worker",
           lambda w: _mwms(w) and w.keras3),
+    Patch("predict-empty-replica", f"{_TRAINER}.TensorFlowTrainer.predict_step",
+          "tfdist.keras.step_results:install_predict_empty_replica",
+          "MWMS on several workers, Keras 3, on the CPU",
+          "a replica whose share of a predict batch is empty (fewer rows than replicas: "
+          "predict(x[:1])) runs the model on no rows, and TensorFlow's oneDNN convolution "
+          "(on by default on x86 CPUs) then fails in the graph ('input depth must be evenly "
+          "divisible by filter depth: 1 vs 16', TensorFlow 2.21, an AVX-512 CPU); runs such a "
+          "replica's model on one row of zeros and returns none of it",
+          lambda w: _mwms(w) and w.keras3 and not w.gpus),
     Patch("epoch-results", "keras.Model._get_metrics_result_or_logs "
           "(tf_keras: _validate_and_get_metrics_result)",
           "tfdist.keras.step_results:install_epoch_results",

@@ -20,6 +20,12 @@ global batch; each is a patch of :mod:`tfdist.patches`, installed for several pr
 - Keras 3's ``predict_on_batch`` under MultiWorkerMirroredStrategy gives every worker's replica
   the whole batch and concatenates them all: each row once per replica. ``predict-on-batch``
   runs the batch through the model here, once: the weights are the same on every worker.
+- Keras 3's ``predict`` under MultiWorkerMirroredStrategy splits each batch over the replicas:
+  one with fewer rows than replicas (``predict(x[:1])`` on 2 workers) leaves a replica none,
+  and on a CPU TensorFlow's oneDNN convolution fails on an empty batch inside a graph (a
+  convolution after another: "input depth must be evenly divisible by filter depth: 1 vs 16",
+  TensorFlow 2.21 on an AVX-512 CPU; fine eagerly, and with ``TF_ENABLE_ONEDNN_OPTS=0``).
+  ``predict-empty-replica`` runs such a replica's model on one row of zeros and returns none.
 - Under Horovod each rank's metrics hold its own examples only: the epoch's logs and
   ``evaluate`` were the ranks' average (an AUC of 0.6164 against one process's 0.6181), and
   values a custom step returns instead of compiled metrics were dropped (``{"loss": 0.0}``).
@@ -47,8 +53,9 @@ from tfdist import patches
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["install_epoch_results", "install_keras2_step_results", "install_predict_on_batch",
-           "own_metrics", "own_step_line"]
+__all__ = ["install_epoch_results", "install_keras2_step_results",
+           "install_predict_empty_replica", "install_predict_on_batch", "own_metrics",
+           "own_step_line", "padded_predict_step"]
 
 logger = logging.getLogger("tfdist")
 
@@ -308,6 +315,40 @@ def _a_scaled_loss(value: Any) -> bool:
 
     parts = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
     return all(scaled(part) for part in parts)
+
+
+def install_predict_empty_replica(where: Where, dist: Any) -> None:
+    """Patch ``predict-empty-replica``'s installer (MWMS, several workers, Keras 3, CPU)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    patches.apply("predict-empty-replica", TensorFlowTrainer, "predict_step",
+                  padded_predict_step)
+
+
+def padded_predict_step(original: Any) -> Any:
+    """Keras 3's ``predict_step`` for a replica whose batch may be empty: the model runs on one
+    row of zeros instead, and the outputs keep none of its rows (as many rows as the input)."""
+    @functools.wraps(original)
+    def predict_step(self: Any, data: Any) -> Any:
+        import tensorflow as tf
+        from keras.src import tree
+
+        batched = [t for t in tree.flatten(data) if isinstance(t, tf.Tensor) and t.shape.rank]
+        if not batched:
+            return original(self, data)
+        rows = tf.shape(batched[0])[0]
+
+        def one_row_if_empty(t: Any) -> Any:
+            if not isinstance(t, tf.Tensor) or not t.shape.rank:
+                return t
+            zeros = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
+            return tf.cond(rows > 0, lambda: t, lambda: zeros)
+
+        outputs = original(self, tree.map_structure(one_row_if_empty, data))
+        return tree.map_structure(
+            lambda t: t[:rows] if isinstance(t, tf.Tensor) and t.shape.rank else t, outputs)
+
+    return predict_step
 
 
 def _predict_on_batch(original: Any) -> Any:
