@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import clean_env, full_matrix_only
+from slurm_faults import back, cut_off, cut_off_wholly, kill_in, wait_for_line
 from slurm_jobs import cluster_config, submit_rendered
 from slurmtest import TERMINAL_STATES, SlurmCluster
 
@@ -159,35 +160,6 @@ NODE_LOSS_ENV = {"TFDIST_HEARTBEAT_TIMEOUT": "10", "PREEMPT_TEST_STEP_SLEEP": "0
 STEPS = 3 * (512 // 48)  # 3 epochs of 10 steps
 
 
-def _kill_in(node: str, *, everything: bool = False) -> None:
-    """SIGKILLs the Python processes in ``node``'s namespace (``everything``: all but its
-    slurmd, which stays to come back after the test, as after a reboot)."""
-    pids = subprocess.run(["ip", "netns", "pids", f"tfdist-{node}"], capture_output=True,
-                          text=True, check=True).stdout.split()
-    for pid in pids:
-        comm = Path(f"/proc/{pid}/comm")
-        name = comm.read_text().strip() if comm.exists() else "slurmd"
-        doomed = name != "slurmd" if everything else name.startswith("python")
-        if doomed:
-            subprocess.run(["kill", "-9", pid], check=False)
-
-
-def _cut_off(cluster: SlurmCluster, node: str) -> None:
-    """What a node's death looks like to the others: its network cut, its tasks gone (its
-    slurmd stays, to come back after the test)."""
-    subprocess.run(["ip", "link", "set", f"tfd-{node}", "down"], check=True)
-    _kill_in(node)
-
-
-def _wait_for_line(cluster: SlurmCluster, job_id: str, path: Path, line: str,
-                   seconds: float) -> None:
-    """Waits until ``path`` (a task's output) holds ``line``."""
-    deadline = time.monotonic() + seconds
-    while line not in (path.read_text() if path.exists() else ""):
-        assert time.monotonic() < deadline, cluster.job_info(job_id)
-        time.sleep(0.2)
-
-
 def _assert_bit_identical(alone: Path, out: Path, run: int) -> None:
     """Every rank's weights after ``run`` in ``out`` are those of the uninterrupted run."""
     for rank in (0, 1):
@@ -195,21 +167,6 @@ def _assert_bit_identical(alone: Path, out: Path, run: int) -> None:
                 np.load(out / f"weights-{rank}-{run}.npz") as got:
             for key in want.files:
                 np.testing.assert_array_equal(got[key], want[key])
-
-
-def _back(cluster: SlurmCluster, node: str) -> None:
-    """The node's network up again and the node back in service (ReturnToService=2)."""
-    subprocess.run(["ip", "link", "set", f"tfd-{node}", "up"], check=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        state = cluster.run("sinfo", "-h", "-N", "-n", node, "-p", cluster.partition, "-o",
-                            "%t").stdout.strip()
-        if state == "idle":
-            return
-        if state.startswith("down") and not state.endswith("*"):
-            cluster.run("scontrol", "update", f"nodename={node}", "state=resume")
-        time.sleep(1)
-    raise AssertionError(f"{node} did not come back: {state}")
 
 
 def _start_straight(workdir: Path, workers: int, env: dict[str, str]) -> Callable[[], Path]:
@@ -266,13 +223,13 @@ def test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once(
     while "tfdist-test: rank 2 step 13" not in (rank2.read_text() if rank2.exists() else ""):
         assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
         time.sleep(0.2)
-    _cut_off(slurm_cluster, "n11")  # in epoch 2, 3 steps after epoch 1's exact state
+    cut_off("n11")  # in epoch 2, 3 steps after epoch 1's exact state
     try:
         result = slurm_cluster.wait(job_id, timeout=300)
         # The uninterrupted run (local, the same global batch and order) while n11 comes back
         straight = _start_straight(workdir, 3, NODE_LOSS_ENV)
     finally:
-        _back(slurm_cluster, "n11")
+        back(slurm_cluster, "n11")
     alone_folder = straight()
     output = result.output
     assert result.ok, result.describe()
@@ -354,13 +311,6 @@ def test_a_job_without_a_signal_stops_before_its_time_limit_and_resumes_bit_iden
         assert after["digest"] == alone[rank]["digest"], (rank, after, alone[rank])
 
 
-def _cut_off_wholly(cluster: SlurmCluster, node: str) -> None:
-    """A node's death as the others see it, its job processes all gone: the network cut and
-    every process in its namespace killed but its slurmd."""
-    subprocess.run(["ip", "link", "set", f"tfd-{node}", "down"], check=True)
-    _kill_in(node, everything=True)
-
-
 @full_matrix_only("a lost node other than the batch script's is survived "
                   "(test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once), "
                   "and the tasks' probe and requeue are table-tested (test_survive.py)")
@@ -381,9 +331,9 @@ def test_losing_the_batch_scripts_node_requeues_the_job_at_once(
         script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=NODE_LOSS_ENV)
     job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
     assert "export TFDIST_REQUEUE_IF_BATCH_LOST=1" in script.read_text()
-    _wait_for_line(slurm_cluster, job_id, workdir / f"orphan-{job_id}-2.out",
+    wait_for_line(slurm_cluster, job_id, workdir / f"orphan-{job_id}-2.out",
                    "tfdist-test: rank 2 step 13", 180)
-    _cut_off_wholly(slurm_cluster, "n9")
+    cut_off_wholly("n9")
     cut = time.monotonic()
     try:
         while (info := slurm_cluster.job_info(job_id)).get("Restarts", "0") == "0":
@@ -393,7 +343,7 @@ def test_losing_the_batch_scripts_node_requeues_the_job_at_once(
         requeued = time.monotonic() - cut
         print(f"the batch script's node cut off: the job requeued {requeued:.1f} s later")
     finally:
-        _back(slurm_cluster, "n9")
+        back(slurm_cluster, "n9")
     result = slurm_cluster.wait(job_id, timeout=360)
     tasks = "".join((workdir / f"orphan-{job_id}-{rank}.out").read_text() for rank in (1, 2))
     assert "tfdist: rank 0 (host n9) failed or stopped responding" in tasks, tasks[-3000:]
@@ -429,15 +379,15 @@ def test_a_spare_takes_a_lost_nodes_place_and_the_run_ends_bit_identical(
         script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=env)
     job_id, script = submit_rendered(slurm_cluster, config, workdir=workdir)
     assert "--spares 1" in script.read_text()
-    _wait_for_line(slurm_cluster, job_id, workdir / f"spare-{job_id}-1.out",
+    wait_for_line(slurm_cluster, job_id, workdir / f"spare-{job_id}-1.out",
                    "tfdist-test: rank 1 step 20", 180)
-    _cut_off(slurm_cluster, "n10")  # in epoch 2 (16 steps an epoch), 4 after epoch 1's end
+    cut_off("n10")  # in epoch 2 (16 steps an epoch), 4 after epoch 1's end
     cut = time.monotonic()
     try:
         result = slurm_cluster.wait(job_id, timeout=300)
         straight = _start_straight(workdir, 2, env)
     finally:
-        _back(slurm_cluster, "n10")
+        back(slurm_cluster, "n10")
     alone_folder = straight()
     assert result.ok, result.describe()
     assert "n10 did not answer (spare n11 in its place): training goes on on n9, n11 (as many " \
@@ -470,9 +420,9 @@ def test_a_task_killed_on_a_healthy_node_restarts_and_the_run_ends_bit_identical
         node_restarts=1, time="00:06:00", doctor=False,
         script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=env)
     job_id, _ = submit_rendered(slurm_cluster, config, workdir=workdir)
-    _wait_for_line(slurm_cluster, job_id, workdir / f"oom-{job_id}-1.out",
+    wait_for_line(slurm_cluster, job_id, workdir / f"oom-{job_id}-1.out",
                    "tfdist-test: rank 1 step 20", 180)
-    _kill_in("n10")  # as the kernel's OOM killer would: the task gone, the node healthy
+    kill_in("n10")  # as the kernel's OOM killer would: the task gone, the node healthy
     result = slurm_cluster.wait(job_id, timeout=300)
     alone_folder = _start_straight(workdir, 2, env)()
     assert result.ok, result.describe()
@@ -515,7 +465,7 @@ def test_a_lost_node_that_comes_back_rejoins_the_job_at_its_next_save(
     while "tfdist-test: rank 2 step 13" not in (rank2.read_text() if rank2.exists() else ""):
         assert time.monotonic() < deadline, slurm_cluster.job_info(job_id)
         time.sleep(0.2)
-    _cut_off(slurm_cluster, "n11")
+    cut_off("n11")
     returned = None
     try:
         while "training goes on on n9, n10" not in (batch.read_text() if batch.exists() else ""):
@@ -523,7 +473,7 @@ def test_a_lost_node_that_comes_back_rejoins_the_job_at_its_next_save(
             time.sleep(0.2)
     finally:
         returned = time.monotonic()  # its network up again (and the node back in service)
-        _back(slurm_cluster, "n11")
+        back(slurm_cluster, "n11")
     while "training goes on on n9, n10, n11 (3 of 3 nodes)" not in batch.read_text():
         assert time.monotonic() - returned < 120, batch.read_text()[-3000:]
         time.sleep(0.2)

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import EXAMPLE_NEEDS, needs, require
+from helpers import EXAMPLE_NEEDS, full_matrix_only, needs, require
+from slurm_faults import back, cut_off
 from slurm_jobs import (
     EXAMPLE,
     NODELIST,
@@ -526,6 +527,44 @@ def test_preempted_job_requeues_itself_and_ends_bit_identical(
     assert {digest for _, digest in weights.values()} == {reference}, \
         f"{weights} vs uninterrupted {reference}\n{job.describe()}"
     assert not list(job.model_dir.glob("preempted*")), job.describe()
+
+
+@full_matrix_only("a spare takes a lost node's place bit for bit in a test program with Dropout "
+                  "(test_slurm_failures.py), and the place-taking is table-tested "
+                  "(test_survive.py)")
+@pytest.mark.timeout(2 * TRAIN_TIMEOUT + 60)
+def test_a_spare_takes_a_lost_nodes_place_in_the_example_and_it_ends_bit_identical(
+        slurm_cluster: SlurmCluster, data_dir: Path, mwms_job: RenderedJob) -> None:
+    # The example (it has Dropout) on n9 and n10, n11 a spare (spare_nodes 1): n10 cut off
+    # once the chief has finished epoch 1. tfdist survive finds n10 silent and n11 answering
+    # and starts the step again on n9 and n11 from the last epoch's end; 2 workers as before,
+    # so the job ends with the uninterrupted mwms_job's digest, bit for bit.
+    reference = check_training(mwms_job)
+    config = cluster_config(slurm_cluster, job_name="spare-example", script=str(EXAMPLE),
+                            args=train_args(data_dir, epochs=PREEMPTED_EPOCHS), spare_nodes=1,
+                            node_restarts=1, doctor=False, gpus_per_node=1,
+                            sbatch_args=["--nodelist=n[9-11]", "--open-mode=append"])
+    assert "--spares 1" in render(config), render(config)
+    job_id, script = submit_rendered(slurm_cluster, config)
+    chief = script.parent / f"spare-example-{job_id}-0.out"
+    deadline = time.monotonic() + TRAIN_TIMEOUT
+    epoch_done = re.compile(r"^\d+/\d+ - ", re.M)  # Keras's line at the end of an epoch
+    while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
+        assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
+        time.sleep(0.05)
+    cut_off("n10")
+    try:
+        result = slurm_cluster.wait(job_id, timeout=TRAIN_TIMEOUT)
+    finally:
+        back(slurm_cluster, "n10")
+    job = RenderedJob(config=config, script=script, result=result)
+    assert result.ok, job.describe()
+    assert "n10 did not answer (spare n11 in its place): training goes on on n9, n11" in \
+        result.output, job.describe()
+    assert "tfdist: resuming at" in job.all_output(), job.describe()
+    weights = final_weights(job.task_outputs())  # the second run's: the first never ended
+    assert {digest for _, digest in weights.values()} == {reference}, \
+        f"{weights} vs uninterrupted {reference}\n{job.describe()}"
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT + 60)

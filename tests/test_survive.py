@@ -4,9 +4,13 @@ failed step (the real node loss runs on the Slurm test cluster: test_slurm_failu
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from helpers import ROOT, clean_env
@@ -17,9 +21,12 @@ from tfdist.survive import (
     decide,
     failed_task,
     failure_of,
+    node_addresses,
     orphaned,
+    probe,
     resumed_from,
     set_up_error,
+    slurmd_port,
     step_command,
 )
 
@@ -346,3 +353,62 @@ def test_a_preemption_during_the_wait_for_a_lost_node_is_still_a_requeue(tmp_pat
     assert run.returncode == 75, run.stderr
     assert len([c for c in calls if "train.py" in c]) == 2, calls
     assert run.stderr.count("tfdist survive: the training step") == 1, run.stderr  # no probe
+
+
+# scontrol show node -o (Slurm 22.05, as the test cluster prints it; the lines shortened)
+SHOW_NODE = (
+    "NodeName=n9 Arch=x86_64 CoresPerSocket=1 CPUAlloc=1 CPUTot=4 NodeAddr=10.77.9.9 "
+    "NodeHostName=n9 Version=22.05.8 OS=Linux 6.1.0-30-amd64 #1 SMP State=MIXED Partitions=t\n"
+    "NodeName=n11 Arch=x86_64 CPUTot=4 NodeAddr=n11-ib NodeHostName=n11 State=DOWN+NOT_RESPONDING "
+    "Reason=Not responding [root@2026-11-29T23:01:02]\n"
+    "NodeName=n10 CPUTot=4 State=IDLE\n")
+
+
+def test_each_nodes_address_and_slurmds_port_are_read_from_scontrol():
+    assert node_addresses(SHOW_NODE) == {"n9": "10.77.9.9", "n11": "n11-ib", "n10": "n10"}
+    assert node_addresses("") == {}
+    assert slurmd_port("SlurmctldPort           = 6817\nSlurmdPort              = 7003\n"
+                       "SlurmdPidFile           = /run/slurmd.pid\n") == 7003
+    assert slurmd_port("SlurmctldPort = 6817\n") == 6818  # Slurm's default
+
+
+@contextmanager
+def _ports() -> Iterator[tuple[tuple[str, int], tuple[str, int]]]:
+    """Two local addresses: one that answers TCP connections, one that answers none (a
+    listening socket whose backlog is full: the closest honest stand-in for a cut node on one
+    machine)."""
+    live, silent = socket.socket(), socket.socket()
+    fillers = []
+    try:
+        for sock in (live, silent):
+            sock.bind(("127.0.0.1", 0))
+        live.listen(64)
+        silent.listen(0)
+        for _ in range(8):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(silent.getsockname())
+            fillers.append(filler)
+        yield live.getsockname(), silent.getsockname()
+    finally:
+        for sock in (live, silent, *fillers):
+            sock.close()
+
+
+def test_a_node_whose_slurmd_answers_no_connection_is_lost_before_srun_says_so(tmp_path):
+    # The stand-in srun's probe step on n2 hangs, as srun waits MessageTimeout for a cut node.
+    # n2's slurmd address answers no connection: lost after SILENT_S, not after the probe's
+    # 60 s. The control: the same hung step with an address that answers waits for srun (here
+    # its 4 s timeout): a live slurmd is never dropped on the port's word alone.
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\ncase "$*" in *"--nodelist=n2 "*) exec sleep 120 ;; esac\n')
+    srun.chmod(0o755)
+    environ = clean_env(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with _ports() as (live, silent):
+        started = time.monotonic()
+        assert probe("1", ["n1", "n2"], 60, environ, {"n1": live, "n2": silent}) == ["n1"]
+        quick = time.monotonic() - started
+        started = time.monotonic()
+        assert probe("1", ["n1", "n2"], 4, environ, {"n1": live, "n2": live}) == ["n1"]
+        waited = time.monotonic() - started
+    assert quick < 30 and waited >= 4, (quick, waited)

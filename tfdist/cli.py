@@ -558,7 +558,7 @@ def _run_survive(args: argparse.Namespace) -> int:
         job_id=job_id, nodes=tuple(nodes), min_nodes=args.min_nodes,
         max_restarts=args.restarts, tasks_per_node=args.tasks_per_node,
         probe_timeout_s=args.probe_timeout, spares=args.spares,
-        return_probe_s=args.probe_again), srun)
+        return_probe_s=args.probe_again, slurmd=survive.slurmd_addresses(nodes)), srun)
 
 
 def _positive_float(text: str) -> float:

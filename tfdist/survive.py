@@ -15,7 +15,8 @@ the dead step holding the survivors' cores and GPUs; the shell's ``SLURM_NNODES`
 the dead node). When a task fails (srun's "task N: Exited with exit code C" or "Node failure"),
 it asks every node in parallel with a one-task step (``srun --overlap -N1 -w NODE true``): a
 node is dropped only when it does not answer, never on one rank's blame (a healthy node answered
-in 0.1 s on the test cluster, a cut one failed after ``MessageTimeout``, 12 s). With at least
+in 0.1 s on the test cluster; srun gives up on a cut one after ``MessageTimeout``, 12 s, so a
+node whose slurmd completes no TCP connection for :data:`SILENT_S` is lost sooner). With at least
 ``--min-nodes`` left and fewer than ``--restarts`` restarts done, the old srun is abandoned and
 the next step starts on the survivors: training resumes from the last save (tfdist's exact
 state: an epoch's end, or ``TFDIST_CHECKPOINT_EVERY``'s safety saves), the global batch split
@@ -39,6 +40,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -52,9 +54,9 @@ from tfdist.env.base import ClusterEnvironment
 from tfdist.errors import EXIT_CONFIG, ConfigError
 from tfdist.preemption import EXIT_PREEMPTED as EXIT_REQUEUE  # the job script requeues on it
 
-__all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "failure_of", "orphaned",
-           "probe", "requeue_if_orphaned", "resumed_from", "run", "set_up_error",
-           "step_command"]
+__all__ = ["Decision", "Options", "check_place", "decide", "failed_task", "failure_of",
+           "node_addresses", "orphaned", "probe", "requeue_if_orphaned", "resumed_from", "run",
+           "set_up_error", "slurmd_addresses", "slurmd_port", "step_command"]
 
 # srun's lines when a task ends badly or a node is lost (Slurm 22.05 to 24.x):
 #   srun: error: n9: task 0: Exited with exit code 1
@@ -202,20 +204,95 @@ def decide(nodes: Sequence[str], alive: Sequence[str], *, min_nodes: int, restar
                     kept)
 
 
+# A node whose slurmd completes no TCP connection for this long is lost, without waiting for
+# srun's verdict, which takes MessageTimeout (10 s by default, 12 s on the test cluster) for a
+# cut node: a live host's kernel completes a connection whatever its daemons are doing
+# (tfdist.peer_watch reads the ranks' hosts so). srun's own answer decides every other case.
+SILENT_S = 2.0
+_TCP_EVERY_S = 0.5
+
+
+def node_addresses(show_node: str) -> dict[str, str]:
+    """Each node's address (its ``NodeAddr``, else its name) from ``scontrol show node -o``'s
+    lines (pure)."""
+    found = {}
+    for line in show_node.splitlines():
+        fields = dict(field.split("=", 1) for field in line.split() if "=" in field)
+        if fields.get("NodeName"):
+            found[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return found
+
+
+def slurmd_port(show_config: str) -> int:
+    """``SlurmdPort`` from ``scontrol show config``'s lines; 6818, Slurm's default, when it is
+    not there (pure)."""
+    found = re.search(r"^SlurmdPort\s*=\s*(\d+)\s*$", show_config, re.M)
+    return int(found.group(1)) if found else 6818
+
+
+def slurmd_addresses(nodes: Sequence[str], environ: Mapping[str, str] | None = None
+                     ) -> dict[str, tuple[str, int]]:
+    """Where each node's slurmd listens, asked of scontrol; empty when it cannot say (then a
+    probe waits for srun's verdict alone)."""
+    def scontrol(*args: str) -> str:
+        return subprocess.run(["scontrol", *args], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=15, check=True,
+                              env=None if environ is None else dict(environ)).stdout
+
+    try:
+        addresses = node_addresses(scontrol("show", "node", "-o", ",".join(nodes)))
+        port = slurmd_port(scontrol("show", "config"))
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {node: (addresses[node], port) for node in nodes if node in addresses}
+
+
+def _connects(address: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(address, timeout=_TCP_EVERY_S):
+            return True
+    except OSError:  # refused (no slurmd there: no step can run) or no answer
+        return False
+
+
+def _end(step: subprocess.Popen[bytes]) -> None:
+    """Ends a probe's srun: SIGTERM first, so that it tells slurmctld the step is over (killed
+    at once, its step held a CPU of the lost node for two minutes after the job had ended, on
+    the test cluster), then SIGKILL."""
+    step.terminate()
+    try:
+        step.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        step.kill()
+        step.wait()
+
+
 def probe(job_id: str, nodes: Sequence[str], timeout_s: float,
-          environ: Mapping[str, str] | None = None) -> list[str]:
+          environ: Mapping[str, str] | None = None,
+          slurmd: Mapping[str, tuple[str, int]] | None = None) -> list[str]:
     """The nodes of ``nodes`` that run a one-task step of job ``job_id`` within
-    ``timeout_s``, asked in parallel; ``environ``: srun's environment (default: this one)."""
+    ``timeout_s``, asked in parallel; ``environ``: srun's environment (default: this one). A
+    node whose slurmd (``slurmd``: the addresses, :func:`slurmd_addresses`) completes no TCP
+    connection for :data:`SILENT_S` is taken for lost before srun says so."""
     def answers(node: str) -> bool:
         command = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1",
                    f"--nodelist={node}", "--quiet", "true"]
-        try:
-            return subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
-                                  timeout=timeout_s, check=False,
-                                  env=None if environ is None else dict(environ)
-                                  ).returncode == 0
-        except subprocess.TimeoutExpired:
-            return False
+        step = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL,
+                                env=None if environ is None else dict(environ))
+        address = (slurmd or {}).get(node)
+        started = last = time.monotonic()
+        while True:
+            try:
+                return step.wait(timeout=_TCP_EVERY_S) == 0
+            except subprocess.TimeoutExpired:
+                pass
+            if address is not None and _connects(address):
+                last = time.monotonic()
+            now = time.monotonic()
+            if now - started >= timeout_s or (address is not None and now - last >= SILENT_S):
+                _end(step)
+                return False
 
     with ThreadPoolExecutor(max_workers=len(nodes) or 1) as pool:
         found = list(pool.map(answers, nodes))
@@ -263,7 +340,8 @@ def requeue_if_orphaned(environment: ClusterEnvironment,
     # srun from inside a step: without the step's variables, which would shape the probe.
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("SLURM_", "SRUN_")) or k == "SLURM_CONF"}
-    if probe(environment.job_id, [batch], BATCH_PROBE_S, clean):
+    if probe(environment.job_id, [batch], BATCH_PROBE_S, clean,
+             slurmd_addresses([batch], clean)):
         return None  # the batch script's node lives: its step loop decides
     here, rank = environment.hosts[environment.node_rank], environment.rank
     done = subprocess.run(["scontrol", "requeue", job], stdin=subprocess.DEVNULL,
@@ -293,6 +371,7 @@ class Options:
     probe_timeout_s: float = 30.0
     spares: int = 0
     return_probe_s: float = 30.0  # how often a lost node is asked again while the step runs
+    slurmd: Mapping[str, tuple[str, int]] | None = None  # slurmd_addresses: faster verdicts
 
 
 class _Step:
@@ -364,7 +443,8 @@ class _Nodes:
                 asked = list(self.lost)
             if not asked or step.process.poll() is not None:
                 continue
-            answered = probe(options.job_id, asked, options.probe_timeout_s)
+            answered = probe(options.job_id, asked, options.probe_timeout_s, None,
+                             options.slurmd)
             with self.lock:
                 for node in answered:
                     self.lost.remove(node)
@@ -439,7 +519,8 @@ def run(options: Options, srun: Sequence[str]) -> int:
             step.process.wait()
             return EXIT_CONFIG
         probed_at = time.monotonic()
-        alive = probe(options.job_id, [*state.nodes, *state.spares], options.probe_timeout_s)
+        alive = probe(options.job_id, [*state.nodes, *state.spares], options.probe_timeout_s,
+                      None, options.slurmd)
         this = (step.failure, step.resumed)
         decision = decide(state.nodes, alive, min_nodes=options.min_nodes, restarts=restarts,
                           max_restarts=options.max_restarts, failure=step.failure,

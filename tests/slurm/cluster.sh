@@ -8,6 +8,7 @@
 #   tests/slurm/cluster.sh env      print `export` lines for client commands and tests
 #   tests/slurm/cluster.sh check    exit 0 if this machine can run it, 3 with the reason if not
 #   tests/slurm/cluster.sh logs     print the daemons' logs
+#   tests/slurm/cluster.sh revive N start node N's slurmd again (after a test killed it)
 #
 # What runs (all as root, state under $TFDIST_SLURM_DIR, default /tmp/tfdist-slurm):
 # - munged as user munge with its own key and socket (slurm.conf names it: AuthInfo=socket=).
@@ -276,6 +277,14 @@ start_daemons() {
     done
 }
 
+cmd_revive() {  # NODE: its slurmd started again where it is not running (a node killed wholly)
+    local node=${1:?usage: $0 revive NODE}
+    pid_alive "$BASE/run/slurmd-$node.pid" slurmd && return 0
+    nsenter --net="/run/netns/${NS_PREFIX}$node" -- "$HERE/cluster.sh" __node "$node" 9>&- \
+        || die "slurmd on $node failed to start"
+    log "revived $node"
+}
+
 node_states() { sinfo -h -N -p "$PARTITION" -o '%N %t' 2>/dev/null || true; }
 
 healthy() {  # all daemons alive and every node usable
@@ -427,7 +436,8 @@ case ${1:-} in
     status) cmd_status ;;
     env) cmd_env ;;
     check) check ;;
+    revive) cmd_revive "${2:-}" ;;
     logs) show_logs ;;
     __node) shift; in_node "$1" slurmd -N "$1" -f "$CONF" ;;
-    *) echo "usage: $0 start|stop|status|env|check|logs" >&2; exit 2 ;;
+    *) echo "usage: $0 start|stop|status|env|check|logs|revive NODE" >&2; exit 2 ;;
 esac

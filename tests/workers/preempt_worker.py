@@ -20,6 +20,10 @@ epochs straddle its passes) or ``validation`` (``epochs`` with
 ``PREEMPT_TEST_WIDTH=W`` sets the hidden layer's width (default 16: another is another model).
 ``PREEMPT_TEST_SCALE_LR=1`` sets the learning rate with ``dist.scale_lr(0.005)`` (0.01 on 2
 workers, as without it).
+``PREEMPT_TEST_TIMES=1`` prints, on every rank, when its process started, when ``tfdist.init``
+returned (TensorFlow imported, the strategy made), when ``fit`` was called and when the first
+step ended: ``tfdist-test: rank R times started=T init=T fit=T first_step=T`` (seconds since
+the epoch; tests/slurm/time_to_train.py reads them).
 ``PREEMPT_TEST_COUNT_ROWS=1`` adds a layer that counts the rows trained on and sums their first
 feature's squares (in the model's state, so saved and resumed with it): every row trained
 exactly once over the run shows as ``rows`` (count, sum) in the result.
@@ -84,9 +88,21 @@ def RowCount(keras):  # noqa: N802 (a layer class of the Keras in use)
     return Counter()
 
 
+def process_started() -> float:
+    """When this process started (seconds since the epoch), from /proc."""
+    with open("/proc/stat") as f:
+        booted = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+    with open("/proc/self/stat") as f:
+        ticks = float(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+    return booted + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_step: str,
          signal_name: str = "USR1") -> None:
+    times = {"started": process_started()} if os.environ.get("PREEMPT_TEST_TIMES") else None
     dist = tfdist.init(backend=backend)
+    if times is not None:
+        times["init"] = time.time()
     import tensorflow as tf
 
     from tfdist.keras.fit_preemption import PreemptionCallback
@@ -154,6 +170,10 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
     class Announce(keras.callbacks.Callback):
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
             steps["done"] += 1
+            if times is not None and "first_step" not in times:
+                times["first_step"] = time.time()
+                print(f"tfdist-test: rank {dist.rank} times " + " ".join(
+                    f"{name}={value:.3f}" for name, value in times.items()), flush=True)
             print(f"tfdist-test: rank {dist.rank} step {steps['done']}", flush=True)
             time.sleep(step_sleep)
             if steps["done"] == target and not validating:
@@ -186,6 +206,8 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
         fit_preemption.save_model = save  # type: ignore[assignment]
     epochs = 2 * cycles + 1 if soak else 3  # room for every moment: a run uses at most 1.5
     result = {"rank": dist.rank, "run": run, "code": 0}
+    if times is not None:
+        times["fit"] = time.time()
     try:
         if between_fits:
             model.fit(dist.shard(dataset), epochs=1, verbose=0, callbacks=callbacks, **fit_args)
