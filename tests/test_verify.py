@@ -29,6 +29,7 @@ from tfdist.verify.compare import (
     relative_difference,
     update_ratio,
 )
+from tfdist.verify.run import last_lines
 
 W0 = [np.array([[1.0, -2.0], [0.5, 0.25]], np.float32), np.array([0.0, 0.1], np.float32)]
 GRADIENT = [np.array([[0.2, 0.1], [-0.3, 0.05]], np.float32), np.array([0.1, -0.2], np.float32)]
@@ -273,3 +274,17 @@ def test_a_missing_script_is_one_line_with_the_fix(tmp_path: Path) -> None:
     assert code == 2
     assert said.getvalue() == (f"tfdist: verify: no script {missing!r}: give the path of a .py "
                                "file\n")
+
+
+def test_a_failed_runs_last_lines_come_per_rank_the_failed_rank_first() -> None:
+    # The rank that failed first holds the cause; the others' last lines are the framework's
+    # traceback of a collective that lost its peer, and they came last in the joined output.
+    output = "\n".join(["[0] start", "[1] start", "[1] ValueError: the cause",
+                        *[f"[0] frame {i}" for i in range(50)],
+                        "tfdist launch: worker 1 exited with code 1; stopping the other workers"])
+    parts = last_lines(output, 3)
+    assert parts == [("rank 1", ["start", "ValueError: the cause"]),
+                     ("rank 0", ["frame 47", "frame 48", "frame 49"]),
+                     ("", ["tfdist launch: worker 1 exited with code 1; stopping the other "
+                           "workers"])]
+    assert last_lines("one\ntwo\nthree", 2) == [("", ["two", "three"])]  # one process

@@ -12,6 +12,7 @@ failed.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from tfdist.verify import DIR, REPLICAS, SEED, STEPS
 from tfdist.verify.compare import CRASHED, DIFFERS, Record, Run, Verdict, compare
 
-__all__ = ["Options", "exit_status", "run_once", "verify"]
+__all__ = ["Options", "exit_status", "last_lines", "run_once", "verify"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,23 @@ def verify(script: str, args: Sequence[str], options: Options,
     return compare(one, many), one, many
 
 
+def last_lines(output: str, keep: int) -> list[tuple[str, list[str]]]:
+    """A failed run's output in parts, each with its last ``keep`` lines (pure): each rank's
+    (``tfdist launch`` prefixes its lines with ``[R]``), the first that failed first (its
+    ``worker R exited`` line, else the lowest rank), then the launcher's own lines."""
+    parts: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        rank, found, rest = line[1:].partition("] ") if line.startswith("[") else ("", "", line)
+        if found and rank.isdigit():
+            parts.setdefault(f"rank {rank}", []).append(rest)
+        else:
+            parts.setdefault("", []).append(line)
+    failed = re.search(r"worker (\d+) exited with code", output)
+    first = f"rank {failed.group(1)}" if failed else None
+    order = sorted((name for name in parts if name), key=lambda n: (n != first, int(n[5:])))
+    return [(name, parts[name][-keep:]) for name in [*order, ""] if name in parts]
+
+
 def exit_status(verdict: Verdict) -> int:
     """0 equal or within rounding, 1 differs, 2 a run failed."""
     return {DIFFERS: 1, CRASHED: 2}.get(verdict.outcome, 0)
@@ -92,8 +110,10 @@ def main(script: str, args: Sequence[str], options: Options, show_output: bool =
     verdict, one, many = verify(script, args, options)
     if show_output or verdict.outcome == CRASHED:
         for title, run in (("one process", one), (f"{options.workers} workers", many)):
-            tail = "\n".join(run.output.splitlines()[-40:])
-            print(f"--- {title} (exit {run.returncode}), the last lines:\n{tail}", flush=True)
+            for part, lines in last_lines(run.output, 30):
+                where = f", {part}" if part else ""
+                print(f"--- {title}{where} (exit {run.returncode}), the last lines:\n"
+                      + "\n".join(lines), flush=True)
     print(f"tfdist verify: {verdict.line}", flush=True)
     for line in verdict.told:
         print(f"tfdist verify: tfdist warned on the workers: {line}", flush=True)
