@@ -359,6 +359,56 @@ def test_losing_the_batch_scripts_node_requeues_the_job_at_once(
     assert {r["digest"] for r in resumed.values()} == {resumed[0]["digest"]}, resumed
 
 
+@full_matrix_only("below min_nodes tfdist survive exits 75 (test_survive.py), the rendered "
+                  "script requeues on 75 and its doctor step runs again after a signal "
+                  "(test_jobs.py), and a requeued job resumes bit-identical "
+                  "(test_slurm_jobs.py)")
+@pytest.mark.timeout(600)
+def test_below_min_nodes_the_job_is_requeued_and_its_next_run_completes(
+        slurm_cluster: SlurmCluster) -> None:
+    # n9 and n10 (min_nodes 2, requeue, the doctor step on, as a user's job has it): n10 cut
+    # off in epoch 2. One node is below min_nodes: tfdist survive exits 75 and the job script
+    # requeues the job. n10 back, the requeued run (the doctor first, where the old run's
+    # cleanup once killed a task) resumes at epoch 1's end and completes, bit-identical to an
+    # uninterrupted 2-worker run, every step after the save trained once.
+    workdir = slurm_cluster.new_workdir()
+    (workdir / "out").mkdir()
+    config = cluster_config(
+        slurm_cluster, job_name="short", nodes=2, gpus_per_node=0, gpu_type=None,
+        tasks_per_node=1, sbatch_args=["--nodelist=n[9-10]", "--open-mode=append"],
+        min_nodes=2, node_restarts=1, requeue=True, time="00:06:00",
+        script=PREEMPT_WORKER, args=["out", "model", "mwms", "-1", "0"], env=NODE_LOSS_ENV)
+    job_id, _ = submit_rendered(slurm_cluster, config, workdir=workdir)
+    wait_for_line(slurm_cluster, job_id, workdir / f"short-{job_id}-1.out",
+                  "tfdist-test: rank 1 step 13", 180)
+    cut_off("n10")
+    cut = time.monotonic()
+    try:
+        while (info := slurm_cluster.job_info(job_id)).get("Restarts", "0") == "0":
+            assert info.get("JobState") not in TERMINAL_STATES, info
+            assert time.monotonic() - cut < 120, f"not requeued 120 s after the cut: {info}"
+            time.sleep(0.5)
+        print(f"below min_nodes: the job requeued {time.monotonic() - cut:.1f} s after the cut")
+    finally:
+        back(slurm_cluster, "n10")
+    while "COMPLETING" in slurm_cluster.job_info(job_id).get("JobState", ""):
+        assert time.monotonic() - cut < 300, "the requeued job never left COMPLETING"
+        time.sleep(0.2)
+    released = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    assert released.returncode == 0, released.stderr  # else Slurm holds it about two minutes
+    result = slurm_cluster.wait(job_id, timeout=300)
+    alone_folder = _start_straight(workdir, 2, NODE_LOSS_ENV)()
+    assert result.ok and result.info.get("Restarts") == "1", result.describe()
+    assert "n10 did not answer" in result.output and "requeueing job" in result.output, \
+        result.describe()
+    # The requeued run's step is tfdist survive's first again (TFDIST_RESTART_COUNT=0).
+    resumed = _results(workdir / "out", 0)
+    assert sorted(resumed) == [0, 1] and all(r["resumed"] for r in resumed.values()), resumed
+    for rank, after in resumed.items():  # from epoch 1's end: the 20 steps after it, once
+        assert after["code"] == 0 and after["steps"] == STEPS - STEPS // 3, (rank, after)
+    _assert_bit_identical(alone_folder, workdir / "out", 0)
+
+
 @full_matrix_only("a spare's place-taking is table-tested and run with a stand-in srun "
                   "(test_survive.py), and a lost node on the cluster is survived "
                   "(test_a_node_lost_mid_epoch_is_survived_and_every_step_is_trained_once)")

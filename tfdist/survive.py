@@ -256,15 +256,19 @@ def _connects(address: tuple[str, int]) -> bool:
 
 
 def _end(step: subprocess.Popen[bytes]) -> None:
-    """Ends a probe's srun: SIGTERM first, so that it tells slurmctld the step is over (killed
-    at once, its step held a CPU of the lost node for two minutes after the job had ended, on
-    the test cluster), then SIGKILL."""
+    """Ends a probe's srun without waiting for it: SIGTERM, so that it tells slurmctld the step
+    is over, then SIGKILL 2 s later if it is still there (a daemon thread: srun took up to 2 s
+    to end a step whose node does not answer)."""
     step.terminate()
-    try:
-        step.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        step.kill()
-        step.wait()
+
+    def reap() -> None:
+        try:
+            step.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            step.kill()
+            step.wait()
+
+    threading.Thread(target=reap, name="tfdist-probe-end", daemon=True).start()
 
 
 def probe(job_id: str, nodes: Sequence[str], timeout_s: float,
@@ -316,7 +320,8 @@ def orphaned(environment: ClusterEnvironment, failed_hosts: Sequence[str],
 
 
 # How long a task gives the batch script's node to run a one-task step: a healthy node
-# answered in 0.1 s on the test cluster, a cut one failed after MessageTimeout (10 s there).
+# answered in 0.1 s on the test cluster; a cut one is lost after SILENT_S without a connection
+# to its slurmd (srun alone gave up after MessageTimeout, 12 s there).
 BATCH_PROBE_S = 20.0
 
 
