@@ -1,0 +1,95 @@
+"""tfdist.background: the names of a save's folders, which are stale, when every rank's files
+are durable, and the writer thread that keeps one save in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tfdist.background import (
+    Writer,
+    complete,
+    fsync_folder,
+    mark_done,
+    partial_name,
+    save_number,
+    stale_partials,
+    wait_for_ranks,
+)
+
+
+@pytest.mark.parametrize(("name", "number"), [
+    (partial_name(0), 0),
+    (partial_name(12), 12),
+    (".preempted.partial-", None),
+    (".preempted.partial-3x", None),
+    ("preempted", None),
+    ("preempted.old", None),
+    (".preempted.partial", None),  # the synchronous save's folder
+])
+def test_a_partial_folders_save_number_is_read_from_its_name(name, number):
+    assert save_number(name) == number
+
+
+def test_partial_folders_of_earlier_saves_are_stale():
+    names = ["preempted", "preempted.old", partial_name(1), partial_name(3), partial_name(4),
+             "checkpoint.keras", partial_name(10)]
+    assert stale_partials(names, 4) == [partial_name(1), partial_name(3)]
+    assert stale_partials(names, 0) == []
+
+
+@pytest.mark.parametrize(("names", "world", "done"), [
+    ([".done-0", ".done-1", "weights.npz"], 2, True),
+    ([".done-0", "weights.npz"], 2, False),
+    ([".done-1"], 1, False),
+    ([], 0, True),
+])
+def test_a_save_is_complete_with_every_ranks_marker(names, world, done):
+    assert complete(names, world) is done
+
+
+def test_the_chief_waits_for_every_ranks_marker_or_gives_up(tmp_path):
+    folder = tmp_path / partial_name(1)
+    folder.mkdir()
+    (folder / "weights.npz").write_bytes(b"x" * 100)
+    fsync_folder(str(folder))
+    mark_done(str(folder), 0)
+    assert not wait_for_ranks(str(folder), 2, 0.1)  # rank 1 never wrote: not committed
+    assert not wait_for_ranks(str(folder), 2, 10, given_up=lambda: True)
+    threading.Timer(0.2, mark_done, (str(folder), 1)).start()
+    assert wait_for_ranks(str(folder), 2, 10)
+
+
+def test_one_write_is_in_flight_and_the_next_waits_for_it():
+    writer, order = Writer(), []
+
+    def write(name, seconds):
+        def run():
+            time.sleep(seconds)
+            order.append(name)
+        return run
+
+    assert writer.submit(write("first", 0.3)) < 0.1  # nothing in flight: no wait
+    assert writer.in_flight
+    waited = writer.submit(write("second", 0))
+    assert waited >= 0.2 and order[0] == "first"
+    writer.wait()
+    assert order == ["first", "second"] and not writer.in_flight
+    assert writer.last_seconds is not None
+
+
+def test_a_failed_write_is_raised_on_the_training_thread_once():
+    writer = Writer()
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    writer.submit(full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        writer.wait()
+    assert writer.wait() == pytest.approx(0, abs=0.1)  # raised once; nothing in flight
+    writer.submit(full_disk)
+    with pytest.raises(OSError):
+        writer.submit(lambda: None)  # the next save hears of it before it starts

@@ -1,0 +1,164 @@
+"""Saves written in the background: a training step waits for a copy of the state, not for the
+disk.
+
+A background save has two halves. On the training thread, at the agreed step: a snapshot, the
+state's values copied to host memory (for a model of a few GB, a fraction of a second). On
+this process's writer thread, while training goes on: the rank's files written into the
+save's own folder (``model_dir/.preempted.partial-N``, N counting the run's saves, the same
+on every rank since saves happen at agreed steps), flushed to the disk (fsync), and then a
+marker (``.done-RANK``) that says this rank's files are durable. The chief, once its own files
+are written, waits for every rank's marker, adds ``state.json`` and commits with the renames
+of :func:`tfdist.preemption.commit`: ``preempted`` becomes ``preempted.old`` and the partial
+folder ``preempted``. No collective runs off the training thread, so nothing can deadlock
+with the step's own; the folder every rank sees is the only channel.
+
+So a kill at any moment leaves the last committed save complete, and the one before it: a
+partial folder is never read (:func:`tfdist.preemption.read_states` reads only the committed
+two), and the next save's chief removes those of saves that never completed
+(:func:`stale_partials`). One save is in flight per process: the next snapshot waits for the
+previous write (:meth:`Writer.submit`), so a disk slower than the interval slows training
+rather than piling up copies in memory.
+
+:func:`partial_name`, :func:`save_number`, :func:`stale_partials` and :func:`complete` are
+pure and table-tested.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+__all__ = ["MARKER", "PARTIAL_PREFIX", "Writer", "complete", "fsync_folder", "mark_done",
+           "partial_name", "save_number", "stale_partials", "wait_for_ranks"]
+
+PARTIAL_PREFIX = ".preempted.partial-"
+MARKER = ".done-"
+_PARTIAL = re.compile(re.escape(PARTIAL_PREFIX) + r"(\d+)$")
+
+
+def partial_name(number: int) -> str:
+    """The folder of save ``number`` in model_dir, before its commit (pure)."""
+    return f"{PARTIAL_PREFIX}{number}"
+
+
+def save_number(name: str) -> int | None:
+    """The save a partial folder's name belongs to; None for any other name (pure)."""
+    found = _PARTIAL.match(name)
+    return int(found.group(1)) if found else None
+
+
+def stale_partials(names: Iterable[str], current: int) -> list[str]:
+    """The partial folders among ``names`` (model_dir's entries) of saves before ``current``:
+    they never completed (a kill, a rank lost during the write), and only take room (pure)."""
+    return sorted(name for name in names
+                  if (number := save_number(name)) is not None and number < current)
+
+
+def complete(names: Iterable[str], world_size: int) -> bool:
+    """Whether a partial folder holding ``names`` has every rank's marker (pure)."""
+    found = set(names)
+    return all(f"{MARKER}{rank}" in found for rank in range(world_size))
+
+
+def fsync_folder(folder: str) -> None:
+    """Makes every file in ``folder`` and the folder's own entries durable."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory: their renames are durable
+        pass
+    finally:
+        os.close(fd)
+
+
+def mark_done(folder: str, rank: int) -> None:
+    """This rank's files in ``folder`` are durable (call after :func:`fsync_folder`)."""
+    path = os.path.join(folder, f"{MARKER}{rank}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{time.time():.3f}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def wait_for_ranks(folder: str, world_size: int, timeout_s: float,
+                   given_up: Callable[[], bool] = lambda: False) -> bool:
+    """Waits until every rank's marker is in ``folder``; False after ``timeout_s`` or once
+    ``given_up()`` (a newer save, the process ending): the save is then not committed."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        try:
+            if complete(os.listdir(folder), world_size):
+                return True
+        except FileNotFoundError:
+            pass
+        if time.monotonic() >= deadline or given_up():
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+class Writer:
+    """This process's writer thread: at most one save in flight.
+
+    :meth:`submit` starts a write (a function of no arguments) once the previous has ended,
+    and returns the seconds it waited for it; :meth:`wait` waits for the one in flight. An
+    error of a write is raised by the next :meth:`submit` or :meth:`wait`, on the training
+    thread, so a full disk stops training as a synchronous save would.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.started_at: float | None = None  # when the write in flight started (monotonic)
+        self.last_seconds: float | None = None  # how long the last finished write took
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, write: Callable[[], None]) -> float:
+        waited = self.wait()
+        self.started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, args=(write,),
+                                        name="tfdist-background-save", daemon=True)
+        self._thread.start()
+        return waited
+
+    def wait(self, timeout_s: float | None = None) -> float:
+        """Waits for the write in flight (at most ``timeout_s``); the seconds waited. Raises
+        the error of a write that failed."""
+        started = time.monotonic()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return time.monotonic() - started
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as error:  # raised again on the training thread
+            self._error = error
+        finally:
+            if self.started_at is not None:
+                self.last_seconds = time.monotonic() - self.started_at
