@@ -319,10 +319,9 @@ def _a_scaled_loss(value: Any) -> bool:
 
 def install_predict_empty_replica(where: Where, dist: Any) -> None:
     """Patch ``predict-empty-replica``'s installer (MWMS, several workers, Keras 3, CPU)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from tfdist.keras.versions import trainer_class
 
-    patches.apply("predict-empty-replica", TensorFlowTrainer, "predict_step",
-                  padded_predict_step)
+    patches.apply("predict-empty-replica", trainer_class(), "predict_step", padded_predict_step)
 
 
 def padded_predict_step(original: Any) -> Any:
