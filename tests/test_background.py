@@ -93,3 +93,35 @@ def test_a_failed_write_is_raised_on_the_training_thread_once():
     writer.submit(full_disk)
     with pytest.raises(OSError):
         writer.submit(lambda: None)  # the next save hears of it before it starts
+
+
+def test_a_snapshot_restores_the_models_weights_and_its_optimizers_state(tmp_path):
+    import keras
+    import numpy as np
+
+    from tfdist.keras import snapshot
+
+    def model(width=4):
+        made = keras.Sequential([keras.Input((3,)), keras.layers.Dense(width),
+                                 keras.layers.Dense(1)])
+        made.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return made
+
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    trained = model()
+    trained.fit(x, y, epochs=2, verbose=0)
+    values = snapshot.take(trained)
+    snapshot.write(str(tmp_path), values)
+    trained.fit(x, y, epochs=1, verbose=0)  # the copies stay what they were
+    fresh = model()
+    fresh.optimizer.build(fresh.trainable_variables)  # fit's resume builds it first
+    snapshot.restore(fresh, str(tmp_path / snapshot.FILE))
+    got = snapshot.take(fresh)
+    assert sorted(got) == sorted(values) and any(k.startswith("o") for k in got)
+    for key, value in values.items():
+        np.testing.assert_array_equal(got[key], value)
+    assert int(fresh.optimizer.iterations.numpy()) == 2  # 2 epochs of one step
+    other = model(width=5)
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(ValueError, match="has shape"):
+        snapshot.restore(other, str(tmp_path / snapshot.FILE))

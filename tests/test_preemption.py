@@ -512,8 +512,23 @@ HARD_KILLS = {
     "safety-saves-jax-keras3": ("jax-keras3", {
         "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25",
         "TFDIST_VERBOSE": "1"}, 30, 29),
+    # The same saves written in the background (TFDIST_BACKGROUND_SAVES=1): the step waits
+    # for a copy of the state; the kill comes whenever, during a write too.
+    "background-saves-mwms-keras3": ("mwms-keras3", {
+        "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25",
+        "TFDIST_VERBOSE": "1", "TFDIST_BACKGROUND_SAVES": "1"}, 30, 29),
+    "background-saves-mwms-tf_keras": ("mwms-tf_keras-at-an-epochs-last-step", {
+        "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25",
+        "TFDIST_VERBOSE": "1", "TFDIST_BACKGROUND_SAVES": "1"}, 30, 29),
+    "background-saves-jax-keras3": ("jax-keras3", {
+        "TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25",
+        "TFDIST_VERBOSE": "1", "TFDIST_BACKGROUND_SAVES": "1"}, 30, 29),
 }
 HARD_KILLS_FULL_ONLY = {
+    "background-saves-mwms-tf_keras": "background saves resume on MWMS with Keras 3, and the "
+                                      "synchronous ones on tf_keras",
+    "background-saves-jax-keras3": "background saves resume on MWMS with Keras 3, and the "
+                                   "synchronous ones on JAX",
     "epoch-end-horovod-keras3": "the exact state of an epoch's end resumes on MWMS, and "
                                 "Horovod's resume after a signal",
     "safety-saves-horovod-tf_keras": "safety saves resume on MWMS (tf_keras) and JAX, and "
@@ -543,6 +558,9 @@ def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
     per_epoch = REPEAT_STEPS_PER_EPOCH if RESUME[case][2] == "repeat" else STEPS_PER_EPOCH
     saved = state["epoch"] * per_epoch + state["step"]
     assert 0 < saved <= saved_by, state  # saved before the kill, no earlier than it must be
+    if "TFDIST_BACKGROUND_SAVES" in extra:  # written by the writer thread, committed whole
+        assert state.get("background") and (Path(state["path"]) / "variables.npz").exists(), \
+            state
     if "TFDIST_CHECKPOINT_EVERY" not in extra:
         assert saved == saved_by and state["epoch_done"], state
         # The exact state of epoch 1's end: the model from the chief, each rank's random

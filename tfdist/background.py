@@ -25,14 +25,26 @@ pure and table-tested.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["MARKER", "PARTIAL_PREFIX", "Writer", "complete", "fsync_folder", "mark_done",
-           "partial_name", "save_number", "stale_partials", "wait_for_ranks"]
+           "partial_name", "remove_partials", "save_number", "stale_partials", "start_save",
+           "wait_for_ranks"]
+
+logger = logging.getLogger("tfdist")
+
+# How long the chief's writer waits for the other ranks' markers before it gives the save up
+# (not committed; the last complete save stays): a rank's write of the same state as the
+# chief's takes about as long, so this is a rank lost during the write.
+RANKS_TIMEOUT_S = 600.0
 
 PARTIAL_PREFIX = ".preempted.partial-"
 MARKER = ".done-"
@@ -112,6 +124,56 @@ def wait_for_ranks(folder: str, world_size: int, timeout_s: float,
             return False
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
+
+
+def remove_partials(model_dir: str) -> None:
+    """Removes every partial folder in ``model_dir`` (the chief, before this run's first save:
+    no rank writes one before the first step's collective)."""
+    try:
+        names = os.listdir(model_dir)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if save_number(name) is not None:
+            shutil.rmtree(os.path.join(model_dir, name), ignore_errors=True)
+
+
+def start_save(writer: Writer, *, model_dir: str, final: str, number: int, rank: int,
+               world_size: int, is_chief: bool, write: Callable[[str], None],
+               state: dict[str, Any], commit: Callable[[str, str], None],
+               state_file: str = "state.json") -> float:
+    """Starts save ``number`` on ``writer``: ``write(folder)`` writes this rank's files (from
+    a snapshot taken before: the training thread goes on), then they are made durable and
+    marked; the chief then waits for every rank's marker, adds ``state_file`` (``state``,
+    the world size and the write's seconds) and ``commit(folder, final)``. Returns the seconds
+    the step waited for the save before it (one in flight)."""
+    folder = os.path.join(model_dir, partial_name(number))
+
+    def job() -> None:
+        started = time.monotonic()
+        os.makedirs(folder, exist_ok=True)
+        write(folder)
+        fsync_folder(folder)
+        mark_done(folder, rank)
+        if not is_chief:
+            return
+        for name in stale_partials(os.listdir(model_dir), number):
+            shutil.rmtree(os.path.join(model_dir, name), ignore_errors=True)
+        if not wait_for_ranks(folder, world_size, RANKS_TIMEOUT_S):
+            logger.warning("tfdist: a background save in %s was not committed: not every rank "
+                           "wrote its part within %.0f s; the last complete state stays",
+                           folder, RANKS_TIMEOUT_S)
+            return
+        with open(os.path.join(folder, state_file), "w", encoding="utf-8") as f:
+            json.dump({**state, "world_size": world_size,
+                       "save_seconds": round(time.monotonic() - started, 3),
+                       "background": True}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        commit(folder, final)
+        _fsync_dir(model_dir)
+
+    return writer.submit(job)
 
 
 class Writer:

@@ -331,6 +331,12 @@ SETTINGS: tuple[Setting, ...] = (
             "`2h`; a bare number is seconds), and at each epoch's end, so a hard kill (out of "
             "memory, a dead node, SIGKILL) loses at most this much; default: off",
             argument="callbacks(checkpoint_every=)"),
+    Setting("background_saves", "TFDIST_BACKGROUND_SAVES", flag, False,
+            "`1`: `fit`'s safety saves and epoch-end states (`TFDIST_CHECKPOINT_EVERY`, "
+            "model_dir) are written in the background: the step waits for a copy of the state "
+            "in host memory, the files are written, made durable and committed while training "
+            "goes on, one save in flight; the save at a signal or the walltime stays "
+            "synchronous. Keras 3 and tf_keras; default: off"),
     Setting("walltime_margin", "TFDIST_WALLTIME_MARGIN", _duration, None,
             "seconds before the run's end (Slurm's time limit, `tfdist launch --time-limit`) at "
             "which every rank stops at one step, saves its exact state and exits 75 to be "

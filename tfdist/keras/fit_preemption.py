@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from tfdist import background, ownership, preemption, walltime
 from tfdist import model_dir as layout
-from tfdist import ownership, preemption, walltime
 from tfdist.errors import StorageError
-from tfdist.keras import input_position, keras2
+from tfdist.keras import input_position, keras2, snapshot
 from tfdist.scratch import own_file, save_once
 from tfdist.settings import resolve
 
@@ -90,6 +90,10 @@ class PreemptionCallback:
         self._epochs_begun = 0  # in this fit: none, and no collective ran either
         self._input: input_position.Keras3Input | input_position.TfKerasInput | None = None
         self._resumed_epoch: int | None = None
+        # TFDIST_BACKGROUND_SAVES: safety saves written by this writer (tfdist.background)
+        self.background = bool(resolve("background_saves"))
+        self._writer = background.Writer()
+        self._saves = 0  # this process's background saves so far: each one's folder number
 
     def on_train_begin(self, logs: Any = None) -> None:
         ownership.claim(self.dist, self.model_dir)  # one run, a folder every rank sees
@@ -100,6 +104,9 @@ class PreemptionCallback:
             self.watch.signal, self.watch.received_at = late, time.monotonic()
         self._input = input_position.current(self.model) if input_position.tracked() else None
         self._epochs_begun = 0
+        if self.background and self.dist.is_chief:
+            self._writer.wait()
+            background.remove_partials(self.model_dir)  # no rank writes before the first step
         states = preemption.read_states(self.model_dir)
         if states:
             self._state_found = True
@@ -107,6 +114,10 @@ class PreemptionCallback:
 
     def on_train_end(self, logs: Any = None) -> None:
         self._in_fit = False
+        try:
+            self._writer.wait()  # the save in flight is committed before the state is removed
+        except OSError as error:
+            logger.warning("tfdist: the last background save failed: %s", error)
         # A signal from now on (or one too late for this fit to act on) must not kill the
         # script's last work: it is recorded, and the script ends normally.
         pending = None if self.watch.stop_requested else self.watch.signal
@@ -167,7 +178,8 @@ class PreemptionCallback:
     def _safety_save(self, *, validating: bool, epoch_done: bool = False) -> None:
         """The exact state at this agreed step, every ``every`` seconds; training goes on."""
         started = time.monotonic()
-        final = self._save(validating=validating, epoch_done=epoch_done)
+        final = self._save(validating=validating, epoch_done=epoch_done,
+                           in_background=self.background)
         self.watch.saved()
         self._saved_here, self._state_found = True, False  # this state is newer than any found
         if final is not None:
@@ -183,6 +195,10 @@ class PreemptionCallback:
                        final, took, every)
 
     def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
+        try:
+            self._writer.wait()  # a background save in flight ends first: one commit at a time
+        except OSError as error:  # the last complete state stays; this save tries again
+            logger.warning("tfdist: the background save before this one failed: %s", error)
         final = self._save(validating=validating, epoch_done=epoch_done)
         if final is not None:
             logger.warning("tfdist: saved the state after step %d of epoch %d%s in %s; exiting "
@@ -196,11 +212,16 @@ class PreemptionCallback:
                 logger.warning("tfdist: closing %s failed: %s", type(callback).__name__, error)
         preemption.exit_preempted(self.dist)
 
-    def _save(self, *, validating: bool, epoch_done: bool) -> str | None:
-        """Writes the exact state at this step (every rank); the folder on the chief."""
+    def _save(self, *, validating: bool, epoch_done: bool,
+              in_background: bool = False) -> str | None:
+        """Writes the exact state at this step (every rank); the folder on the chief. In the
+        background: the state's copy is taken here, and the folder it will be committed to is
+        returned on the chief."""
         sync = getattr(self.model, "jax_state_sync", None)
         if callable(sync):  # Keras 3 on JAX keeps the variables' values aside inside fit
             sync()
+        if in_background:
+            return self._save_in_background(self._state(validating, epoch_done))
 
         def write(folder: str) -> None:
             save_model(self.dist, self.model, own_file(self.model,
@@ -212,6 +233,11 @@ class PreemptionCallback:
             extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
             np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
 
+        return preemption.save_state(self.dist, self.model_dir, write,
+                                     self._state(validating, epoch_done))
+
+    def _state(self, validating: bool, epoch_done: bool) -> dict[str, Any]:
+        """``state.json``'s content for a save at this step."""
         state: dict[str, Any] = {
             "epoch": self.epoch, "step": self.step, "epoch_done": epoch_done,
             "validating": validating, "num_replicas": self.dist.num_replicas,
@@ -223,7 +249,36 @@ class PreemptionCallback:
                               "recreates": self._input.recreates,
                               "global_batch": self._global_batch()}
         state["fingerprint"] = fingerprint(self.model)
-        return preemption.save_state(self.dist, self.model_dir, write, state)
+        return state
+
+    def _save_in_background(self, state: dict[str, Any]) -> str | None:
+        """Copies the state to host memory and writes it on the writer thread
+        (:func:`tfdist.background.start_save`); the folder it goes to, on the chief."""
+        import numpy as np
+
+        values = snapshot.take(self.model) if self.dist.is_chief else None
+        extra = {f"v{i}": np.array(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
+        rank = self.dist.rank
+
+        def write(folder: str) -> None:
+            if values is not None:
+                snapshot.write(folder, values)
+            np.savez(os.path.join(folder, f"rank-{rank}.npz"), **extra)  # type: ignore[arg-type]
+
+        self._saves += 1
+        final = os.path.join(self.model_dir, preemption.CHECKPOINT_DIR)
+        try:
+            background.start_save(self._writer, model_dir=self.model_dir, final=final,
+                                  number=self._saves, rank=rank,
+                                  world_size=self.dist.world_size, is_chief=self.dist.is_chief,
+                                  write=write, state=state, commit=preemption.commit,
+                                  state_file=preemption.STATE_FILE)
+        except OSError as error:  # the save before this one could not be written
+            raise StorageError(
+                f"could not save the training state in {final} in the background: "
+                f"{error.strerror or error}. {layout.storage_fix(error.errno)}; the last "
+                "complete state is kept") from None
+        return final if self.dist.is_chief else None
 
     def _global_batch(self) -> int | None:
         """Rows per step over all workers: what ``dist.shard`` saw, or in one process the
@@ -319,10 +374,14 @@ class PreemptionCallback:
                         f"with another model_dir or rm -r "
                         f"{layout.path(self.model_dir, layout.PREEMPTED)}*")
             try:
-                saved = os.path.join(state["path"], "model.keras")
-                if not os.path.exists(saved):  # a model without a config: its weights
-                    saved = os.path.join(state["path"], "model.weights.h5")
-                self.model.load_weights(saved)
+                arrays = os.path.join(state["path"], snapshot.FILE)
+                if os.path.exists(arrays):  # a background save's
+                    snapshot.restore(self.model, arrays)
+                else:
+                    saved = os.path.join(state["path"], "model.keras")
+                    if not os.path.exists(saved):  # a model without a config: its weights
+                        saved = os.path.join(state["path"], "model.weights.h5")
+                    self.model.load_weights(saved)
                 self._restore_unsaved(state["path"])
             except Exception as error:  # damaged: a truncated file, a half-copied folder
                 failures.append(f"{state['path']}: {type(error).__name__}: {error}"[:300])
