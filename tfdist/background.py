@@ -25,6 +25,7 @@ pure and table-tested.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ logger = logging.getLogger("tfdist")
 # (not committed; the last complete save stays): a rank's write of the same state as the
 # chief's takes about as long, so this is a rank lost during the write.
 RANKS_TIMEOUT_S = 600.0
+WRITER_NICE = 10  # the writer thread's priority below the training threads' (Linux)
 
 PARTIAL_PREFIX = ".preempted.partial-"
 MARKER = ".done-"
@@ -217,6 +219,10 @@ class Writer:
         return time.monotonic() - started
 
     def _run(self, write: Callable[[], None]) -> None:
+        # Below the training threads: where the processor is what trains (a CPU job, the
+        # input pipeline), the write takes what they leave (Linux: a thread's own nice).
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
             write()
         except BaseException as error:  # raised again on the training thread

@@ -1,0 +1,154 @@
+"""What does a save of a big state cost training? Synchronous against background writes.
+
+    .venv/bin/python benchmarks/big_saves.py [--rounds 3] [--mb 1100] [--steps 30] [--every 12s]
+
+A Keras 3 model of wide Dense layers whose weights plus Adam's state come to about ``--mb``
+MB trains ``--steps`` steps on 2 workers under `tfdist launch` with a model_dir, in three
+variants, alternating each round (the machine's noise hits all alike):
+
+- ``none``: no safety saves (the baseline step time);
+- ``sync``: ``TFDIST_CHECKPOINT_EVERY`` (every rank stops until the files are written);
+- ``background``: the same with ``TFDIST_BACKGROUND_SAVES=1`` (the step waits for a copy of
+  the state in host memory; the write goes on beside training).
+
+Per run: the wall time of the steps after the first (it traces) and the saves made (the
+chief's lines). The stall per save is a variant's extra time over ``none``'s in the same
+round, divided by its saves. Prints each round, then the medians with their spread: the
+stall per save of each, their ratio background/sync (the target: under 0.05), the step time
+with background saves against none, and a synchronous save's time against the disk's own
+write bandwidth (a file of the state's size written and fsynced in the model_dir's folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SAVE_LINE = re.compile(r"tfdist: safety save after step \d+ of epoch \d+.* \((\d+\.\d+) s;")
+VARIANTS = ("none", "sync", "background")
+WIDTH = 2048  # each hidden layer WIDTH x WIDTH: 4.2 M weights, 50 MB with Adam's two slots
+
+
+def worker(out: str, model_dir: str, layers: int, steps: int) -> None:
+    """One rank's training: ``layers`` Dense layers, ``steps`` steps; writes the seconds of
+    steps 2.. and the state's size to ``out`` (the chief)."""
+    import numpy as np
+
+    import tfdist
+
+    with tfdist.strategy_scope() as dist:
+        import keras
+
+        model = keras.Sequential([keras.Input((WIDTH,)),
+                                  *[keras.layers.Dense(WIDTH) for _ in range(layers)],
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-5), loss="mse")
+    rows = 8 * dist.num_replicas
+    x = np.random.default_rng(0).normal(size=(rows * steps, WIDTH)).astype("float32")
+    y = np.zeros((rows * steps, 1), "float32")
+    times: list[float] = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            times.append(time.monotonic())
+
+    model.fit(x, y, batch_size=rows, epochs=1, verbose=0, shuffle=False,
+              callbacks=dist.callbacks(Clock(), model_dir=model_dir, tensorboard=False))
+    if dist.is_chief:
+        size = sum(int(np.prod(v.shape)) * 4 for v in model.weights) * 3  # weights + 2 slots
+        Path(out).write_text(json.dumps({"seconds": times[-1] - times[0], "bytes": size}))
+
+
+def run_once(variant: str, layers: int, steps: int, every: str) -> tuple[float, list[float], int]:
+    """One run: the seconds of steps 2.., each safety save's seconds, the state's bytes."""
+    with tempfile.TemporaryDirectory(prefix="tfdist-big-saves-", dir=ROOT) as folder:
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TFDIST_VERBOSE": "1"}
+        for name in ("TFDIST_CHECKPOINT_EVERY", "TFDIST_BACKGROUND_SAVES"):
+            env.pop(name, None)
+        if variant != "none":
+            env["TFDIST_CHECKPOINT_EVERY"] = every
+        if variant == "background":
+            env["TFDIST_BACKGROUND_SAVES"] = "1"
+        out = os.path.join(folder, "result.json")
+        cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", __file__, "--worker", out,
+               os.path.join(folder, "model"), str(layers), str(steps)]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              check=False)
+        if done.returncode:
+            raise SystemExit(f"the {variant} run failed:\n{done.stdout[-3000:]}"
+                             f"{done.stderr[-3000:]}")
+        result = json.loads(Path(out).read_text())
+    saves = [float(s) for s in SAVE_LINE.findall(done.stdout + done.stderr)]
+    return result["seconds"], saves, result["bytes"]
+
+
+def disk_mb_per_s(size: int) -> float:
+    """The write bandwidth of the folder the runs save to: ``size`` bytes written, fsynced."""
+    block = os.urandom(1 << 20)
+    with tempfile.NamedTemporaryFile(dir=ROOT, prefix=".tfdist-disk-") as f:
+        started = time.monotonic()
+        for _ in range(max(1, size >> 20)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        return (size / 1e6) / (time.monotonic() - started)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mb", type=int, default=1100, help="weights + Adam's state, in MB")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--every", default="12s", help="sync and background runs' interval")
+    args = parser.parse_args()
+    layers = max(1, round(args.mb * 1e6 / (WIDTH * WIDTH * 4 * 3)))
+    stalls: dict[str, list[float]] = {"sync": [], "background": []}
+    steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    sync_saves: list[float] = []
+    size = 0
+    for round_ in range(1, args.rounds + 1):
+        seconds: dict[str, float] = {}
+        for variant in VARIANTS:
+            seconds[variant], saves, size = run_once(variant, layers, args.steps, args.every)
+            steps[variant].append(seconds[variant] / (args.steps - 1))
+            if variant != "none" and saves:
+                stalls[variant].append((seconds[variant] - seconds["none"]) / len(saves))
+            if variant == "sync":
+                sync_saves += saves
+            print(f"round {round_} {variant:10} {seconds[variant]:7.2f} s for "
+                  f"{args.steps - 1} steps, {len(saves)} saves", flush=True)
+    bandwidth = disk_mb_per_s(size)
+    print(f"state: {size / 1e6:.0f} MB (weights and Adam's slots, {layers} layers of {WIDTH}x"
+          f"{WIDTH}), 2 workers, TFDIST_CHECKPOINT_EVERY={args.every}")
+    for variant in VARIANTS:
+        print(f"step time {variant:10} {_spread(steps[variant])} s (median, range)")
+    for variant, values in stalls.items():
+        print(f"stall per save {variant:10} {_spread(values)} s")
+    if stalls["sync"] and stalls["background"]:
+        ratios = [b / s for b, s in zip(stalls["background"], stalls["sync"], strict=False)
+                  if s > 0]
+        print(f"stall ratio background/sync: {_spread(ratios)} (target: under 0.05)")
+    if sync_saves:
+        took = statistics.median(sync_saves)
+        print(f"a synchronous save: {took:.2f} s for {size / 1e6:.0f} MB "
+              f"({size / 1e6 / took:.0f} MB/s); the disk alone: {bandwidth:.0f} MB/s")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()
