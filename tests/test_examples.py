@@ -61,7 +61,10 @@ def test_two_workers_train_the_digits_from_a_flagfile(tmp_path):
     assert len(epochs) == 6, run.stdout[-3000:]
     for epoch in epochs:  # up to Keras's line of the epoch ("22/22 - 1s - ...")
         epoch = re.split(r"^\[0\] \d+/\d+ - ", epoch, maxsplit=1, flags=re.M)[0]
-        said = [line for line in epoch.splitlines() if "tfdist: " in line]
+        # The slow-rank line when the other test process took a rank's cores (seen once in
+        # CI's load): tfdist's verdict on this machine, not the example's noise.
+        said = [line for line in epoch.splitlines() if "tfdist: " in line
+                and "Likely cause: cpu." not in line]
         assert len(said) == 1 and "examples/s (" in said[0], said
 
 
