@@ -201,6 +201,16 @@ def _straight(workdir: Path, workers: int, env: dict[str, str]) -> Path:
     return _start_straight(workdir, workers, env)()
 
 
+def _wait_requeued(cluster: SlurmCluster, job_id: str, cut: float) -> float:
+    """Waits until the job has been requeued, at most 120 s after the fault at ``cut``
+    (monotonic); the seconds it took."""
+    while (info := cluster.job_info(job_id)).get("Restarts", "0") == "0":
+        assert info.get("JobState") not in TERMINAL_STATES, info
+        assert time.monotonic() - cut < 120, f"not requeued 120 s after the cut: {info}"
+        time.sleep(0.5)
+    return time.monotonic() - cut
+
+
 def _results(folder: Path, run: int) -> dict[int, dict]:
     return {rank: json.loads(path.read_text()) for rank in range(3)
             if (path := folder / f"result-{rank}-{run}.json").exists()}
@@ -336,11 +346,7 @@ def test_losing_the_batch_scripts_node_requeues_the_job_at_once(
     cut_off_wholly("n9")
     cut = time.monotonic()
     try:
-        while (info := slurm_cluster.job_info(job_id)).get("Restarts", "0") == "0":
-            assert info.get("JobState") not in TERMINAL_STATES, info
-            assert time.monotonic() - cut < 120, f"not requeued 120 s after the cut: {info}"
-            time.sleep(0.5)
-        requeued = time.monotonic() - cut
+        requeued = _wait_requeued(slurm_cluster, job_id, cut)
         print(f"the batch script's node cut off: the job requeued {requeued:.1f} s later")
     finally:
         back(slurm_cluster, "n9")
@@ -384,11 +390,8 @@ def test_below_min_nodes_the_job_is_requeued_and_its_next_run_completes(
     cut_off("n10")
     cut = time.monotonic()
     try:
-        while (info := slurm_cluster.job_info(job_id)).get("Restarts", "0") == "0":
-            assert info.get("JobState") not in TERMINAL_STATES, info
-            assert time.monotonic() - cut < 120, f"not requeued 120 s after the cut: {info}"
-            time.sleep(0.5)
-        print(f"below min_nodes: the job requeued {time.monotonic() - cut:.1f} s after the cut")
+        requeued = _wait_requeued(slurm_cluster, job_id, cut)
+        print(f"below min_nodes: the job requeued {requeued:.1f} s after the cut")
     finally:
         back(slurm_cluster, "n10")
     while "COMPLETING" in slurm_cluster.job_info(job_id).get("JobState", ""):

@@ -546,12 +546,7 @@ def test_a_spare_takes_a_lost_nodes_place_in_the_example_and_it_ends_bit_identic
                             sbatch_args=["--nodelist=n[9-11]", "--open-mode=append"])
     assert "--spares 1" in render(config), render(config)
     job_id, script = submit_rendered(slurm_cluster, config)
-    chief = script.parent / f"spare-example-{job_id}-0.out"
-    deadline = time.monotonic() + TRAIN_TIMEOUT
-    epoch_done = re.compile(r"^\d+/\d+ - ", re.M)  # Keras's line at the end of an epoch
-    while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
-        assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
-        time.sleep(0.05)
+    _wait_for_epoch_end(script.parent / f"spare-example-{job_id}-0.out", poll=0.05)
     cut_off("n10")
     try:
         result = slurm_cluster.wait(job_id, timeout=TRAIN_TIMEOUT)
@@ -602,18 +597,23 @@ def test_a_signal_after_fit_lets_the_job_finish_without_a_requeue(slurm_cluster:
             job.describe()
 
 
+def _wait_for_epoch_end(chief: Path, poll: float = 0.2) -> None:
+    """Waits until the chief's output ``chief`` holds Keras's line at the end of an epoch."""
+    deadline = time.monotonic() + TRAIN_TIMEOUT
+    epoch_done = re.compile(r"^\d+/\d+ - ", re.M)
+    while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
+        assert time.monotonic() < deadline, f"epoch 1 never ended: {chief.parent}"
+        time.sleep(poll)
+
+
 def preempt_once(cluster: SlurmCluster, config: Any, job_id: str, script: Path,
                  preempt: Callable[[], None]) -> RenderedJob:
     """Preempts the submitted training job once and waits for it to end: when its chief has
     finished epoch 1, ``preempt()``; then the job must be requeued (by a task or by its
     script), and is let start at once (Slurm holds a requeued job for about two minutes, its
     BeginTime). Checks that it was requeued exactly once."""
-    chief = script.parent / f"{config.job_name}-{job_id}-0.out"
-    deadline = time.monotonic() + TRAIN_TIMEOUT
-    epoch_done = re.compile(r"^\d+/\d+ - ", re.M)  # Keras's line at the end of an epoch
-    while not epoch_done.search(chief.read_text(errors="replace") if chief.exists() else ""):
-        assert time.monotonic() < deadline, f"epoch 1 never ended: {script.parent}"
-        time.sleep(0.2)
+    deadline = time.monotonic() + TRAIN_TIMEOUT  # for the requeue too
+    _wait_for_epoch_end(script.parent / f"{config.job_name}-{job_id}-0.out")
     preempt()
     while (info := cluster.job_info(job_id)).get("JobState") != "PENDING":
         if info.get("Restarts", "0") != "0" and info.get("JobState") in ("RUNNING", "COMPLETED"):
