@@ -3,6 +3,7 @@ are durable, and the writer thread that keeps one save in flight."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -110,18 +111,86 @@ def test_a_snapshot_restores_the_models_weights_and_its_optimizers_state(tmp_pat
     x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
     trained = model()
     trained.fit(x, y, epochs=2, verbose=0)
-    values = snapshot.take(trained)
-    snapshot.write(str(tmp_path), values)
-    trained.fit(x, y, epochs=1, verbose=0)  # the copies stay what they were
+    taken = snapshot.take(trained)
+    values = {key: value.copy() for key, value in taken.arrays().items()}
+    snapshot.write(str(tmp_path), taken)
+    trained.fit(x, y, epochs=1, verbose=0)
+    again = snapshot.take(trained, reuse=taken)
+    assert again.buffer is taken.buffer  # the same variables: the same buffer, copied again
+    assert not np.array_equal(again.arrays()["w0"], values["w0"])
     fresh = model()
     fresh.optimizer.build(fresh.trainable_variables)  # fit's resume builds it first
     snapshot.restore(fresh, str(tmp_path / snapshot.FILE))
-    got = snapshot.take(fresh)
+    got = snapshot.take(fresh).arrays()
     assert sorted(got) == sorted(values) and any(k.startswith("o") for k in got)
     for key, value in values.items():
         np.testing.assert_array_equal(got[key], value)
     assert int(fresh.optimizer.iterations.numpy()) == 2  # 2 epochs of one step
     other = model(width=5)
     other.optimizer.build(other.trainable_variables)
+    assert snapshot.take(other, reuse=taken).buffer is not taken.buffer  # other variables
     with pytest.raises(ValueError, match="has shape"):
         snapshot.restore(other, str(tmp_path / snapshot.FILE))
+
+
+@pytest.mark.parametrize(("specs", "index", "size"), [
+    ([], [], 0),
+    ([("w0", "<f4", (3,))], [["w0", "<f4", [3], 0]], 4096),
+    ([("w0", "<f4", (1024,)), ("o0", "<i8", ())],
+     [["w0", "<f4", [1024], 0], ["o0", "<i8", [], 4096]], 8192),
+    ([("w0", "<f4", (1025,)), ("w1", "<f2", (0, 4)), ("o0", "<f4", (2, 3))],
+     [["w0", "<f4", [1025], 0], ["w1", "<f2", [0, 4], 8192], ["o0", "<f4", [2, 3], 8192]],
+     12288),
+])
+def test_each_array_starts_on_a_4_kib_boundary(specs, index, size):
+    from tfdist.keras import snapshot
+
+    assert snapshot.layout(specs) == (index, size)
+
+
+@pytest.mark.parametrize("where", ["direct", "no O_DIRECT", "refused at open",
+                                   "refused at write"])
+def test_a_snapshot_reads_back_the_same_written_directly_or_through_the_page_cache(
+        tmp_path, monkeypatch, where):
+    """This disk takes direct I/O; where a platform has none or a file system refuses it (a
+    stand-in: os.open or os.write answering EINVAL, as Linux does), the same bytes go through
+    the page cache."""
+    import errno
+
+    import numpy as np
+
+    from tfdist.keras import snapshot
+
+    class Variable:
+        def __init__(self, value):
+            self.value, self.shape = value, value.shape
+
+        def assign(self, value):
+            self.value = np.array(value)
+
+    def refuse(call, name):
+        def refused(*args, **kwargs):
+            if name == "write" or args[1] & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return call(*args, **kwargs)
+        return refused
+
+    if where == "no O_DIRECT":
+        monkeypatch.delattr(os, "O_DIRECT")
+    elif where.startswith("refused"):
+        name = "open" if where.endswith("open") else "write"
+        monkeypatch.setattr(os, name, refuse(getattr(os, name), name))
+    rng = np.random.default_rng(0)
+    model = type("Model", (), {})()
+    model.weights = [Variable(rng.normal(size=(70, 33)).astype("float32")),
+                     Variable(np.arange(5, dtype="int64")), Variable(np.float32(2.5))]
+    model.optimizer = None
+    taken = snapshot.take(model)
+    snapshot.write(str(tmp_path), taken)
+    assert os.path.getsize(tmp_path / "variables.bin") == taken.size
+    written = [np.array(w.value) for w in model.weights]
+    for w in model.weights:
+        w.value = np.zeros_like(w.value)
+    snapshot.restore(model, str(tmp_path / snapshot.FILE))
+    for w, value in zip(model.weights, written, strict=True):
+        np.testing.assert_array_equal(w.value, value)

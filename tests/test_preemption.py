@@ -581,6 +581,73 @@ def test_a_hard_kill_loses_at_most_the_safety_interval_and_the_resume_is_exact(
     assert not list((tmp_path / "m2").glob("preempted*"))  # the fit that ended removed it
 
 
+IN_WRITE = {
+    # name: (RESUME case, PREEMPT_TEST_IN_WRITE, the rank): background saves every 2 s of
+    # training (0.25 s a step), the signal inside the rank's second write, which then goes
+    # on 3 s later (a slow disk's stand-in: a dozen steps train meanwhile).
+    "signal-mwms-keras3": ("mwms-keras3", "USR1:2:3", "1"),
+    "kill-mwms-keras3": ("mwms-keras3", "KILL:2:0", "0"),
+    "signal-jax-keras3": ("jax-keras3", "USR1:2:3", "0"),
+    "kill-jax-keras3": ("jax-keras3", "KILL:2:0", "1"),
+}
+BACKGROUND_SAVES = {"TFDIST_CHECKPOINT_EVERY": "2s", "PREEMPT_TEST_STEP_SLEEP": "0.25",
+                    "TFDIST_VERBOSE": "1", "TFDIST_BACKGROUND_SAVES": "1"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", _by_straight_run(
+    sorted(IN_WRITE), {name: kill[0] for name, kill in IN_WRITE.items()}, {
+        "signal-jax-keras3": "the same writer and stop on MWMS here; JAX's background saves "
+                             "after a hard kill in the full matrix",
+        "kill-jax-keras3": "the same writer and commit on MWMS here"}))
+def test_a_signal_or_kill_during_a_background_write_loses_no_complete_state(
+        tmp_path_factory, name):
+    # A signal during a background write: the agreed stop waits for that write (committed)
+    # and saves the final state at the stop, which the next run resumes from. A SIGKILL during
+    # one: the save before it is the state found, its partial folder is never read, and the
+    # next run resumes from the save before, every step after it once. Both end bit-identical
+    # to an uninterrupted run.
+    case, spec, rank = IN_WRITE[name]
+    total = RESUME[case][-1]
+    python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
+    model = tmp_path / "m2"
+    first = _run(python, backend, tmp_path / "out", model, rank, "0",
+                 TFDIST_PREEMPT_CHECK_SECONDS="0.00001", PREEMPT_TEST_IN_WRITE=spec,
+                 **BACKGROUND_SAVES, **env)
+    output = first.stdout[-3000:] + first.stderr[-3000:]
+    signalled = spec.split(":")[0]
+    assert f"tfdist-test: {signalled} in background save 2 on rank {rank}" in first.stdout, output
+    states = preemption.read_states(str(model))
+    if signalled == "KILL":
+        assert first.returncode == 128 + signal.SIGKILL, output
+        saved = states[0]
+        assert saved.get("background"), saved  # the first background save, committed whole
+        unfinished = model / ".preempted.partial-2"
+        assert unfinished.is_dir() and not (unfinished / f".done-{rank}").exists(), list(
+            model.iterdir())  # killed inside the second: never committed, never read
+        steps = saved["epoch"] * STEPS_PER_EPOCH + saved["step"]
+    else:
+        assert first.returncode == 75, output
+        stopped = _results(tmp_path / "out")
+        assert [r["code"] for r in stopped] == [75, 75], stopped
+        assert len({(r["epoch"], r["step"]) for r in stopped}) == 1, stopped
+        final, before = states
+        assert (final["epoch"], final["step"]) == (stopped[0]["epoch"], stopped[0]["step"])
+        assert stopped[int(rank)]["signal"] == f"SIG{signalled}", stopped
+        assert (before["epoch"], before["step"]) < (final["epoch"], final["step"]), states
+        assert before.get("background"), before  # the write in flight, finished first
+        steps = final["epoch"] * STEPS_PER_EPOCH + final["step"]
+        assert stopped[0]["steps"] == steps, stopped
+    assert 0 < steps < total, states
+    again = {k: v for k, v in BACKGROUND_SAVES.items() if k != "PREEMPT_TEST_STEP_SLEEP"}
+    resumed = _run(python, backend, tmp_path / "again", model, "-1", "0", **again, **env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    for after, alone in zip(_results(tmp_path / "again"), _results(straight), strict=True):
+        assert after["steps"] == total - steps, (after, states)  # each step after it once
+        assert after["digest"] == alone["digest"], (after, alone)
+    assert not list(model.glob("*preempted*")), list(model.iterdir())  # partials too
+
+
 # The soak: 3 preemptions in make test (three of the five kinds, drawn by the seed), 20 in make
 # test-full (TFDIST_TEST_SOAK_CYCLES; about 4 minutes here); a failure names its seed, which
 # TFDIST_TEST_SOAK_SEED replays.

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tfdist import walltime
+
 __all__ = ["MARKER", "PARTIAL_PREFIX", "Writer", "complete", "fsync_folder", "mark_done",
            "partial_name", "remove_partials", "save_number", "stale_partials", "start_save",
            "wait_for_ranks"]
@@ -101,13 +103,25 @@ def _fsync_dir(folder: str) -> None:
 
 
 def mark_done(folder: str, rank: int) -> None:
-    """This rank's files in ``folder`` are durable (call after :func:`fsync_folder`)."""
-    path = os.path.join(folder, f"{MARKER}{rank}")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"{time.time():.3f}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(folder)
+    """This rank's files in ``folder`` are durable (call after :func:`fsync_folder`).
+
+    The folder is opened first and the marker made inside that handle: once the marker is
+    there, the chief may rename the folder (its commit) at any moment, and the folder's own
+    flush must still reach it (by its path, it raced the rename: seen on JAX, 1 run in 8).
+    """
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        marker = os.open(f"{MARKER}{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644,
+                         dir_fd=fd)
+        try:
+            os.write(marker, f"{time.time():.3f}\n".encode())
+            os.fsync(marker)
+        finally:
+            os.close(marker)
+        with contextlib.suppress(OSError):  # a file system refusing fsync on a directory
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def wait_for_ranks(folder: str, world_size: int, timeout_s: float,
@@ -158,6 +172,7 @@ def start_save(writer: Writer, *, model_dir: str, final: str, number: int, rank:
         fsync_folder(folder)
         mark_done(folder, rank)
         if not is_chief:
+            walltime.record_save(time.monotonic() - started)  # the margin follows the saves
             return
         for name in stale_partials(os.listdir(model_dir), number):
             shutil.rmtree(os.path.join(model_dir, name), ignore_errors=True)
@@ -174,6 +189,7 @@ def start_save(writer: Writer, *, model_dir: str, final: str, number: int, rank:
             os.fsync(f.fileno())
         commit(folder, final)
         _fsync_dir(model_dir)
+        walltime.record_save(time.monotonic() - started)
 
     return writer.submit(job)
 

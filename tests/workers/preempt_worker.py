@@ -27,6 +27,11 @@ the epoch; tests/slurm/time_to_train.py reads them).
 ``PREEMPT_TEST_COUNT_ROWS=1`` adds a layer that counts the rows trained on and sums their first
 feature's squares (in the model's state, so saved and resumed with it): every row trained
 exactly once over the run shows as ``rows`` (count, sum) in the result.
+``PREEMPT_TEST_IN_WRITE=SIGNAL:N:SECONDS`` (with ``TFDIST_BACKGROUND_SAVES=1``): in the first
+run, rank SIGNAL_RANK sends itself SIGNAL (``USR1``, ``KILL``) inside its N-th background save,
+on the writer thread, once its files are written and before they are made durable, then the
+write goes on SECONDS later (a slow disk's stand-in); it prints ``tfdist-test: SIGNAL in
+background save N on rank R``.
 ``PREEMPT_TEST_SOAK=SEED:CYCLES`` (with the ``validation`` input) replaces the signal arguments:
 runs 0 to CYCLES-1 are each signalled (unless SIGNAL_RANK is -1) at a moment drawn from SEED
 and the run's number (the same on every rank, :func:`soak_moment`), and the fit has
@@ -204,6 +209,9 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
             return wrote
 
         fit_preemption.save_model = save  # type: ignore[assignment]
+    in_write = os.environ.get("PREEMPT_TEST_IN_WRITE")
+    if in_write and run == 0 and int(signal_rank) == dist.rank:
+        signal_in_write(in_write, dist.rank)
     epochs = 2 * cycles + 1 if soak else 3  # room for every moment: a run uses at most 1.5
     result = {"rank": dist.rank, "run": run, "code": 0}
     if times is not None:
@@ -244,6 +252,25 @@ def main(out_dir: str, model_dir: str, backend: str, signal_rank: str, signal_st
                       signal=watcher.watch.signal.name if watcher.watch.signal else None)
         with open(os.path.join(out_dir, f"result-{dist.rank}-{run}.json"), "w") as f:
             json.dump(result, f)
+
+
+def signal_in_write(spec: str, rank: int) -> None:
+    """``PREEMPT_TEST_IN_WRITE``: the signal inside the N-th background save's write."""
+    from tfdist import background
+
+    name, number, seconds = spec.split(":")
+    writes = {"count": 0}
+    durable = background.fsync_folder
+
+    def fsync_folder(folder: str) -> None:
+        writes["count"] += 1
+        if writes["count"] == int(number):
+            print(f"tfdist-test: {name} in background save {number} on rank {rank}", flush=True)
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+            time.sleep(float(seconds))
+        durable(folder)
+
+    background.fsync_folder = fsync_folder  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

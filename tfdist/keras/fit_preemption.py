@@ -94,6 +94,7 @@ class PreemptionCallback:
         self.background = bool(resolve("background_saves"))
         self._writer = background.Writer()
         self._saves = 0  # this process's background saves so far: each one's folder number
+        self._snapshot: snapshot.Snapshot | None = None  # the chief's buffer, reused
 
     def on_train_begin(self, logs: Any = None) -> None:
         ownership.claim(self.dist, self.model_dir)  # one run, a folder every rank sees
@@ -104,9 +105,11 @@ class PreemptionCallback:
             self.watch.signal, self.watch.received_at = late, time.monotonic()
         self._input = input_position.current(self.model) if input_position.tracked() else None
         self._epochs_begun = 0
-        if self.background and self.dist.is_chief:
+        if self.dist.is_chief:  # a background save's the last run left unfinished
             self._writer.wait()
             background.remove_partials(self.model_dir)  # no rank writes before the first step
+            if self.background and self._snapshot is None:
+                self._writer.submit(self._prepare)  # the first save's buffer, beside training
         states = preemption.read_states(self.model_dir)
         if states:
             self._state_found = True
@@ -199,7 +202,18 @@ class PreemptionCallback:
             self._writer.wait()  # a background save in flight ends first: one commit at a time
         except OSError as error:  # the last complete state stays; this save tries again
             logger.warning("tfdist: the background save before this one failed: %s", error)
-        final = self._save(validating=validating, epoch_done=epoch_done)
+        # With background saves the final one is written as they are (the state's raw bytes,
+        # several times faster than Keras's file) and waited for here.
+        final = self._save(validating=validating, epoch_done=epoch_done,
+                           in_background=self.background)
+        if self.background:
+            try:
+                self._writer.wait()
+            except OSError as error:
+                raise StorageError(
+                    f"could not save the training state in {final or self.model_dir}: "
+                    f"{error.strerror or error}. {layout.storage_fix(error.errno)}; the last "
+                    "complete state is kept") from None
         if final is not None:
             logger.warning("tfdist: saved the state after step %d of epoch %d%s in %s; exiting "
                            "with code %d", self.step, self.epoch + 1,
@@ -251,23 +265,30 @@ class PreemptionCallback:
         state["fingerprint"] = fingerprint(self.model)
         return state
 
+    def _prepare(self) -> None:
+        self._snapshot = snapshot.prepare(self.model)
+
     def _save_in_background(self, state: dict[str, Any]) -> str | None:
         """Copies the state to host memory and writes it on the writer thread
         (:func:`tfdist.background.start_save`); the folder it goes to, on the chief."""
         import numpy as np
 
-        values = snapshot.take(self.model) if self.dist.is_chief else None
-        extra = {f"v{i}": np.array(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
-        rank = self.dist.rank
-
-        def write(folder: str) -> None:
-            if values is not None:
-                snapshot.write(folder, values)
-            np.savez(os.path.join(folder, f"rank-{rank}.npz"), **extra)  # type: ignore[arg-type]
-
-        self._saves += 1
         final = os.path.join(self.model_dir, preemption.CHECKPOINT_DIR)
         try:
+            self._writer.wait()  # the buffer the state is copied into is free again
+            # The state is the same on every rank: the chief's copy is the one written.
+            if self.dist.is_chief:
+                self._snapshot = snapshot.take(self.model, self._snapshot)
+            values = self._snapshot
+            extra = {f"v{i}": np.array(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
+            rank = self.dist.rank
+
+            def write(folder: str) -> None:
+                if values is not None:
+                    snapshot.write(folder, values)
+                np.savez(os.path.join(folder, f"rank-{rank}.npz"), **extra)  # type: ignore[arg-type]
+
+            self._saves += 1
             background.start_save(self._writer, model_dir=self.model_dir, final=final,
                                   number=self._saves, rank=rank,
                                   world_size=self.dist.world_size, is_chief=self.dist.is_chief,
