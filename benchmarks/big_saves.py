@@ -11,17 +11,20 @@ variants, alternating each round (the machine's noise hits all alike):
 - ``background``: the same with ``TFDIST_BACKGROUND_SAVES=1`` (the step waits for a copy of
   the state in host memory; the write goes on beside training).
 
-Per run: the wall time of the steps after the first (it traces) and the saves made (the
-chief's lines). The stall per save is a variant's extra time over ``none``'s in the same
-round, divided by its saves. Prints each round, then the medians with their spread: the
-stall per save of each, their ratio background/sync (the target: under 0.05), the step time
-with background saves against none, and a synchronous save's time against the disk's own
-write bandwidth (a file of the state's size written and fsynced in the model_dir's folder).
+Per run: the wall time of the steps after the first (it traces), each step's time and the
+saves made (the chief's lines). The stall per save is a variant's extra time over ``none``'s in
+the same round, divided by its saves; and, apart from the noise between two runs, within the
+run: the steps' time beyond the run's median step, divided by its saves. Prints each round,
+then the medians with their spread: the stall per save of each both ways, their ratios
+background/sync (the target: under 0.05), the step time with background saves against none,
+and a synchronous save's time against the disk's own write bandwidth (a file of the state's
+size written and fsynced in the model_dir's folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -65,11 +68,14 @@ def worker(out: str, model_dir: str, layers: int, steps: int) -> None:
               callbacks=dist.callbacks(Clock(), model_dir=model_dir, tensorboard=False))
     if dist.is_chief:
         size = sum(int(np.prod(v.shape)) * 4 for v in model.weights) * 3  # weights + 2 slots
-        Path(out).write_text(json.dumps({"seconds": times[-1] - times[0], "bytes": size}))
+        Path(out).write_text(json.dumps({"seconds": times[-1] - times[0], "bytes": size,
+                                         "steps": [b - a for a, b in itertools.pairwise(times)]}))
 
 
-def run_once(variant: str, layers: int, steps: int, every: str) -> tuple[float, list[float], int]:
-    """One run: the seconds of steps 2.., each safety save's seconds, the state's bytes."""
+def run_once(variant: str, layers: int, steps: int, every: str
+             ) -> tuple[float, list[float], int, list[float]]:
+    """One run: the seconds of steps 2.., each safety save's seconds, the state's bytes, each
+    step's seconds."""
     with tempfile.TemporaryDirectory(prefix="tfdist-big-saves-", dir=ROOT) as folder:
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TFDIST_VERBOSE": "1"}
         for name in ("TFDIST_CHECKPOINT_EVERY", "TFDIST_BACKGROUND_SAVES"):
@@ -88,7 +94,14 @@ def run_once(variant: str, layers: int, steps: int, every: str) -> tuple[float, 
                              f"{done.stderr[-3000:]}")
         result = json.loads(Path(out).read_text())
     saves = [float(s) for s in SAVE_LINE.findall(done.stdout + done.stderr)]
-    return result["seconds"], saves, result["bytes"]
+    return result["seconds"], saves, result["bytes"], result["steps"]
+
+
+def excess(step_s: list[float]) -> float:
+    """The seconds the steps took beyond the run's median step (pure): what saves added inside
+    the run, apart from the run-to-run noise a comparison with another run carries."""
+    middle = statistics.median(step_s)
+    return sum(max(0.0, s - middle) for s in step_s)
 
 
 def disk_mb_per_s(size: int) -> float:
@@ -116,18 +129,21 @@ def main() -> None:
     args = parser.parse_args()
     layers = max(1, round(args.mb * 1e6 / (WIDTH * WIDTH * 4 * 3)))
     stalls: dict[str, list[float]] = {"sync": [], "background": []}
+    within: dict[str, list[float]] = {"sync": [], "background": []}
     steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    sync_saves: list[float] = []
+    blocked: dict[str, list[float]] = {"sync": [], "background": []}  # the chief's lines
     size = 0
     for round_ in range(1, args.rounds + 1):
         seconds: dict[str, float] = {}
         for variant in VARIANTS:
-            seconds[variant], saves, size = run_once(variant, layers, args.steps, args.every)
+            seconds[variant], saves, size, each = run_once(variant, layers, args.steps,
+                                                           args.every)
             steps[variant].append(seconds[variant] / (args.steps - 1))
             if variant != "none" and saves:
                 stalls[variant].append((seconds[variant] - seconds["none"]) / len(saves))
-            if variant == "sync":
-                sync_saves += saves
+                within[variant].append(excess(each) / len(saves))
+            if variant != "none":
+                blocked[variant] += saves
             print(f"round {round_} {variant:10} {seconds[variant]:7.2f} s for "
                   f"{args.steps - 1} steps, {len(saves)} saves", flush=True)
     bandwidth = disk_mb_per_s(size)
@@ -135,14 +151,25 @@ def main() -> None:
           f"{WIDTH}), 2 workers, TFDIST_CHECKPOINT_EVERY={args.every}")
     for variant in VARIANTS:
         print(f"step time {variant:10} {_spread(steps[variant])} s (median, range)")
+    for variant, values in blocked.items():
+        print(f"training blocked per save {variant:10} {_spread(values)} s (the chief's lines: "
+              "the step's wait for the save, or for the state's copy)")
+    if blocked["sync"] and blocked["background"]:
+        print(f"blocked ratio background/sync: "
+              f"{statistics.median(blocked['background']) / statistics.median(blocked['sync']):.3f}"
+              " (target: under 0.05)")
     for variant, values in stalls.items():
-        print(f"stall per save {variant:10} {_spread(values)} s")
-    if stalls["sync"] and stalls["background"]:
-        ratios = [b / s for b, s in zip(stalls["background"], stalls["sync"], strict=False)
-                  if s > 0]
-        print(f"stall ratio background/sync: {_spread(ratios)} (target: under 0.05)")
-    if sync_saves:
-        took = statistics.median(sync_saves)
+        print(f"stall per save {variant:10} {_spread(values)} s (the run's time over none's)")
+    for variant, values in within.items():
+        print(f"stall per save {variant:10} {_spread(values)} s within the run (each step's "
+              "time over the run's median step)")
+    for name, found in (("", stalls), (" within the run", within)):
+        if found["sync"] and found["background"]:
+            ratios = [b / s for b, s in zip(found["background"], found["sync"], strict=False)
+                      if s > 0]
+            print(f"stall ratio background/sync{name}: {_spread(ratios)} (target: under 0.05)")
+    if blocked["sync"]:
+        took = statistics.median(blocked["sync"])
         print(f"a synchronous save: {took:.2f} s for {size / 1e6:.0f} MB "
               f"({size / 1e6 / took:.0f} MB/s); the disk alone: {bandwidth:.0f} MB/s")
 

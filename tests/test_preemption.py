@@ -611,12 +611,15 @@ def test_a_signal_or_kill_during_a_background_write_loses_no_complete_state(
     total = RESUME[case][-1]
     python, backend, tmp_path, env, straight = _resume_case(tmp_path_factory, case)
     model = tmp_path / "m2"
+    # TFDIST_SIGNAL_LEAD=5: shorter than any save needs (twice it and 10 s), named once.
     first = _run(python, backend, tmp_path / "out", model, rank, "0",
                  TFDIST_PREEMPT_CHECK_SECONDS="0.00001", PREEMPT_TEST_IN_WRITE=spec,
-                 **BACKGROUND_SAVES, **env)
+                 TFDIST_SIGNAL_LEAD="5", **BACKGROUND_SAVES, **env)
     output = first.stdout[-3000:] + first.stderr[-3000:]
     signalled = spec.split(":")[0]
     assert f"tfdist-test: {signalled} in background save 2 on rank {rank}" in first.stdout, output
+    lead = "the 5 s between the signal and the kill (TFDIST_SIGNAL_LEAD)"
+    assert first.stdout.count(lead) == 1 and "Fix: signal at least 1" in first.stdout, output
     states = preemption.read_states(str(model))
     if signalled == "KILL":
         assert first.returncode == 128 + signal.SIGKILL, output

@@ -335,8 +335,14 @@ SETTINGS: tuple[Setting, ...] = (
             "`1`: `fit`'s safety saves and epoch-end states (`TFDIST_CHECKPOINT_EVERY`, "
             "model_dir) are written in the background: the step waits for a copy of the state "
             "in host memory, the files are written, made durable and committed while training "
-            "goes on, one save in flight; the save at a signal or the walltime stays "
-            "synchronous. Keras 3 and tf_keras; default: off"),
+            "goes on, one save in flight; the save at a signal or the walltime waits for the "
+            "one in flight and is written the same way (the state's raw bytes, several times "
+            "faster than Keras's file). Keras 3 and tf_keras; default: off"),
+    Setting("signal_lead", "TFDIST_SIGNAL_LEAD", _duration, None,
+            "seconds between the signal that stops a run (sbatch `--signal=USR1@N`'s N, a "
+            "partition's GraceTime) and its kill: a save of the run's state that would not fit "
+            "is named, with the fix, after the first save and by `tfdist doctor --model-dir`; "
+            "`tfdist job` sets it from `signal`; default: unknown (not checked)"),
     Setting("walltime_margin", "TFDIST_WALLTIME_MARGIN", _duration, None,
             "seconds before the run's end (Slurm's time limit, `tfdist launch --time-limit`) at "
             "which every rank stops at one step, saves its exact state and exits 75 to be "

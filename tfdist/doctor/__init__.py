@@ -92,10 +92,20 @@ def run(options: Options) -> int:
     if environment.is_chief and options.model_dir:
         print(f"tfdist doctor: model_dir {options.model_dir}: every rank writes it and sees the "
               "same folder", flush=True)
+        _save_time(options.model_dir)
     if environment.is_chief:
         print(f"tfdist doctor: ready: {environment.world_size} rank(s) on "
               f"{max(1, environment.num_nodes)} host(s)", flush=True)
     return 0
+
+
+def _save_time(model_dir: str) -> None:
+    """Rank 0: what a save into ``model_dir`` takes, and the limits it does not fit."""
+    line, problems = marks.save_time(model_dir)
+    if line:
+        print(f"tfdist doctor: {line}", flush=True)
+    for problem in problems:
+        print(f"tfdist doctor: {problem.line()}", file=sys.stderr, flush=True)
 
 
 def _framework(requested: str, installed: Callable[[str], bool] | None = None,
@@ -265,6 +275,8 @@ def _dry_run(environment: ClusterEnvironment, mine: RankReport, options: Options
           + table(reports))
     for problem in problems:
         print(f"tfdist doctor: {problem.line()}", file=sys.stderr)
+    if options.model_dir and not any(p.severity == "error" for p in problems):
+        _save_time(options.model_dir)
     print("tfdist doctor: dry run: nothing was dialled; run `srun python -m tfdist doctor` "
           "(one task per GPU) in the job to check the ranks together", flush=True)
     return 1 if any(p.severity == "error" for p in problems) else 0

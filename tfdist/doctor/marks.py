@@ -17,11 +17,11 @@ import hashlib
 import os
 from collections.abc import Sequence
 
-from tfdist import ownership
+from tfdist import ownership, savetime, settings
 from tfdist.doctor.report import Problem, RankReport, model_dir_problems
 from tfdist.env import ClusterEnvironment
 
-__all__ = ["leave", "mark_path", "problems"]
+__all__ = ["leave", "mark_path", "problems", "save_time"]
 
 
 def mark_path(model_dir: str, environment: ClusterEnvironment, rank: int) -> str:
@@ -59,6 +59,36 @@ def problems(reports: Sequence[RankReport], environment: ClusterEnvironment,
         found.append(Problem(None, "", held, "train in another model_dir, or end that run "
                              "first", "warning"))
     return found
+
+
+def save_time(model_dir: str, measure: bool = True) -> tuple[str, list[Problem]]:
+    """Rank 0's save-time budget: ``model_dir``'s write bandwidth, measured as a save writes
+    (:func:`tfdist.savetime.measure_mb_per_s`), what the last save there would take, and the
+    limits (``TFDIST_SIGNAL_LEAD``, ``TFDIST_WALLTIME_MARGIN``, ``TFDIST_CHECKPOINT_EVERY``)
+    that time does not fit, as warnings with the fix."""
+    try:
+        rate = savetime.measure_mb_per_s(model_dir) if measure else 0.0
+    except OSError as error:
+        return "", [Problem(None, "", f"cannot measure the writes into model_dir {model_dir}: "
+                            f"{error.strerror or error}", "point model_dir at a folder this "
+                            "job can write", "warning")]
+    line = (f"model_dir {model_dir} takes {rate:.0f} MB/s ({savetime.SAMPLE_MB} MB written as a "
+            "save writes, made durable)")
+    size = savetime.state_bytes(model_dir)
+    if size is None or rate <= 0:
+        return line + "; no save there yet to time", []
+    seconds = savetime.estimate_s(size, rate)
+    took = savetime.recorded_s(model_dir)  # Keras's own file writes slower than the disk
+    timed = f" (it took {took:.1f} s when it was made)" if took is not None else ""
+    seconds = max(seconds, took or 0.0)
+    found = savetime.problems(
+        seconds, lead_s=settings.resolve("signal_lead"),
+        margin_s=settings.resolve("walltime_margin"),
+        every_s=settings.resolve("checkpoint_every"),
+        background=bool(settings.resolve("background_saves")))
+    line += (f": the last save there, {size / 1e6:.0f} MB, would take about {seconds:.1f} s"
+             f"{timed}")
+    return line, [Problem(None, "", what, fix, "warning") for what, fix in found]
 
 
 def _remove(path: str) -> None:

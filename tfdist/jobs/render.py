@@ -244,6 +244,10 @@ def _environment(c: JobConfig) -> str:
         lines += ["# srun of Slurm 22.05 to 23.02 does not pass the job's --cpus-per-task on to "
                   "its tasks;", "# SRUN_CPUS_PER_TASK does.",
                   'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
+    if c.kind != "build-venv" and c.signal is not None:
+        lines += ["# A save has this long between the signal and the kill: tfdist names a "
+                  "state too big for it.",
+                  f"export TFDIST_SIGNAL_LEAD={c.signal.partition('@')[2] or '60'}"]
     if c.kind != "build-venv" and c.survives and c.requeue:
         lines += ["# A lost node of this shell (and of tfdist survive's step loop): the tasks "
                   "left requeue the job,", "# which would otherwise idle to its time limit.",

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfdist import background, ownership, preemption, walltime
+from tfdist import background, ownership, preemption, savetime, walltime
 from tfdist import model_dir as layout
 from tfdist.errors import StorageError
 from tfdist.keras import input_position, keras2, snapshot
@@ -95,6 +95,7 @@ class PreemptionCallback:
         self._writer = background.Writer()
         self._saves = 0  # this process's background saves so far: each one's folder number
         self._snapshot: snapshot.Snapshot | None = None  # the chief's buffer, reused
+        self._save_time_checked = False  # whether the saves' time was held to the limits
 
     def on_train_begin(self, logs: Any = None) -> None:
         ownership.claim(self.dist, self.model_dir)  # one run, a folder every rank sees
@@ -185,6 +186,7 @@ class PreemptionCallback:
                            in_background=self.background)
         self.watch.saved()
         self._saved_here, self._state_found = True, False  # this state is newer than any found
+        self._check_save_time()
         if final is not None:
             took = time.monotonic() - started
             every = (f"; TFDIST_CHECKPOINT_EVERY={self.watch.every:g}s"
@@ -196,6 +198,18 @@ class PreemptionCallback:
             logger.log(level, "tfdist: safety save after step %d of epoch %d%s in %s (%.2f s%s)",
                        self.step, self.epoch + 1, " (during validation)" if validating else "",
                        final, took, every)
+
+    def _check_save_time(self) -> None:
+        """Once, on the chief, from the first save timed (a background one once written): the
+        limits this run's saves do not fit (:func:`tfdist.savetime.problems`), with the fix."""
+        seconds = walltime.longest_save()
+        if self._save_time_checked or not self.dist.is_chief or seconds <= 0:
+            return
+        self._save_time_checked = True
+        for what, fix in savetime.problems(
+                seconds, lead_s=resolve("signal_lead"), margin_s=resolve("walltime_margin"),
+                every_s=self.watch.every, background=self.background):
+            logger.warning("tfdist: %s. Fix: %s.", what, fix)
 
     def _save_and_exit(self, *, validating: bool, epoch_done: bool = False) -> None:
         try:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["ALIGN", "FILE", "Snapshot", "layout", "optimizer_variables", "prepare", "restore",
-           "take", "write"]
+           "take", "write", "write_bytes"]
 
 FILE = "variables.json"  # the index of variables.bin: each array's key, dtype, shape, offset
 _DATA = "variables.bin"
@@ -175,14 +175,18 @@ def _write_direct(path: str, data: memoryview) -> bool:
     return True
 
 
-def write(folder: str, snapshot: Snapshot) -> None:
-    """Writes :func:`take`'s buffer into ``folder``: its bytes, then the index. The caller
-    makes them durable (:func:`tfdist.background.fsync_folder`)."""
-    path = os.path.join(folder, _DATA)
-    data = memoryview(snapshot.buffer)[:snapshot.size]
+def write_bytes(path: str, data: memoryview) -> None:
+    """Writes ``data`` (page-aligned, a multiple of :data:`ALIGN` long) to ``path``: with
+    direct I/O where the file system takes it, else through the page cache."""
     if not _write_direct(path, data):
         with open(path, "wb") as f:
             f.write(data)
+
+
+def write(folder: str, snapshot: Snapshot) -> None:
+    """Writes :func:`take`'s buffer into ``folder``: its bytes, then the index. The caller
+    makes them durable (:func:`tfdist.background.fsync_folder`)."""
+    write_bytes(os.path.join(folder, _DATA), memoryview(snapshot.buffer)[:snapshot.size])
     with open(os.path.join(folder, FILE), "w", encoding="utf-8") as f:
         json.dump(snapshot.index, f)
 
