@@ -5,7 +5,7 @@
 A Keras 3 model of Dense layers (weights plus Adam's state about ``--mb`` MB, with Dropout)
 trains 3 epochs of 40 steps on 2 workers under `tfdist launch`, with a model_dir,
 ``TFDIST_BACKGROUND_SAVES=1`` and a save every 0.5 s of training. The same command is started
-again and again, each time SIGKILLed (the launcher's whole process group: every rank, no handler
+again and again, each time SIGKILLed (every rank's process group, then the launcher: no handler
 runs) at a random moment while a background save is being written (a partial folder
 ``.preempted.partial-N`` is in model_dir; which save and the moment within it drawn from the
 seed). After each kill the newest complete state must be there and load: its ``state.json``,
@@ -19,6 +19,7 @@ end; exits 1 on a state missing or damaged, or a final digest that differs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -89,15 +90,40 @@ def _partial(model_dir: str) -> str | None:
         return None
 
 
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (Linux's /proc): the launcher's workers."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{name}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                    found.append(int(name))
+    return found
+
+
+def _gone(group: int, timeout_s: float = 60) -> None:
+    """Waits until every process of the killed ``group`` has ended: one inside a write ends
+    when the write does (the next run would find model_dir held by a live process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
 def run_or_kill(out: str, model_dir: str, layers: int, rng: random.Random | None,
                 timeout_s: float = 600) -> str | None:
     """Runs the command once. With ``rng``: waits for a background save to be in flight
     (skipping a random 1-3 of them: the first save of a new job has none before it), and
     SIGKILLs every process a random 0-50 ms into it; the partial folder it was in. None where
     the run ended first (its final result in ``out``)."""
+    log = open(out + ".log", "w")  # noqa: SIM115 (closed below, after the process)
     launch = subprocess.Popen(_command(out, model_dir, layers), cwd=ROOT,
-                              env=_env(True), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+                              env=_env(True), stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     skip = 1 + rng.randrange(3) if rng else None
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
@@ -108,18 +134,28 @@ def run_or_kill(out: str, model_dir: str, layers: int, rng: random.Random | None
                 seen.add(found)
                 if len(seen) > (skip or 0):
                     time.sleep(rng.uniform(0, 0.05) if rng else 0)
+                    workers = _children(launch.pid)
+                    for pid in workers:  # each in a session of its own: its group
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(pid, signal.SIGKILL)
                     os.killpg(launch.pid, signal.SIGKILL)
                     launch.wait()
+                    for pid in workers:
+                        _gone(pid)
                     return found
             time.sleep(0.002)
         if launch.returncode != 0:
+            log.close()
+            tail = Path(out + ".log").read_text()[-3000:]
             raise SystemExit(f"the run failed (exit {launch.returncode}) or took over "
-                             f"{timeout_s:.0f} s: {' '.join(_command(out, model_dir, layers))}")
+                             f"{timeout_s:.0f} s: {' '.join(_command(out, model_dir, layers))}"
+                             f"\n{tail}")
         return None
     finally:
         if launch.poll() is None:
             os.killpg(launch.pid, signal.SIGKILL)
             launch.wait()
+        log.close()
 
 
 def check_state(model_dir: str) -> dict:

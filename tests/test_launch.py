@@ -489,6 +489,24 @@ def test_launcher_signal_stops_all_workers(tmp_path: Path, sig: signal.Signals, 
     assert not any(_alive(pid) for pid in pids)
 
 
+@multiprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_a_launcher_killed_outright_takes_its_workers_with_it(tmp_path: Path) -> None:
+    # SIGKILL (the out-of-memory killer, kill -9): no handler of the launcher runs, and each
+    # worker is in a session of its own; before, they trained on, orphaned.
+    script = _script(tmp_path, SLEEP_SCRIPT)
+    launcher = subprocess.Popen([PY, "-m", "tfdist", "launch", "-n", "2", script, str(tmp_path)],
+                                cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    pids = [_wait_for(tmp_path / f"pid{rank}") for rank in (0, 1)]
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
 AFFINITY = "import os; print(sorted(os.sched_getaffinity(0)))"
 
 

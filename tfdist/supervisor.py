@@ -3,7 +3,8 @@
 :func:`run_workers` starts each :class:`WorkerSpec` in its own session (process group), pinned
 to its cores, prints its lines with a ``[rank] `` prefix (and, with ``--log-dir``, unprefixed to
 one file per rank), forwards SIGUSR1 to every worker, and stops every worker as soon as one
-fails, the launcher gets Ctrl-C or SIGTERM, or the run's time limit ends. Workers that exit
+fails, the launcher gets Ctrl-C or SIGTERM, or the run's time limit ends; a launcher killed
+outright (SIGKILL) takes its workers with it (SIGTERM, the kernel's parent-death signal). Workers that exit
 preempted (75) together are no failure. The launch's plan (which workers, with which
 variables) is :mod:`tfdist.launch`'s.
 """
@@ -181,9 +182,39 @@ def _handle(
             signal.signal(sig, old)
 
 
+def _libc() -> Any:
+    """The C library, loaded in the launcher (not in a forked child), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _in_child(cpus: Sequence[int] | None, libc: Any, launcher: int) -> Callable[[], None]:
+    """What a worker's process does before its program: its cores, and SIGTERM when the
+    launcher dies (Linux's parent-death signal: a launcher killed with SIGKILL, by the kernel's
+    out-of-memory killer, left its workers training on, orphaned, in the same model_dir). Its
+    own session keeps it out of the launcher's process group, so nothing else would tell it."""
+
+    def run() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+            if os.getppid() != launcher:  # the launcher died before the line above
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return run
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def _start(spec: WorkerSpec) -> _Popen:
-    cpus = spec.cpus
-    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     try:
         return subprocess.Popen(
             spec.argv,
@@ -192,7 +223,8 @@ def _start(spec: WorkerSpec) -> _Popen:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=pin,  # Safe: no reader thread runs yet (see run_workers).
+            # Safe: no reader thread runs yet (see run_workers); nothing imported in the child.
+            preexec_fn=_in_child(spec.cpus, _libc(), os.getpid()),
         )
     except (OSError, subprocess.SubprocessError) as err:
         raise LaunchError(
