@@ -4,9 +4,9 @@
 to its cores, prints its lines with a ``[rank] `` prefix (and, with ``--log-dir``, unprefixed to
 one file per rank), forwards SIGUSR1 to every worker, and stops every worker as soon as one
 fails, the launcher gets Ctrl-C or SIGTERM, or the run's time limit ends; a launcher killed
-outright (SIGKILL) takes its workers with it (SIGTERM, the kernel's parent-death signal). Workers that exit
-preempted (75) together are no failure. The launch's plan (which workers, with which
-variables) is :mod:`tfdist.launch`'s.
+outright (SIGKILL) takes its workers with it (SIGTERM: the kernel's parent-death signal).
+Workers that exit preempted (75) together are no failure. The launch's plan (which workers,
+with which variables) is :mod:`tfdist.launch`'s.
 """
 
 from __future__ import annotations
