@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NoReturn, TextIO
@@ -194,7 +194,7 @@ def _libc() -> Any:
         return None
 
 
-def _in_child(cpus: Sequence[int] | None, libc: Any, launcher: int) -> Callable[[], None]:
+def _in_child(cpus: Iterable[int] | None, libc: Any, launcher: int) -> Callable[[], None]:
     """What a worker's process does before its program: its cores, and SIGTERM when the
     launcher dies (Linux's parent-death signal: a launcher killed with SIGKILL, by the kernel's
     out-of-memory killer, left its workers training on, orphaned, in the same model_dir). Its
