@@ -194,7 +194,7 @@ def _libc() -> Any:
         return None
 
 
-def _in_child(cpus: Iterable[int] | None, libc: Any, launcher: int) -> Callable[[], None]:
+def _in_child(cpus: Iterable[int] | None, libc: Any, parent: int) -> Callable[[], None]:
     """What a worker's process does before its program: its cores, and SIGTERM when the
     launcher dies (Linux's parent-death signal: a launcher killed with SIGKILL, by the kernel's
     out-of-memory killer, left its workers training on, orphaned, in the same model_dir). Its
@@ -205,7 +205,7 @@ def _in_child(cpus: Iterable[int] | None, libc: Any, launcher: int) -> Callable[
             os.sched_setaffinity(0, cpus)
         if libc is not None:
             libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-            if os.getppid() != launcher:  # the launcher died before the line above
+            if os.getppid() != parent:  # the launcher died before the line above
                 os.kill(os.getpid(), signal.SIGTERM)
 
     return run
