@@ -106,7 +106,7 @@ class PreemptionCallback:
             self.watch.signal, self.watch.received_at = late, time.monotonic()
         self._input = input_position.current(self.model) if input_position.tracked() else None
         self._epochs_begun = 0
-        if self.dist.is_chief:  # a background save's the last run left unfinished
+        if self.dist.is_chief:  # the partial folders of background saves a kill left behind
             self._writer.wait()
             background.remove_partials(self.model_dir)  # no rank writes before the first step
             if self.background and self._snapshot is None:
