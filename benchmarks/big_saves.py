@@ -1,6 +1,6 @@
 """What does a save of a big state cost training? Synchronous against background writes.
 
-    .venv/bin/python benchmarks/big_saves.py [--rounds 3] [--mb 1100] [--steps 30] [--every 12s]
+    .venv/bin/python benchmarks/big_saves.py [--rounds 3] [--mb 1100] [--steps 30] [--every 4s]
 
 A Keras 3 model of wide Dense layers whose weights plus Adam's state come to about ``--mb``
 MB trains ``--steps`` steps on 2 workers under `tfdist launch` with a model_dir, in three
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mb", type=int, default=1100, help="weights + Adam's state, in MB")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--every", default="12s", help="sync and background runs' interval")
+    parser.add_argument("--every", default="4s", help="sync and background runs' interval")
     args = parser.parse_args()
     layers = max(1, round(args.mb * 1e6 / (WIDTH * WIDTH * 4 * 3)))
     stalls: dict[str, list[float]] = {"sync": [], "background": []}
