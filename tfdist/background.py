@@ -66,7 +66,7 @@ def save_number(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def stale_partials(names: Iterable[str], current: int) -> list[str]:
+def stale_partials(names: Iterable[str], current: float) -> list[str]:
     """The partial folders among ``names`` (model_dir's entries) of saves before ``current``:
     they never completed (a kill, a rank lost during the write), and only take room (pure)."""
     return sorted(name for name in names
@@ -142,16 +142,16 @@ def wait_for_ranks(folder: str, world_size: int, timeout_s: float,
         delay = min(delay * 2, 0.2)
 
 
-def remove_partials(model_dir: str) -> None:
-    """Removes every partial folder in ``model_dir`` (the chief, before this run's first save:
-    no rank writes one before the first step's collective)."""
+def remove_partials(model_dir: str, before: int | None = None) -> None:
+    """Removes the partial folders in ``model_dir`` of saves before ``before`` (the chief's
+    writer, at each save: they never completed), or every one (the chief, before this run's
+    first save: no rank writes one before the first step's collective)."""
     try:
         names = os.listdir(model_dir)
     except FileNotFoundError:
         return
-    for name in names:
-        if save_number(name) is not None:
-            shutil.rmtree(os.path.join(model_dir, name), ignore_errors=True)
+    for name in stale_partials(names, before if before is not None else float("inf")):
+        shutil.rmtree(os.path.join(model_dir, name), ignore_errors=True)
 
 
 def start_save(writer: Writer, *, model_dir: str, final: str, number: int, rank: int,
@@ -174,8 +174,7 @@ def start_save(writer: Writer, *, model_dir: str, final: str, number: int, rank:
         if not is_chief:
             walltime.record_save(time.monotonic() - started)  # the margin follows the saves
             return
-        for name in stale_partials(os.listdir(model_dir), number):
-            shutil.rmtree(os.path.join(model_dir, name), ignore_errors=True)
+        remove_partials(model_dir, before=number)
         if not wait_for_ranks(folder, world_size, RANKS_TIMEOUT_S):
             logger.warning("tfdist: a background save in %s was not committed: not every rank "
                            "wrote its part within %.0f s; the last complete state stays",

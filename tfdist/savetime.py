@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import time
 
@@ -82,10 +81,9 @@ def problems(save_s: float, *, lead_s: float | None = None, margin_s: float | No
 def measure_mb_per_s(folder: str, mb: int = SAMPLE_MB) -> float:
     """The bandwidth of writes into ``folder`` as a save makes them: ``mb`` MB written (with
     direct I/O where the file system takes it), made durable, and removed."""
-    from tfdist.keras.snapshot import write_bytes
+    from tfdist.keras.snapshot import host_buffer, write_bytes
 
-    data = mmap.mmap(-1, mb << 20, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-                     | getattr(mmap, "MAP_POPULATE", 0))
+    data = host_buffer(mb << 20)
     path = os.path.join(folder, f".tfdist-bandwidth-{os.getpid()}")
     started = time.monotonic()
     try:

@@ -141,9 +141,9 @@ def _directives(c: JobConfig) -> str:
                 ("mem", c.mem), ("array", c.array))
     lines += [f"#SBATCH --{name}={value}" for name, value in optional if value is not None]
     if c.signal is not None:
-        seconds = c.signal.partition("@")[2] or "60"
-        lines += [f"# {seconds} s before the time limit Slurm signals the tasks (not only this "
-                  "shell): tfdist", "# saves the state at one step on every rank and exits 75.",
+        lines += [f"# {_signal_lead(c.signal)} s before the time limit Slurm signals the tasks "
+                  "(not only this shell): tfdist",
+                  "# saves the state at one step on every rank and exits 75.",
                   f"#SBATCH --signal={c.signal}"]
     if c.requeue:
         lines += ["# A preempted job may go back into the queue and resume where it stopped.",
@@ -228,6 +228,12 @@ def _venv(c: JobConfig) -> str:
     return "\n".join([comment, *_activate(c.venv)])
 
 
+def _signal_lead(signal: str) -> str:
+    """The seconds before the end at which ``--signal`` (``USR1@120``) signals: sbatch's
+    default, 60, where it names none."""
+    return signal.partition("@")[2] or "60"
+
+
 def _environment(c: JobConfig) -> str:
     lines = []
     if c.kind != "build-venv" and _facts(c).job_sets_backend:
@@ -247,7 +253,7 @@ def _environment(c: JobConfig) -> str:
     if c.kind != "build-venv" and c.signal is not None:
         lines += ["# A save has this long between the signal and the kill: tfdist names a "
                   "state too big for it.",
-                  f"export TFDIST_SIGNAL_LEAD={c.signal.partition('@')[2] or '60'}"]
+                  f"export TFDIST_SIGNAL_LEAD={_signal_lead(c.signal)}"]
     if c.kind != "build-venv" and c.survives and c.requeue:
         lines += ["# A lost node of this shell (and of tfdist survive's step loop): the tasks "
                   "left requeue the job,", "# which would otherwise idle to its time limit.",

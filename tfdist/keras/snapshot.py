@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "FILE", "Snapshot", "layout", "optimizer_variables", "prepare", "restore",
-           "take", "write", "write_bytes"]
+__all__ = ["ALIGN", "FILE", "Snapshot", "host_buffer", "layout", "optimizer_variables",
+           "prepare", "restore", "take", "write", "write_bytes"]
 
 FILE = "variables.json"  # the index of variables.bin: each array's key, dtype, shape, offset
 _DATA = "variables.bin"
@@ -106,16 +106,23 @@ class Snapshot:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Views of the buffer, one per variable (no copy)."""
-        whole = np.frombuffer(self.buffer, np.uint8)
-        found = {}
-        for key, dtype, shape, offset in self.index:
-            kind = _dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
-            found[key] = whole[offset:offset + count * kind.itemsize].view(kind).reshape(shape)
-        return found
+        return _views(np.frombuffer(self.buffer, np.uint8), self.index)
 
 
-def _buffer(size: int) -> mmap.mmap:
+def _views(whole: np.ndarray, index: list[list[Any]], where: str = "") -> dict[str, np.ndarray]:
+    """The arrays ``index`` names in the bytes ``whole``, as views; a ValueError naming
+    ``where`` for an array the bytes end inside (a damaged save)."""
+    found = {}
+    for key, dtype, shape, offset in index:
+        kind = _dtype(dtype)
+        end = offset + int(np.prod(shape, dtype=np.int64)) * kind.itemsize
+        if end > whole.size:
+            raise ValueError(f"{where} ends inside {key}: a damaged save")
+        found[key] = whole[offset:end].view(kind).reshape(shape)
+    return found
+
+
+def host_buffer(size: int) -> mmap.mmap:
     """Anonymous, page-aligned memory of ``size`` bytes, populated at once."""
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(
         mmap, "MAP_POPULATE", 0)
@@ -135,7 +142,7 @@ def prepare(model: Any) -> Snapshot | None:
         except (TypeError, ValueError):  # not a numpy dtype, or a shape not known yet
             return None
     index, size = layout(specs)
-    return Snapshot(index, size, _buffer(size))
+    return Snapshot(index, size, host_buffer(size))
 
 
 def take(model: Any, reuse: Snapshot | None = None) -> Snapshot:
@@ -144,7 +151,7 @@ def take(model: Any, reuse: Snapshot | None = None) -> Snapshot:
     values = {key: _value(variable) for key, variable in _variables(model).items()}
     index, size = layout([(key, v.dtype, v.shape) for key, v in values.items()])
     found = (reuse if reuse is not None and reuse.index == index
-             else Snapshot(index, size, _buffer(size)))
+             else Snapshot(index, size, host_buffer(size)))
     for key, target in found.arrays().items():
         np.copyto(target, values[key], casting="no")
     return found
@@ -195,14 +202,7 @@ def _read(path: str) -> dict[str, np.ndarray]:
     with open(path, encoding="utf-8") as f:
         index = json.load(f)
     data = os.path.join(os.path.dirname(path), _DATA)
-    values = {}
-    for key, dtype, shape, offset in index:
-        count = int(np.prod(shape, dtype=np.int64))
-        value = np.fromfile(data, dtype=_dtype(dtype), count=count, offset=offset)
-        if value.size != count:
-            raise ValueError(f"{data} ends inside {key}: a damaged save")
-        values[key] = value.reshape(shape)
-    return values
+    return _views(np.fromfile(data, np.uint8), index, data)  # the file read once
 
 
 def restore(model: Any, path: str) -> None:
