@@ -425,3 +425,16 @@ def test_the_doctor_finds_node_local_scratch_before_training_starts(tmp_path):
     assert (f"[0] tfdist doctor: error: rank 1 (host {socket.gethostname()}): model_dir "
             f"{folder} is not the folder rank 0 sees") in run.stdout, output[-3000:]
     assert "all-reduce" not in output  # stopped at the meeting, before the engine started
+
+
+def test_a_batch_spec_for_the_symbolic_build_is_a_leaf_of_keras_trees():
+    # The resume builds an unbuilt model from the input's spec; Keras maps its tree functions
+    # over it. As a NamedTuple the spec was walked into (its shape's ints have no `shape`):
+    # a subclassed model fed one array, `fit(x)`, failed to resume.
+    from keras import tree
+
+    from tfdist.keras.input_position import _Spec
+
+    spec = _Spec((None, 3), "float32")
+    assert tree.map_structure(lambda v: v.shape, spec) == (None, 3)
+    assert tree.map_structure(lambda v: v.dtype, (spec, spec)) == ("float32", "float32")

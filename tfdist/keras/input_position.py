@@ -19,6 +19,7 @@ in ``on_train_begin``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -91,8 +92,11 @@ def rebatch(at: Resume, saved_batch: int | None, batch: int | None) -> Resume | 
     return at._replace(skip=skip // batch, step=step // batch)
 
 
-class _Spec(NamedTuple):
-    """A batch's part as Keras's symbolic build reads it."""
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """A batch's part as Keras's symbolic build reads it: a leaf of Keras's tree functions
+    (as a NamedTuple, they walked into its shape and failed on an int: "'int' object has no
+    attribute 'shape'", the resume of a subclassed model fed one array, ``fit(x)``)."""
 
     shape: tuple[int | None, ...]
     dtype: str
