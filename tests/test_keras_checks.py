@@ -64,7 +64,8 @@ class _Gan(keras.Model):
 
 
 def test_every_optimizer_a_model_holds_is_checked_and_each_clipping_one_named(caplog):
-    from tfdist.keras.checks import check_optimizer, optimizers
+    from tfdist.keras.checks import check_optimizer
+    from tfdist.keras.optimizers import optimizers
 
     gan = _Gan()
     d_optimizer = keras.optimizers.Adam(clipnorm=1.0, name="discriminator_adam")

@@ -325,6 +325,106 @@ def test_a_resume_with_another_global_batch_trains_every_row_once(tmp_path):
     assert squares == pytest.approx(3 * float(np.sum(first * first)), rel=1e-5)  # ... the same
 
 
+GAN = str(WORKERS / "gan_worker.py")
+GAN_STEPS = 90  # 3 epochs of 30 batches of 37
+
+
+def _gan(out: Path, model_dir: Path, *args: str, workers: int = 1, run: int = 0,
+         **env: str) -> subprocess.CompletedProcess[str]:
+    """tests/workers/gan_worker.py: one plain process (run number ``run``), or ``workers``
+    under ``tfdist launch`` (``--max-restarts 1``: a killed run is started again as run 1)."""
+    out.mkdir(exist_ok=True)
+    command = [sys.executable, GAN, str(out), str(model_dir), *args]
+    if workers > 1:
+        command[1:1] = ["-m", "tfdist", "launch", "--max-restarts", "1", "-n", str(workers)]
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        env=clean_env(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+                      TFDIST_PREEMPT_CHECK_SECONDS="0.00001",
+                      **({} if workers > 1 else {"TFDIST_RESTART_COUNT": str(run)}), **env))
+
+
+def _gan_result(out: Path, run: int, rank: int = 0) -> dict:
+    return json.loads((out / f"result-{rank}-{run}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gan_straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The GAN's uninterrupted one-process run."""
+    folder = tmp_path_factory.mktemp("gan")
+    done = _gan(folder / "out", folder / "m")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = _gan_result(folder / "out", 0)
+    assert found["trained"] == GAN_STEPS and found["resumed"] is None, found
+    return {**found, "state": np.load(folder / "out" / "state-0-0.npz")}
+
+
+@pytest.mark.multiprocess
+def test_a_gan_resumes_exactly_with_its_own_optimizers_and_unseeded_noise(tmp_path,
+                                                                          gan_straight):
+    # A GAN as users write one (tests/workers/gan_worker.py): no call(), its own two optimizers
+    # as attributes (built at their first apply_gradients, so not yet at a resume), noise from
+    # Keras's global seed generator, which no model holds. Stopped mid-epoch in one process;
+    # before: the resume stopped with Keras's "Unable to automatically build the model".
+    stopped = _gan(tmp_path / "out", tmp_path / "m", "USR1:35")
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert _gan_result(tmp_path / "out", 0)["trained"] == 35
+    saved = tmp_path / "m" / layout.PREEMPTED
+    assert [o["class"] for o in json.loads((saved / "state.json").read_text())[
+        "optimizers"]] == ["RMSprop", "Adam", "Adam"]  # compile's own, never applied; the two
+    for control in ("no-record", "no-noise"):
+        shutil.copytree(tmp_path / "m", tmp_path / control)
+    resumed = _gan(tmp_path / "out", tmp_path / "m", run=1)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "resuming at step 5 of epoch 2" in output and "Skipping variable" not in output
+    after = _gan_result(tmp_path / "out", 1)
+    assert after["trained"] == GAN_STEPS - 35  # every step once
+    assert after["digest"] == gan_straight["digest"]
+    # The controls, from the same saved state: each must end elsewhere, or the comparison above
+    # could not tell. A state saved without the optimizers' record (as before it existed): the
+    # two Adams' slots and step counts are lost.
+    state = tmp_path / "no-record" / layout.PREEMPTED / "state.json"
+    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items()
+                                 if k != "optimizers"}))
+    # And one without the global seed generator's state: the noise is drawn anew.
+    npz = tmp_path / "no-noise" / layout.PREEMPTED / "rank-0.npz"
+    with np.load(npz) as kept:
+        np.savez(npz, **{k: kept[k] for k in kept.files if k != "global_seed"})
+    for control in ("no-record", "no-noise"):
+        again = _gan(tmp_path / control, tmp_path / control, run=1)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        found = _gan_result(tmp_path / control, 1)
+        assert found["trained"] == GAN_STEPS - 35
+        assert found["digest"] != gan_straight["digest"], control
+
+
+@pytest.mark.multiprocess
+def test_a_gan_on_two_workers_resumes_from_a_background_save_after_a_hard_kill(
+        tmp_path, gan_straight):
+    # Its noise drawn without a seed used to stop MWMS at the first step: Keras keeps that
+    # generator per thread and each replica's trace made another ("tf.function only supports
+    # singleton tf.Variables created on the first call").
+    background = {"TFDIST_BACKGROUND_SAVES": "1"}
+    straight = _gan(tmp_path / "straight", tmp_path / "m1", workers=2, **background)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    # Each rank SIGKILLs itself after its 40th step, once epoch 1's end is committed.
+    run = _gan(tmp_path / "out", tmp_path / "m2", "KILL:40", workers=2, **background)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "resuming at step 30 of epoch 1 (its end)" in output, output[-3000:]
+    alone = [_gan_result(tmp_path / "straight", 0, rank) for rank in (0, 1)]
+    resumed = [_gan_result(tmp_path / "out", 1, rank) for rank in (0, 1)]
+    assert [r["trained"] for r in resumed] == [GAN_STEPS - 30] * 2  # epoch 1 not again
+    assert len({r["digest"] for r in alone + resumed}) == 1, (alone, resumed)
+    # The same global batch in one process: the same numbers (the sums' order differs).
+    ranks = np.load(tmp_path / "out" / "state-0-1.npz")
+    one = gan_straight["state"]
+    assert len(ranks.files) == len(one.files)
+    for key in one.files:
+        np.testing.assert_allclose(ranks[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
 def _on_scratch(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
     """tests/workers/scratch_dir_worker.py on 2 workers (``--doctor``: tfdist doctor), each with
     its own tmpfs at ``folder``; the run and its output. Skips where mounts are not allowed."""

@@ -272,6 +272,7 @@ INVENTORY: tuple[Patch, ...] = (
           and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras3-global-draws", "keras.src.backend.tensorflow.random.normal/uniform/"
           f"truncated_normal/dropout, {_TRAINER}.TensorFlowTrainer._make_function, "
+          "keras.src.random.seed_generator.global_seed_generator, "
           "tensorflow.random.normal/uniform/truncated_normal (a warning only)",
           "tfdist.keras.random_draws:install_global_draws",
           "Keras 3 under MWMS or Horovod on several processes, or MirroredStrategy (acts "
@@ -279,7 +280,8 @@ INVENTORY: tuple[Patch, ...] = (
           "each replica draws Dropout's mask, noise and a random layer's per-row values for "
           "its own rows with the seed one process uses for the whole batch, so every replica "
           "gets the first rows' values; each draws the global batch's values and keeps its "
-          "own rows: one process's draw",
+          "own rows: one process's draw. Keras's global seed generator (a draw without a "
+          "seed), kept per thread, is one for every replica's thread",
           lambda w: w.keras3 and w.backend.framework == TF
           and (w.several_processes or _replicas_in_one_process(w))),
     Patch("keras2-told-draws", "tf_keras.src.backend.RandomGenerator.random_normal/"

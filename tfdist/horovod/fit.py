@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from tfdist import patches
 from tfdist.horovod import ops
+from tfdist.keras import optimizers
 from tfdist.keras.checks import compile_owner
 from tfdist.keras.fit_inputs import (
     ARRAYS_ORDER,
@@ -243,10 +244,8 @@ def _every_optimizer_averaged(model: Any) -> None:
     ``super().compile()`` without one and its ``train_step`` applies the gradients with its
     own two; left as they were, each rank trained the networks on its own rows' gradients
     (the corpus's DCGAN and WGAN-GP ended with other weights on each rank)."""
-    from tfdist.keras.checks import optimizers
-
     if model is not None:
-        for optimizer in optimizers(model):
+        for optimizer in optimizers.optimizers(model):
             DistributedOptimizer(optimizer)
 
 
@@ -327,17 +326,8 @@ def broadcast_initial_state(model: Any, optimizer: Any = None, root_rank: int = 
     variables = [v for v in model.variables if id(v) not in metrics]
     if optimizer is not None:
         _build_optimizer(optimizer, model.trainable_variables)
-        variables += optimizer_variables(optimizer)
+        variables += optimizers.variables(optimizer)
     ops.broadcast_variables(variables, root_rank)
-
-
-def optimizer_variables(optimizer: Any) -> list[Any]:
-    """The optimizer's variables: a property in Keras 3, a method in tf_keras."""
-    try:
-        found = optimizer.variables
-    except TypeError:  # Horovod's stock wrapper around a Keras 3 optimizer calls the list
-        found = super(type(optimizer), optimizer).variables
-    return list(found() if callable(found) else found)
 
 
 def _build_optimizer(optimizer: Any, trainable: list[Any]) -> None:

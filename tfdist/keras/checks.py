@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MIXED_KERAS", "check_empty_replicas", "check_metrics", "check_optimizer",
            "compile_owner", "compile_without_xla", "install_compile_without_xla",
-           "install_mixed_keras", "optimizers", "own_step", "owns"]
+           "install_mixed_keras", "own_step", "owns"]
 
 logger = logging.getLogger("tfdist")
 
@@ -79,19 +79,6 @@ def check_optimizer(optimizer: Any, is_chief: bool = True) -> None:
 
 
 _optimizer_warned: set[int] = set()
-
-
-def optimizers(model: Any) -> list[Any]:
-    """``model.optimizer`` and every other optimizer the model holds as an attribute (a GAN's
-    ``d_optimizer`` and ``g_optimizer``), each once, in that order."""
-    found: list[Any] = []
-    candidates = [getattr(model, "optimizer", None), *vars(model).values()]
-    for value in candidates:
-        is_optimizer = callable(getattr(value, "apply_gradients", None)) and hasattr(
-            value, "iterations")
-        if is_optimizer and all(value is not seen for seen in found):
-            found.append(value)
-    return found
 
 
 def check_empty_replicas(model: Any, rows_left: int | None, num_replicas: int) -> None:

@@ -11,6 +11,7 @@ generators, the input's position from :mod:`tfdist.keras.input_position`), and a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tfdist import background, ownership, preemption, savetime, walltime
 from tfdist import model_dir as layout
 from tfdist.errors import StorageError
-from tfdist.keras import input_position, keras2, snapshot
+from tfdist.keras import input_position, keras2, optimizers, random_draws, snapshot
 from tfdist.scratch import own_file, save_once
 from tfdist.settings import resolve
 
@@ -258,8 +259,8 @@ class PreemptionCallback:
             # (Dropout's seed generator), without which the resumed run would draw other masks.
             import numpy as np
 
-            extra = {f"v{i}": np.asarray(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
-            np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"), **extra)  # type: ignore[arg-type]
+            np.savez(os.path.join(folder, f"rank-{self.dist.rank}.npz"),
+                     **_unsaved_values(self.model))  # type: ignore[arg-type]
 
         return preemption.save_state(self.dist, self.model_dir, write,
                                      self._state(validating, epoch_done))
@@ -277,6 +278,7 @@ class PreemptionCallback:
                               "recreates": self._input.recreates,
                               "global_batch": self._global_batch()}
         state["fingerprint"] = fingerprint(self.model)
+        state["optimizers"] = optimizers.record(self.model)
         return state
 
     def _prepare(self) -> None:
@@ -294,7 +296,7 @@ class PreemptionCallback:
             if self.dist.is_chief:
                 self._snapshot = snapshot.take(self.model, self._snapshot)
             values = self._snapshot
-            extra = {f"v{i}": np.array(v.numpy()) for i, v in enumerate(_unsaved(self.model))}
+            extra = _unsaved_values(self.model)
             rank = self.dist.rank
 
             def write(folder: str) -> None:
@@ -338,7 +340,7 @@ class PreemptionCallback:
                 logger.warning("tfdist: %s holds the state at %s, but resuming there %s: %s",
                                state["path"], _where(state), why, instead)
             return
-        self._build_for_loading()
+        self._build_for_loading(state)
         script_rate = _learning_rate(self.model)
         state = self._load(states)
         walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
@@ -371,26 +373,41 @@ class PreemptionCallback:
             logger.warning("tfdist: resuming at %s from %s%s", _where(state), state["path"],
                            changed)
 
-    def _build_for_loading(self) -> None:
-        """Builds the optimizer (and a model not built yet) the way the first step would, so
-        that loading the state restores every variable. One process builds them only at its
-        first step (Keras 3 without a strategy; Keras 2.15's BackupAndRestore), and
-        ``load_weights`` would skip the optimizer's state: "Skipping variable loading for
-        optimizer"."""
-        model = self.model
-        if not _built(model):
+    def _build_for_loading(self, state: dict[str, Any]) -> None:
+        """Builds the model (where its weights do not exist yet) and every optimizer it held
+        built at the save (:func:`tfdist.keras.optimizers.build_as_saved`), the way the first
+        step would, so that loading the state restores every variable. One process builds them
+        only at its first step (Keras 3 without a strategy; Keras 2.15's BackupAndRestore; a
+        GAN's own two optimizers always), and ``load_weights`` would skip an optimizer's state:
+        "Skipping variable loading for optimizer"."""
+        model, saved = self.model, state.get("fingerprint") or {}
+        if not _built(model) and saved.get("weights") != fingerprint(model)["weights"]:
             spec = self._input.element_spec() if self._input is not None else None
             symbolic_build = getattr(model, "_symbolic_build", None)
             if spec is not None and callable(symbolic_build):
-                symbolic_build(data_batch=spec)  # Keras 3: builds the optimizer too
-        optimizer: Any = getattr(model, "optimizer", None)
-        if optimizer is None or not callable(getattr(optimizer, "build", None)):
-            return
-        built = getattr(optimizer, "built", None)  # Keras 3's; Keras 2's have `_built`
-        if built is None:
-            built = getattr(optimizer, "_built", False)
-        if not built:
-            optimizer.build(model.trainable_variables)
+                try:
+                    symbolic_build(data_batch=spec)  # Keras 3: builds the optimizer too
+                except Exception as error:  # a model without call(): Keras cannot build it
+                    raise StorageError(
+                        f"{state['path']} holds {len(saved.get('weights', []))} weights, and "
+                        f"this model has {len(model.weights)} before its first step; Keras "
+                        f"cannot make the others ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0][:160]}): give each model it holds a "
+                        "keras.Input (or build it) before fit, so its weights exist to "
+                        "resume into") from None
+        if getattr(model, "built", True) is False and saved.get("weights") == fingerprint(
+                model)["weights"]:
+            # Every weight exists (a GAN whose networks the script built), but a model without
+            # call() is never marked built, and Keras loads nothing into one so marked.
+            model.built = True
+        scope = getattr(getattr(model, "distribute_strategy", None), "scope", None)
+        with scope() if callable(scope) else contextlib.nullcontext():
+            problems = optimizers.build_as_saved(model, state.get("optimizers"))
+        if problems:
+            raise StorageError(
+                f"{state['path']} cannot be resumed into this model: {'; '.join(problems)}. "
+                "Resume with the program that saved it, or start afresh: "
+                f"rm -r {layout.path(self.model_dir, layout.PREEMPTED)}*")
 
     def _load(self, states: list[dict[str, Any]]) -> dict[str, Any]:
         """Loads the newest state that can be read (the same one on every rank); refuses the
@@ -452,6 +469,12 @@ class PreemptionCallback:
             for i, variable in enumerate(_unsaved(self.model)):
                 if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
                     variable.assign(saved[f"v{i}"])
+            if _GLOBAL_SEED in saved:  # made here if the step has not made it yet
+                scope = getattr(getattr(self.model, "distribute_strategy", None), "scope", None)
+                with scope() if callable(scope) else contextlib.nullcontext():
+                    found = random_draws.global_seed_generator(create=True)
+                if found is not None:
+                    found.state.assign(saved[_GLOBAL_SEED])
 
 
 def _learning_rate(model: Any) -> float | None:
@@ -491,6 +514,22 @@ def _built(model: Any) -> bool:
     if callable(layers):
         return all(getattr(layer, "built", True) for layer in layers())
     return bool(getattr(model, "built", True))
+
+
+_GLOBAL_SEED = "global_seed"  # Keras 3's global seed generator's state, in rank-R.npz
+
+
+def _unsaved_values(model: Any) -> dict[str, Any]:
+    """What a save keeps beside the model's file, per rank: the values of :func:`_unsaved`
+    (``v0``...) and the state of Keras 3's global seed generator, where one is made (a GAN's
+    noise drawn without a seed draws from it)."""
+    import numpy as np
+
+    found = {f"v{i}": np.array(v.numpy()) for i, v in enumerate(_unsaved(model))}
+    generator = random_draws.global_seed_generator()
+    if generator is not None:
+        found[_GLOBAL_SEED] = np.array(generator.state.numpy())
+    return found
 
 
 def _unsaved(model: Any) -> list[Any]:

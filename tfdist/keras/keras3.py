@@ -46,12 +46,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
-from tfdist.keras.checks import (
-    check_metrics,
-    check_optimizer,
-    optimizers,
-    own_step,
-)
+from tfdist.keras.checks import check_metrics, check_optimizer, own_step
+from tfdist.keras.optimizers import optimizers
 from tfdist.keras.versions import needs_fix, trainer_class
 from tfdist.settings import resolve, skipped_patches
 

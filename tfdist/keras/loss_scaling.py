@@ -19,7 +19,8 @@ measured on 2 MWMS workers against one process with the same global batch:
 - **A batch that does not divide.** Keras divides by N whatever each replica's rows: a global
   batch of 33 on 2 replicas weighs 17 rows and 16 rows 1:1 (and an uneven last batch, or a
   replica left without rows, likewise). In ``fit``'s step tfdist scales by the replica's share
-  of the batch's rows instead (its rows over the job's, one scalar all-reduce a step), which
+  of the batch's rows instead (its rows over the job's, one all-reduce of N numbers a step,
+  which also tells :mod:`tfdist.keras.random_draws` where each replica's rows lie), which
   is 1/N when the batch divides, and, where each step's logs are averaged over the workers,
   weighs its logged means by the rows each replica counted (one more all-reduce): the step is
   one process's.
@@ -72,7 +73,7 @@ from tfdist.keras.versions import trainer_class
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["install_keras2_loss_objects", "install_loss_scaling", "unscaled"]
+__all__ = ["install_keras2_loss_objects", "install_loss_scaling", "replica_rows", "unscaled"]
 
 logger = logging.getLogger("tfdist")
 # scaled tensor's ref -> the unscaled tensor, for the step being traced (a thread's own: Keras
@@ -207,7 +208,17 @@ def _replica_share(data: Any) -> Any:
     if rows is None:
         return None
     rows = tf.cast(rows, tf.float32)
-    return tf.math.divide_no_nan(rows, context.all_reduce("sum", rows))
+    # Every replica's rows (one all-reduce of N numbers): the share, and where each replica's
+    # rows lie in the global batch (replica_rows: the random draws for the global batch).
+    _local.counts = context.all_reduce(
+        "sum", tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync) * rows)
+    return tf.math.divide_no_nan(rows, tf.reduce_sum(_local.counts))
+
+
+def replica_rows() -> Any:
+    """In ``fit``'s training step being traced on several replicas: every replica's rows in
+    this step's batch (a float vector, replica order), else None."""
+    return getattr(_local, "counts", None)
 
 
 def _static_rows(data: Any) -> Any:
@@ -319,6 +330,7 @@ def _step_unscaled(original: Any) -> Any:
             finally:
                 share, _local.share = _local.share, None
                 results, _local.results = _local.results, {}
+                _local.counts = None
             if isinstance(outputs, dict):
                 outputs = {key: unscaled(value) for key, value in outputs.items()}
                 if share is not None and tracing_global_logs():  # each worker's own: as is

@@ -9,18 +9,22 @@ differ from the first step (1 % of a kernel's scale after one Dropout step).
 
 Each replica here draws the global batch's values with the seed one process uses and keeps its
 own rows (replica ``r`` of ``N``, ``b`` rows each: rows ``r*b`` to ``(r+1)*b``, the rows
-``dist.shard`` gives it): the draw one process makes, N times the values to draw. Keras's
+``dist.shard`` gives it; in ``fit``'s training step the rows every replica has, counted once a
+step (:func:`tfdist.keras.loss_scaling.replica_rows`), so a batch that does not divide is
+placed right too: 37 rows on 2 replicas, rows 0-18 and 19-36, where ``r*b`` put the second's
+at 18 and a GAN's noise and Dropout masks on 2 MWMS workers ended 1 % of a kernel off one
+process): the draw one process makes, N times the values to draw. Keras's
 stateless draws (its TensorFlow backend's ``normal``, ``uniform``, ``truncated_normal``,
 ``dropout``) are redone here with the same TensorFlow ops and seeds, so the values are one
 process's bit for bit. A draw counts as over the batch when its first dimension is the
 replica's number of rows (for dropout: a noise shape that does not broadcast over the batch).
 
 Where it does not act: more than :data:`MAX_REPLICAS` replicas (the draw grows with them; the
-draws stay each replica's own, and one warning says so), several replicas per worker
-(the rows' order over a worker's devices is not the replica order), an uneven last batch (its
-step only), TensorFlow's own ``tf.random`` ops in a step (each replica's own, their seeds
-from the graph: one warning names the fix) and tf_keras's generators (``tfdist verify``
-measures them).
+draws stay each replica's own, and one warning says so), several replicas per worker (the rows'
+order over a worker's devices is not the replica order), a batch that does not divide outside
+``fit``'s training step (Horovod's ranks; evaluate), TensorFlow's own ``tf.random`` ops in a
+step (each replica's own, their seeds from the graph: one warning names the fix) and tf_keras's
+generators (``tfdist verify`` measures them).
 
 Installed (patch ``keras3-global-draws``) on Keras 3 under MWMS over several workers,
 MirroredStrategy and Horovod over several ranks (a rank's rows are its part of the batch, as
@@ -43,12 +47,14 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from tfdist import patches
+from tfdist.keras import loss_scaling
 from tfdist.keras.versions import trainer_class
 
 if TYPE_CHECKING:
     from tfdist.patches import Where
 
-__all__ = ["MAX_REPLICAS", "install_global_draws", "install_keras2_told_draws"]
+__all__ = ["MAX_REPLICAS", "global_seed_generator", "install_global_draws",
+           "install_keras2_told_draws"]
 
 logger = logging.getLogger("tfdist")
 # Up to this many replicas each draws the global batch's values (N times its own).
@@ -56,6 +62,9 @@ MAX_REPLICAS = 8
 _local = threading.local()  # .rows: (dynamic rows tensor, static rows or None) of the step traced
 _warned: set[str] = set()
 _ranks: list[int] = []  # Horovod: [world size, rank]; empty under tf.distribute
+# Keras 3's global seed generator every replica's thread draws from, and whether the main
+# thread made it: [generator, bool], or empty.
+_shared: list[Any] = []
 
 
 def install_global_draws(where: Where, dist: Any) -> None:
@@ -71,10 +80,65 @@ def install_global_draws(where: Where, dist: Any) -> None:
         patches.apply("keras3-global-draws", backend_random, name,
                       functools.partial(_global_draw, name=name))
     patches.apply("keras3-global-draws", backend_random, "dropout", _global_dropout)
+    from keras.src.random import seed_generator
+
+    patches.apply("keras3-global-draws", seed_generator, "global_seed_generator", _one_per_process)
     import tensorflow as tf
 
     for name in ("normal", "uniform", "truncated_normal"):  # TensorFlow's own: told, kept
         patches.apply("keras3-global-draws", tf.random, name, _told_per_replica)
+
+
+def _one_per_process(original: Any) -> Any:
+    """Keras keeps its global seed generator (``keras.random.normal(shape)`` without a seed
+    draws from it) per thread, and a tf.distribute strategy traces each replica's step in a
+    thread of its own: every trace made another, and tf.function refused the second ("only
+    supports singleton tf.Variables created on the first call"; a GAN's noise drawn without a
+    seed, on 2 MWMS workers). The replicas' threads share one: the main thread's, or the one
+    the first of them made, which the main thread then takes as its own (as one process, where
+    the step is traced in the main thread). ``keras.utils.set_random_seed`` still makes the
+    main thread's anew."""
+    @functools.wraps(original)
+    def global_seed_generator() -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            if not _shared:
+                _shared[:] = [original(), False]
+            return _shared[0]
+        from keras.src.backend.common import global_state
+
+        name = getattr(_seed_module(), "GLOBAL_SEED_GENERATOR", "global_seed_generator")
+        if global_state.get_global_attribute(name) is None and _shared and not _shared[1]:
+            global_state.set_global_attribute(name, _shared[0])  # the replicas' own
+        found = original()
+        if not _shared or found is not _shared[0]:
+            _shared[:] = [found, True]
+        return found
+
+    return global_seed_generator
+
+
+def _seed_module() -> Any:
+    from keras.src.random import seed_generator
+
+    return seed_generator
+
+
+def global_seed_generator(create: bool = False) -> Any:
+    """Keras 3's global seed generator (what ``keras.random.normal(shape)`` without a seed
+    draws from; no model holds it): the one the training step draws from, made here where
+    ``create``. None without Keras 3, or where none is made yet and not ``create``."""
+    import sys
+
+    if _shared:
+        return _shared[0]
+    if "keras.src.random.seed_generator" not in sys.modules:
+        return None
+    from keras.src.backend.common import global_state
+
+    seed_generator = _seed_module()
+    name = getattr(seed_generator, "GLOBAL_SEED_GENERATOR", "global_seed_generator")
+    found = global_state.get_global_attribute(name)
+    return seed_generator.global_seed_generator() if found is None and create else found
 
 
 def _told_per_replica(original: Any) -> Any:
@@ -166,13 +230,19 @@ def _drawn(plan: tuple[int, Any, Any, Any], make: Any, shape: Any) -> Any:
     import tensorflow as tf
 
     replicas, index, rows, when = plan
+    counts = None if _ranks else loss_scaling.replica_rows()
+    if counts is None:  # an even split assumed (Horovod; fit's step without the rows counted)
+        start, total = index * rows, rows * replicas
+    else:  # a batch that does not divide (37 rows on 2: 19 and 18): where this replica's lie
+        counts = tf.cast(counts, rows.dtype)
+        start, total = tf.reduce_sum(counts[:index]), tf.reduce_sum(counts)
     if isinstance(shape, tf.Tensor):
-        global_shape = tf.concat([[rows * replicas], tf.cast(shape[1:], rows.dtype)], 0)
+        global_shape = tf.concat([[total], tf.cast(shape[1:], rows.dtype)], 0)
     else:
-        global_shape = [rows * replicas, *shape[1:]]
+        global_shape = [total, *shape[1:]]
 
     def whole() -> Any:
-        return make(global_shape)[index * rows:(index + 1) * rows]
+        return make(global_shape)[start:start + rows]
 
     if when is None:
         return whole()

@@ -1,14 +1,14 @@
 """A Keras model's exact state as host memory: what a background save writes
 (:mod:`tfdist.background`) and a resume assigns back.
 
-:func:`take` copies every weight of the model and every variable of its optimizer (its step
-count, its learning rate where it is a variable, its slots) into one page-aligned buffer of host
-memory, on the training thread, at the agreed step. The buffer is made once, by the writer
-thread before the first save (:func:`prepare`; its pages populated by the kernel, not faulted
-in one by one), and reused by every save of the same variables: a copy of 1.1 GB then takes
-0.07 s where fresh arrays took 2.5 s on the same machine (their pages, and a second copy
-inside ``numpy()``). The values are read without a copy of their own (a tensor's buffer, a JAX
-array on the host), then copied once.
+:func:`take` copies every weight of the model and every variable of its optimizers (their step
+counts, learning rates where they are variables, slots; a GAN's own two too) into one
+page-aligned buffer of host memory, on the training thread, at the agreed step. The buffer is
+made once, by the writer thread before the first save (:func:`prepare`; its pages populated by
+the kernel, not faulted in one by one), and reused by every save of the same variables: a copy
+of 1.1 GB then takes 0.07 s where fresh arrays took 2.5 s on the same machine (their pages, and
+a second copy inside ``numpy()``). The values are read without a copy of their own (a tensor's
+buffer, a JAX array on the host), then copied once.
 
 :func:`write` puts the buffer in one file of raw bytes (``variables.bin``, with its index
 ``variables.json``: each array's key, dtype, shape and offset, each offset on a 4 KiB boundary)
@@ -16,7 +16,7 @@ from the writer thread while training goes on, with direct I/O where the file sy
 the disk reads the buffer itself, so the write costs the processors almost nothing (0.08 s of
 processor time for 1.1 GB, against 0.3 to 2.6 s through the page cache, which the training
 threads would otherwise share). :func:`restore` assigns the arrays by position to a model and
-optimizer built the same way (``fit``'s resume builds the optimizer first). For Keras 3 on
+optimizers built the same way (``fit``'s resume builds them first). For Keras 3 on
 TensorFlow or JAX and tf_keras alike. It imports neither TensorFlow nor Keras.
 
 :func:`layout` is pure and table-tested.
@@ -33,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "FILE", "Snapshot", "host_buffer", "layout", "optimizer_variables",
-           "prepare", "restore", "take", "write", "write_bytes"]
+from tfdist.keras import optimizers
+
+__all__ = ["ALIGN", "FILE", "Snapshot", "host_buffer", "layout", "prepare",
+           "restore", "take", "write", "write_bytes"]
 
 FILE = "variables.json"  # the index of variables.bin: each array's key, dtype, shape, offset
 _DATA = "variables.bin"
@@ -42,18 +44,13 @@ ALIGN = 4096  # each array's offset, and the file's size: what direct I/O needs 
 _CHUNK = 64 << 20  # bytes per write call
 
 
-def optimizer_variables(model: Any) -> list[Any]:
-    """The variables of ``model``'s optimizer, in its order (none without one)."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        return []
-    found = getattr(optimizer, "variables", [])
-    return list(found() if callable(found) else found)  # tf_keras's legacy optimizers: a method
-
-
 def _variables(model: Any) -> dict[str, Any]:
+    """The model's weights (``w0``...) and the variables of every optimizer it holds, one
+    after the other (``o0``...: ``model.optimizer``'s first, then a GAN's own two)."""
     found = {f"w{i}": v for i, v in enumerate(getattr(model, "weights", []))}
-    found.update({f"o{i}": v for i, v in enumerate(optimizer_variables(model))})
+    held = [variable for optimizer in optimizers.optimizers(model)
+            for variable in optimizers.variables(optimizer)]
+    found.update({f"o{i}": v for i, v in enumerate(held)})
     return found
 
 
@@ -146,7 +143,7 @@ def prepare(model: Any) -> Snapshot | None:
 
 
 def take(model: Any, reuse: Snapshot | None = None) -> Snapshot:
-    """Copies the model's weights and its optimizer's variables into a buffer: ``reuse``'s
+    """Copies the model's weights and its optimizers' variables into a buffer: ``reuse``'s
     where the variables are the same (its last write must have ended), else a new one."""
     values = {key: _value(variable) for key, variable in _variables(model).items()}
     index, size = layout([(key, v.dtype, v.shape) for key, v in values.items()])
@@ -206,15 +203,15 @@ def _read(path: str) -> dict[str, np.ndarray]:
 
 
 def restore(model: Any, path: str) -> None:
-    """Assigns the arrays of ``path`` (a :func:`write`) to ``model`` and its optimizer.
+    """Assigns the arrays of ``path`` (a :func:`write`) to ``model`` and its optimizers.
 
     Raises:
-        ValueError: they do not fit (another model or optimizer): nothing is assigned.
+        ValueError: they do not fit (another model or optimizers): nothing is assigned.
     """
     variables = _variables(model)
     values = _read(path)
     if set(values) != set(variables):
-        raise ValueError(f"{path} holds {len(values)} arrays, this model and its optimizer "
+        raise ValueError(f"{path} holds {len(values)} arrays, this model and its optimizers "
                          f"have {len(variables)} variables")
     for key, variable in variables.items():
         if tuple(values[key].shape) != tuple(variable.shape):

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tfdist import patches
+from tfdist.keras.optimizers import optimizers, variables
 from tfdist.verify import DIR, STEPS, seed_once
 
 if TYPE_CHECKING:
@@ -134,8 +135,8 @@ def _moments(model: Any) -> list[tuple[str, np.ndarray]]:
     (Adam's first step). Small models only (the weights' bound)."""
     found: list[tuple[str, np.ndarray]] = []
     seen: set[int] = set()
-    for optimizer in _optimizers(model):
-        for variable in getattr(optimizer, "variables", []) or []:
+    for optimizer in optimizers(model):
+        for variable in variables(optimizer):
             name = _variable_name(variable)
             if id(variable) in seen or not any(m in name.lower() for m in _MOMENT_NAMES):
                 continue
@@ -147,14 +148,6 @@ def _moments(model: Any) -> list[tuple[str, np.ndarray]]:
 
 
 _MOMENT_NAMES = ("momentum", "/m/", "_m:", "/m:")
-
-
-def _optimizers(model: Any) -> list[Any]:
-    """The model's optimizer and any other it holds as an attribute (a GAN's two)."""
-    found = [getattr(model, "optimizer", None)]
-    found += [v for v in vars(model).values()
-              if hasattr(v, "apply_gradients") and hasattr(v, "variables")]
-    return [o for i, o in enumerate(found) if o is not None and o not in found[:i]]
 
 
 def _variable_name(variable: Any) -> str:
