@@ -214,3 +214,61 @@ def test_a_snapshot_reads_back_the_same_written_directly_or_through_the_page_cac
     snapshot.restore(model, str(tmp_path / snapshot.FILE))
     for w, value in zip(model.weights, written, strict=True):
         np.testing.assert_array_equal(w.value, value)
+
+
+# --- the torch shim's dist.save in the background (tfdist/torch/saves.py) --------------------
+
+def test_a_torch_states_host_copy_is_reused_and_holds_the_values_at_the_copy():
+    torch = pytest.importorskip("torch")
+    from collections import namedtuple
+
+    from tfdist.torch import saves
+
+    pair = namedtuple("pair", "a b")
+    weights = torch.arange(6.0).reshape(2, 3)
+    state = {"model": {"w": weights}, "steps": [torch.tensor(3), 7], "pair": pair(weights, "x"),
+             "epoch": 2}
+    copied, buffers = saves.host_copy(state)
+    assert sorted(buffers) == [("model", "w"), ("pair", 0), ("steps", 0)]
+    assert copied["epoch"] == 2 and copied["steps"][1] == 7 and copied["pair"].b == "x"
+    assert isinstance(copied["pair"], pair) and isinstance(copied["steps"], list)
+    weights.add_(100.0)  # the training goes on: the copy keeps the saved values
+    assert copied["model"]["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    again, reused = saves.host_copy(state, buffers)  # the same shapes: the same host memory
+    assert all(reused[k].data_ptr() == buffers[k].data_ptr() for k in buffers)
+    assert again["model"]["w"][0, 0].item() == 100.0
+    grown = {**state, "model": {"w": torch.zeros(4, 3)}}  # another shape: new memory
+    _, made = saves.host_copy(grown, reused)
+    assert made[("model", "w")].data_ptr() != reused[("model", "w")].data_ptr()
+
+
+def test_a_torch_save_replaces_the_file_whole_or_leaves_the_previous_one(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tfdist.torch import saves
+
+    target = str(tmp_path / "ckpt" / "state.pt")
+    saves.write_atomically({"step": 1}, target)
+    with pytest.raises(Exception):  # noqa: B017 (pickle's own error: a lambda)
+        saves.write_atomically({"step": 2, "bad": lambda: None}, target)
+    assert torch.load(target)["step"] == 1 and os.listdir(tmp_path / "ckpt") == ["state.pt"]
+
+
+def test_a_torch_background_save_writes_the_state_of_its_step_and_raises_a_failed_write(
+        tmp_path):
+    torch = pytest.importorskip("torch")
+    from tfdist.torch import saves
+
+    writer = saves.BackgroundSaves()
+    weights = torch.ones(3)
+    target = str(tmp_path / "state.pt")
+    writer.save({"w": weights, "step": 4}, target)
+    weights.mul_(5.0)  # the next steps, while the file is written
+    writer.wait()
+    assert torch.load(target)["w"].tolist() == [1.0, 1.0, 1.0]
+    (tmp_path / "taken").write_text("a file where the folder would be")
+    writer.save({"w": weights}, str(tmp_path / "taken" / "state.pt"))
+    with pytest.raises(OSError):
+        writer.save({"w": weights}, target)  # the failed write, raised at the next save
+    writer.save({"w": weights}, target)  # once: the next save goes on
+    writer.wait()
+    assert torch.load(target)["w"].tolist() == [5.0, 5.0, 5.0]

@@ -834,6 +834,58 @@ def test_the_torch_shim_agrees_saves_and_resumes_bit_identical(tmp_path, stop):
         assert rank_runs[-1]["resumed"] and rank_runs[-1]["digest"] == alone["digest"]
 
 
+TORCH_IN_WRITE = {
+    # name: (PREEMPT_TEST_IN_WRITE on rank 0, the chief that writes; exit code of the first run)
+    "signal": ("USR1:3:2", 75),
+    "kill": ("KILL:3:2", 128 + signal.SIGKILL),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(TORCH_IN_WRITE))
+def test_a_torch_background_save_survives_a_signal_or_kill_inside_its_write(tmp_path, case):
+    # Background saves (TFDIST_BACKGROUND_SAVES=1) every 0.3 s of 0.05 s steps; the chief's
+    # third is held 2 s inside its write (the file written, not yet flushed and renamed) and
+    # the signal comes there. A signal: that write is finished and the final state written
+    # after it before the exit. A kill: the file is the save before, whole, and the next run
+    # resumes from it; either way bit-identical, every step after the state resumed once.
+    pytest.importorskip("torch", reason="torch is not installed (requirements/torch.txt)")
+    worker = str(WORKERS / "torch_preempt_worker.py")
+    hold, first_code = TORCH_IN_WRITE[case]
+    env = {**_env(), "TFDIST_BACKGROUND_SAVES": "1", "TFDIST_CHECKPOINT_EVERY": "0.3",
+           "PREEMPT_TEST_STEP_SLEEP": "0.05"}
+
+    def launch(out: Path, checkpoint: Path, *extra: str, **more: str
+               ) -> subprocess.CompletedProcess[str]:
+        out.mkdir()
+        return subprocess.run([sys.executable, "-m", "tfdist", "launch", *extra, "-n", "2",
+                               worker, str(out), str(checkpoint), "-1", "0"], cwd=ROOT,
+                              env={**env, **more}, capture_output=True, text=True, timeout=240,
+                              check=False)
+
+    straight = launch(tmp_path / "straight", tmp_path / "a.pt")
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    run = launch(tmp_path / "out", tmp_path / "b.pt", "--max-restarts", "1",
+                 PREEMPT_TEST_IN_WRITE=hold)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    # written on the writer thread, while the training thread went on
+    assert (f"tfdist-test: {hold.split(':')[0]} in background save 3 on thread "
+            "tfdist-background-save") in output, output[-3000:]
+    assert f"exit code {first_code}" in output or first_code == 75, output[-3000:]
+    resumed, alone = _results(tmp_path / "out", 1), _results(tmp_path / "straight")
+    stopped = (_results(tmp_path / "out", 0) if case == "signal" else None)
+    for rank, (after, before) in enumerate(zip(resumed, alone, strict=True)):
+        epoch, step = after["from"]
+        saved = epoch * STEPS_PER_EPOCH + step
+        assert after["resumed"] and after["digest"] == before["digest"], (after, before)
+        assert after["steps"] == before["steps"] - saved  # every step after the state once
+        if stopped is not None:  # the final save: where the agreed stop was
+            assert stopped[rank]["code"] == 75
+            assert [stopped[rank]["epoch"], stopped[rank]["step"]] == [epoch, step]
+            assert stopped[rank]["steps"] == saved
+
+
 KILLED_WRITER = """
 import json, os, signal, sys
 from tfdist import preemption

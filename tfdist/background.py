@@ -38,7 +38,8 @@ from typing import Any
 
 from tfdist import walltime
 
-__all__ = ["MARKER", "PARTIAL_PREFIX", "Writer", "complete", "fsync_folder", "mark_done",
+__all__ = ["MARKER", "PARTIAL_PREFIX", "Writer", "complete", "fsync_dir", "fsync_folder",
+           "mark_done",
            "partial_name", "remove_partials", "save_number", "stale_partials", "start_save",
            "wait_for_ranks"]
 
@@ -89,10 +90,11 @@ def fsync_folder(folder: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
+    """Makes ``folder``'s entries durable (a rename in it, a file made)."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -187,7 +189,7 @@ def start_save(writer: Writer, *, model_dir: str, final: str, number: int, rank:
             f.flush()
             os.fsync(f.fileno())
         commit(folder, final)
-        _fsync_dir(model_dir)
+        fsync_dir(model_dir)
         walltime.record_save(time.monotonic() - started)
 
     return writer.submit(job)

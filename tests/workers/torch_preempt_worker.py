@@ -4,9 +4,14 @@
 
 ``SIGNAL_RANK`` (-1: none) sends itself SIGUSR1 after its ``SIGNAL_STEP``-th step of the first
 run (``TFDIST_RESTART_COUNT`` 0); ``PREEMPT_TEST_STEP_SLEEP=S`` makes each step S seconds longer
-(for the walltime guard, which stops the run without a signal). Writes
-``result-RANK-RUN.json``: the steps this run trained, where it stopped, and after the last epoch
-a digest of the weights and optimizer state.
+(for the walltime guard, which stops the run without a signal). With ``TFDIST_CHECKPOINT_EVERY``
+it also saves at each agreed safety save. ``PREEMPT_TEST_IN_WRITE=SIGNAL:N:SECONDS`` (with
+``TFDIST_BACKGROUND_SAVES=1``): in the first run, rank 0 (the one that writes) sends itself
+SIGNAL (``USR1``, ``KILL``) inside its N-th save's write, on the writer thread, once the file is
+written and before it is flushed and renamed, then goes on SECONDS later (a slow disk's
+stand-in); it prints ``tfdist-test: SIGNAL in background save N on thread NAME``. Writes
+``result-RANK-RUN.json``: the steps this run trained, where it resumed from and where it
+stopped, and after the last epoch a digest of the weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -43,7 +49,10 @@ def main(out_dir: str, checkpoint: str, signal_rank: str, signal_step: str) -> N
             tfdist.torch.unwrap(model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             first_epoch, skip = state["epoch"], state["step"]
-        result = {"rank": dist.rank, "run": run, "steps": 0, "resumed": state is not None}
+        result = {"rank": dist.rank, "run": run, "steps": 0, "resumed": state is not None,
+                  "from": [first_epoch, skip]}
+        if dist.rank == 0 and run == 0 and os.environ.get("PREEMPT_TEST_IN_WRITE"):
+            _hold_a_write(*os.environ["PREEMPT_TEST_IN_WRITE"].split(":"))
         sleep = float(os.environ.get("PREEMPT_TEST_STEP_SLEEP", "0"))
         target = int(signal_step) if int(signal_rank) == dist.rank and run == 0 else None
         with dist.preemption(check_seconds=0.02) as stop:  # tfdist: agree on a step
@@ -67,8 +76,31 @@ def main(out_dir: str, checkpoint: str, signal_rank: str, signal_step: str) -> N
                         result.update(epoch=epoch, step=step + 1, code=75)
                         _write(out_dir, result)
                         dist.exit_preempted()  # tfdist: requeue (Slurm), exit 75
+                    if stop.save_now:  # tfdist: a safety save (TFDIST_CHECKPOINT_EVERY)
+                        dist.save({"model": tfdist.torch.unwrap(model).state_dict(),
+                                   "optimizer": optimizer.state_dict(),
+                                   "epoch": epoch, "step": step + 1}, checkpoint)
+                        stop.saved()
         result.update(epoch=EPOCHS - 1, code=0, digest=_digest(model, optimizer))
         _write(out_dir, result)
+
+
+def _hold_a_write(name: str, number: str, seconds: str) -> None:
+    """Sends this process ``SIG<name>`` inside its ``number``-th save's write (see above)."""
+    from tfdist.torch import saves
+
+    durable, writes = saves._durable, []
+
+    def held(file: object) -> None:
+        writes.append(file)
+        if len(writes) == int(number):
+            print(f"tfdist-test: {name} in background save {number} on thread "
+                  f"{threading.current_thread().name}", flush=True)
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+            time.sleep(float(seconds))
+        durable(file)
+
+    saves._durable = held
 
 
 def _digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:

@@ -222,7 +222,8 @@ class DeepSpeedDistributed(TorchDistributed):
             return {name: tensor.detach().clone() for name, tensor in
                     module.state_dict().items()}
 
-    def save(self, obj: Any, path: str | os.PathLike[str]) -> bool:
+    def save(self, obj: Any, path: str | os.PathLike[str], *,
+             background: bool | None = None) -> bool:
         """As :meth:`TorchDistributed.save`; the engine is saved as its model's state_dict.
         Under ZeRO stage 3, where each rank holds a partition of the parameters, every rank
         must call it: DeepSpeed gathers the model on the chief one layer at a time, and the
@@ -232,13 +233,13 @@ class DeepSpeedDistributed(TorchDistributed):
             ConfigError: a DeepSpeed without the consolidating call (stage 3 only).
         """
         if not self._partitioned(obj):
-            return super().save(obj, path)
+            return super().save(obj, path, background=background)
         gather = getattr(obj, "_zero3_consolidated_16bit_state_dict", None)
         if gather is None:
             raise ConfigError(f"DeepSpeed {self.version} cannot gather a ZeRO stage 3 model on "
                               "one rank: save with `model.save_checkpoint(DIR)` on every rank")
         state = gather()  # the parameters as they train (fp32 here): on the chief, else None
-        return super().save(state, path) if self.is_chief else False
+        return super().save(state, path, background=background) if self.is_chief else False
 
     def _partitioned(self, obj: Any) -> bool:
         """Whether ``obj`` is this handle's engine under ZeRO stage 3."""

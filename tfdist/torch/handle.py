@@ -11,7 +11,6 @@ threads follow the same policy as TensorFlow's backends (:mod:`tfdist.devices`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -32,7 +31,8 @@ from tfdist.backend_facts import Backend
 from tfdist.env import ClusterEnvironment
 from tfdist.errors import LaunchError
 from tfdist.replicas import ReplicaMath
-from tfdist.torch import heartbeat
+from tfdist.settings import resolve
+from tfdist.torch import heartbeat, saves
 from tfdist.torch.rendezvous import Rendezvous, plan
 from tfdist.torch.sampler import EpochSampler
 
@@ -66,6 +66,7 @@ class TorchDistributed(ReplicaMath):
         self.collective = collective
         self.device = device
         self.loader_batch: int | None = None  # the global batch given to loader(), if any
+        self._saves: saves.BackgroundSaves | None = None  # save(background=True)'s writer
 
     @property
     def facts(self) -> Backend:
@@ -244,6 +245,7 @@ class TorchDistributed(ReplicaMath):
         (:func:`tfdist.preemption.exit_preempted`): call it on every rank after saving."""
         from tfdist import preemption
 
+        self.wait_saves()  # the final state is on the disk before the exit
         preemption.exit_preempted(self)  # distributed()'s exit then destroys the group
 
     def load(self, path: str | os.PathLike[str]) -> Any:
@@ -271,41 +273,50 @@ class TorchDistributed(ReplicaMath):
         that stage partitions."""
         return unwrap(model).state_dict()
 
-    def save(self, obj: Any, path: str | os.PathLike[str]) -> bool:
+    def save(self, obj: Any, path: str | os.PathLike[str], *,
+             background: bool | None = None) -> bool:
         """Saves ``obj`` with ``torch.save`` on the chief only, atomically.
 
         A model (DDP-wrapped or not) is saved as its unwrapped ``state_dict``, so it loads into
         a plain model. The file appears complete or not at all (a temporary file in the same
-        directory, then a rename). Call it on every rank: other ranks return at once (under
-        DeepSpeed's ZeRO stage 3, once the chief has the parameters they hold); call
-        :meth:`barrier` before they read the file.
+        directory, flushed to the disk, then a rename), and the previous one stays until then.
+        Call it on every rank: other ranks return at once (under DeepSpeed's ZeRO stage 3, once
+        the chief has the parameters they hold); call :meth:`barrier` before they read the file.
+
+        ``background`` (default: ``TFDIST_BACKGROUND_SAVES``): the step waits only for a copy of
+        the tensors in host memory; the file is written on a thread of its own, one save in
+        flight (:mod:`tfdist.torch.saves`). :meth:`exit_preempted` and the end of
+        ``distributed()`` wait for it, and a write that failed raises at the next save.
 
         Returns:
-            Whether this process wrote the file.
+            Whether this process wrote the file (or started writing it).
         """
         if not self.is_chief:
             return False
         if isinstance(obj, torch.nn.Module):
             obj = unwrap(obj).state_dict()
         target = os.path.abspath(os.fspath(path))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        # Beside the target, so the rename is atomic; open() keeps the umask's permissions.
-        temporary = os.path.join(os.path.dirname(target),
-                                 f".{os.path.basename(target)}.tmp-{os.getpid()}")
-        try:
-            with open(temporary, "wb") as file:
-                torch.save(obj, file)
-            os.replace(temporary, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        if background if background is not None else resolve("background_saves"):
+            if self._saves is None:
+                self._saves = saves.BackgroundSaves()
+            self._saves.save(obj, target)
+        else:
+            self.wait_saves()  # an older state's write must not land after this one
+            saves.write_atomically(obj, target)
         return True
+
+    def wait_saves(self) -> None:
+        """Waits for the background save in flight, if any (:meth:`save`); raises its error."""
+        if self._saves is not None:
+            self._saves.wait()
 
     def close(self, barrier: bool) -> None:
         """Tears the backend down (:func:`shutdown`): the process group, after a barrier when
-        ``barrier``."""
-        close_group(self, barrier)
+        ``barrier``; a background save in flight is waited for first."""
+        try:
+            self.wait_saves()
+        finally:
+            close_group(self, barrier)
 
     def print(self, *args: Any, sep: str | None = " ", end: str | None = "\n",
               file: Any = None, flush: bool = True) -> None:
