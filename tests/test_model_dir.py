@@ -29,7 +29,7 @@ from tfdist import model_dir as layout
 from tfdist import ownership, preemption
 from tfdist.backends.single import SingleDistributed
 from tfdist.env import ClusterEnvironment
-from tfdist.errors import StorageError
+from tfdist.errors import ConfigError, StorageError
 from tfdist.keras import input_position
 from tfdist.keras.input_position import Resume
 
@@ -503,6 +503,54 @@ def test_a_custom_loops_damaged_state_resumes_from_the_one_before(tmp_path, capl
     with pytest.raises(StorageError, match=r"cannot be read .* no earlier complete one: start "
                                            r"afresh with rm -r .*preempted\*"):
         preemption.load_loop_state(str(tmp_path), weight=weight)
+
+
+def test_a_custom_loops_background_save_restores_its_models_optimizer_and_variables(
+        tmp_path):
+    # In this process (TensorFlow's default strategy): a Keras 3 model, its Adam (which Keras
+    # builds at its first apply_gradients, so not yet at a resume) and a variable of the loop.
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from tfdist.keras import loop_saves
+
+    def objects():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
+                                  keras.layers.Dropout(0.5)])
+        return {"model": model, "optimizer": keras.optimizers.Adam(0.1),
+                "seen": tf.Variable(0, dtype=tf.int64)}
+
+    dist = _one_process()
+    saving = objects()
+    model, optimizer = saving["model"], saving["optimizer"]
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(tf.ones((4, 3)), training=True))
+        weights = model.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights, strict=True))
+    saving["seen"].assign(12)
+    preemption.save_loop_state(dist, str(tmp_path), {"epoch": 1, "step": 3}, background=True,
+                               **saving)
+    expected = {k: np.array(v.numpy()) for k, v in loop_saves.variables(saving).items()}
+    model.weights[0].assign(tf.zeros_like(model.weights[0]))  # the loop goes on
+    loop_saves.wait_all()
+    saved = tmp_path / layout.PREEMPTED
+    assert (saved / "variables.json").exists() and not list(saved.glob("loop.*"))
+    fresh = objects()
+    assert preemption.load_loop_state(str(tmp_path), **fresh) == {"epoch": 1, "step": 3}
+    found = {k: np.array(v.numpy()) for k, v in loop_saves.variables(fresh).items()}
+    # The weights, Dropout's random state (Keras 3), the variable, and the Adam's step and its
+    # 4 slots (and rate, Keras 3), made at the resume
+    assert sorted(found) == sorted(expected), sorted(found)
+    slots = [k for k in found if k.startswith("optimizer/")]
+    assert len(slots) == len(loop_saves.optimizers.variables(optimizer)) >= 5, slots
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+    # What only a tf.train.Checkpoint takes is refused in one line that names the fix.
+    with pytest.raises(ConfigError, match=r"iterator is a .*: save this loop's state with "
+                                          r"dist.save_state\(\.\.\., background=False\)"):
+        preemption.save_loop_state(dist, str(tmp_path), {}, background=True,
+                                   iterator=iter(tf.data.Dataset.range(3)))
 
 
 def test_the_doctor_names_a_rank_whose_model_dir_is_another_folder(tmp_path):

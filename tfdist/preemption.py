@@ -407,6 +407,9 @@ def exit_preempted(dist: Agreeing) -> NoReturn:
     # rank's 75 into 143, and srun's code with it: the job script would not requeue. Ignored,
     # not handled, because Python keeps an ignored signal ignored through its shutdown.
     _exiting = True
+    loops = sys.modules.get("tfdist.keras.loop_saves")
+    if loops is not None:  # a loop's final save in the background: on the disk first
+        loops.wait_all()
     if threading.current_thread() is threading.main_thread():
         for sig in signals():
             signal.signal(sig, signal.SIG_IGN)
@@ -601,7 +604,7 @@ def _agree_written(dist: Agreeing, problem: OSError | None, final: str) -> None:
 
 
 def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
-                    **objects: Any) -> bool:
+                    background: bool | None = None, **objects: Any) -> bool:
     """Saves a custom loop's state at the agreed step: call it on every rank.
 
     ``objects`` (a Keras model, its optimizer, a ``tf.Variable``, anything
@@ -611,9 +614,21 @@ def save_loop_state(dist: Agreeing, model_dir: str, position: dict[str, Any],
     goes to ``state.json``. The folder ``model_dir/preempted`` is replaced as :func:`commit`
     does, so a kill at any moment leaves the last complete state.
 
+    ``background`` (default: ``TFDIST_BACKGROUND_SAVES``): the step waits only for a copy of
+    the values in host memory; the files are written, made durable and committed on this
+    process's writer thread (:mod:`tfdist.keras.loop_saves`: Keras models, optimizers and
+    variables). :func:`exit_preempted` waits for the save in flight.
+
     Returns:
-        Whether this process wrote the state.
+        Whether this process wrote the state (the chief; in the background: started it).
     """
+    if background if background is not None else resolve("background_saves"):
+        from tfdist.keras import loop_saves
+
+        loop_saves.saver(model_dir).save(
+            dist, model_dir, position, objects, commit=commit, state_file=STATE_FILE,
+            final=os.path.join(model_dir, CHECKPOINT_DIR))
+        return dist.is_chief
     import tensorflow as tf
 
     def write(partial: str) -> None:
@@ -641,10 +656,12 @@ def _with_random_states(objects: dict[str, Any]) -> dict[str, Any]:
     return {**objects, **extra}
 
 
-def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | None:
+def load_loop_state(model_dir: str | None, *, strategy_scope: Any = None,
+                    **objects: Any) -> dict[str, Any] | None:
     """Restores what :func:`save_loop_state` saved into ``objects``; returns its ``position``,
     or None when ``model_dir`` holds no state (the first run). Call it on every rank, after
-    the objects exist and before the first step.
+    the objects exist and before the first step. ``strategy_scope``: where an optimizer not
+    built yet is built before a background save's values are assigned (the handle's).
 
     Raises:
         ConfigError: the state does not fit ``objects`` (another model or optimizer).
@@ -653,8 +670,15 @@ def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | N
 
     states = [s for s in read_states(model_dir) if s.get("loop")] if model_dir else []
     damaged: list[str] = []
+    restored: Any = None
     for state in states:
         try:
+            if os.path.exists(os.path.join(state["path"], "variables.json")):
+                from tfdist.keras import loop_saves  # a background save's
+
+                loop_saves.restore(objects, state["path"], state.get("optimizers") or {},
+                                   strategy_scope)
+                break
             restored = tf.train.Checkpoint(**_with_random_states(objects)).read(
                 os.path.join(state["path"], "loop"))
             restored.assert_existing_objects_matched()
@@ -681,8 +705,10 @@ def load_loop_state(model_dir: str | None, **objects: Any) -> dict[str, Any] | N
     walltime.record_save(state.get("save_seconds"))  # the run that saved it timed the save
     # Kept: variables made after this (an optimizer's, at its first step) are restored then,
     # through this status; once it is garbage collected, their values are dropped.
-    _restores.append(restored)
+    if restored is not None:
+        _restores.append(restored)
     position = {k: v for k, v in state.items()
-                if k not in ("path", "loop", "world_size", "save_seconds")}
+                if k not in ("path", "loop", "world_size", "save_seconds", "optimizers",
+                             "background")}
     logger.warning("tfdist: resuming the loop at %s from %s", position, state["path"])
     return position

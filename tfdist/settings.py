@@ -337,7 +337,8 @@ SETTINGS: tuple[Setting, ...] = (
             "in host memory, the files are written, made durable and committed while training "
             "goes on, one save in flight; the save at a signal or the walltime waits for the "
             "one in flight and is written the same way (the state's raw bytes, several times "
-            "faster than Keras's file). Keras 3 and tf_keras; and the torch shim's `dist.save` "
+            "faster than Keras's file). Keras 3 and tf_keras; a custom loop's "
+            "`dist.save_state` (Keras models, optimizers, variables); the torch shim's `dist.save` "
             "(a copy in host memory, the file written on a thread of its own; "
             "`dist.exit_preempted` and the end of `distributed()` wait for it); default: off"),
     Setting("signal_lead", "TFDIST_SIGNAL_LEAD", _duration, None,

@@ -208,13 +208,16 @@ class Distributed(ReplicaMath):
 
         return preemption.watch(self, check_seconds, every)
 
-    def save_state(self, model_dir: str, position: dict[str, Any], **objects: Any) -> bool:
+    def save_state(self, model_dir: str, position: dict[str, Any],
+                   background: bool | None = None, **objects: Any) -> bool:
         """Saves a custom loop's ``objects`` and ``position`` in ``model_dir/preempted``, written
-        once by the chief (:func:`tfdist.preemption.save_loop_state`). Call it on every rank."""
+        once by the chief (:func:`tfdist.preemption.save_loop_state`; ``background``, default
+        ``TFDIST_BACKGROUND_SAVES``: written by a thread of its own while the loop goes on).
+        Call it on every rank."""
         from tfdist import ownership, preemption
 
         ownership.claim(self, model_dir)  # one run, a folder every rank sees (once)
-        return preemption.save_loop_state(self, model_dir, position, **objects)
+        return preemption.save_loop_state(self, model_dir, position, background, **objects)
 
     def load_state(self, model_dir: str | None, **objects: Any) -> dict[str, Any] | None:
         """Restores :meth:`save_state`'s ``objects``; the saved position, or None on a first run
@@ -223,7 +226,7 @@ class Distributed(ReplicaMath):
 
         if model_dir:
             ownership.claim(self, model_dir)  # one run, a folder every rank sees (once)
-        return preemption.load_loop_state(model_dir, **objects)
+        return preemption.load_loop_state(model_dir, strategy_scope=self.scope, **objects)
 
     def exit_preempted(self) -> NoReturn:
         """Requeues the Slurm job from the chief, waits for every rank and exits with 75

@@ -35,8 +35,8 @@ import numpy as np
 
 from tfdist.keras import optimizers
 
-__all__ = ["ALIGN", "FILE", "Snapshot", "host_buffer", "layout", "prepare",
-           "restore", "take", "write", "write_bytes"]
+__all__ = ["ALIGN", "FILE", "Snapshot", "host_buffer", "layout", "prepare", "prepare_variables",
+           "restore", "restore_variables", "take", "take_variables", "write", "write_bytes"]
 
 FILE = "variables.json"  # the index of variables.bin: each array's key, dtype, shape, offset
 _DATA = "variables.bin"
@@ -130,8 +130,13 @@ def prepare(model: Any) -> Snapshot | None:
     """A buffer for the model's variables as they are now, from their shapes and dtypes alone
     (no value read): the writer thread makes it before the first save, whose :func:`take`
     then only copies. None where a dtype is not numpy's (the first save makes it)."""
+    return prepare_variables(_variables(model))
+
+
+def prepare_variables(variables: dict[str, Any]) -> Snapshot | None:
+    """:func:`prepare` for any variables, by key."""
     specs = []
-    for key, variable in _variables(model).items():
+    for key, variable in variables.items():
         dtype = getattr(variable, "dtype", None)
         try:
             specs.append((key, np.dtype(getattr(dtype, "as_numpy_dtype", dtype)),
@@ -145,7 +150,12 @@ def prepare(model: Any) -> Snapshot | None:
 def take(model: Any, reuse: Snapshot | None = None) -> Snapshot:
     """Copies the model's weights and its optimizers' variables into a buffer: ``reuse``'s
     where the variables are the same (its last write must have ended), else a new one."""
-    values = {key: _value(variable) for key, variable in _variables(model).items()}
+    return take_variables(_variables(model), reuse)
+
+
+def take_variables(variables: dict[str, Any], reuse: Snapshot | None = None) -> Snapshot:
+    """:func:`take` for any variables, by key (a custom loop's objects')."""
+    values = {key: _value(variable) for key, variable in variables.items()}
     index, size = layout([(key, v.dtype, v.shape) for key, v in values.items()])
     found = (reuse if reuse is not None and reuse.index == index
              else Snapshot(index, size, host_buffer(size)))
@@ -208,7 +218,15 @@ def restore(model: Any, path: str) -> None:
     Raises:
         ValueError: they do not fit (another model or optimizers): nothing is assigned.
     """
-    variables = _variables(model)
+    restore_variables(_variables(model), path)
+
+
+def restore_variables(variables: dict[str, Any], path: str) -> None:
+    """:func:`restore` for any variables, by key.
+
+    Raises:
+        ValueError: they do not fit (other variables): nothing is assigned.
+    """
     values = _read(path)
     if set(values) != set(variables):
         raise ValueError(f"{path} holds {len(values)} arrays, this model and its optimizers "
