@@ -312,9 +312,14 @@ class TorchDistributed(ReplicaMath):
 
     def close(self, barrier: bool) -> None:
         """Tears the backend down (:func:`shutdown`): the process group, after a barrier when
-        ``barrier``; a background save in flight is waited for first."""
+        ``barrier``; a background save in flight is waited for first (its error raised after
+        a normal finish, only logged after an error, which it must not hide)."""
         try:
             self.wait_saves()
+        except Exception as error:
+            if barrier:
+                raise
+            logger.error("tfdist: the background save in flight failed too: %s", error)
         finally:
             close_group(self, barrier)
 
