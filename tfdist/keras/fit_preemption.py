@@ -292,6 +292,9 @@ class PreemptionCallback:
         final = os.path.join(self.model_dir, preemption.CHECKPOINT_DIR)
         try:
             self._writer.wait()  # the buffer the state is copied into is free again
+            # The save before is written and timed: its limits are said before this one's
+            # write can end the process (a kill inside it).
+            self._check_save_time()
             # The state is the same on every rank: the chief's copy is the one written.
             if self.dist.is_chief:
                 self._snapshot = snapshot.take(self.model, self._snapshot)
