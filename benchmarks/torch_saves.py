@@ -123,7 +123,8 @@ def main() -> None:
                                        / len(found["blocked"]))
                 size = found["bytes"]
             print(f"round {round_} {variant:10} {found['seconds']:7.2f} s for "
-                  f"{args.steps - 1} steps, {len(found['blocked'])} saves", flush=True)
+                  f"{args.steps - 1} steps, {len(found['blocked'])} saves, blocked "
+                  f"{' '.join(f'{b:.3f}' for b in found['blocked'])} s", flush=True)
     print(f"state: {size / 1e6:.0f} MB (weights and Adam's slots, {layers} layers of {WIDTH}x"
           f"{WIDTH}), 2 workers (gloo), a save every {args.every} steps")
     for variant, values in blocked.items():

@@ -265,6 +265,8 @@ def test_a_torch_background_save_writes_the_state_of_its_step_and_raises_a_faile
     weights.mul_(5.0)  # the next steps, while the file is written
     writer.wait()
     assert torch.load(target)["w"].tolist() == [1.0, 1.0, 1.0]
+    settings = pytest.importorskip("torch.utils.serialization").config.save
+    assert settings.compute_crc32  # written without the checksum, the setting put back
     (tmp_path / "taken").write_text("a file where the folder would be")
     writer.save({"w": weights}, str(tmp_path / "taken" / "state.pt"))
     with pytest.raises(OSError):

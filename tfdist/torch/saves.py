@@ -11,7 +11,9 @@ splits it in two: on the training thread, a copy of the state's tensors in host 
 (:func:`host_copy`: into the same host tensors at every save of the same shapes, so the pages
 are not faulted in again, pinned where CUDA is there); on the writer thread
 (:class:`tfdist.background.Writer`, one save in flight, below the training threads' priority),
-:func:`write_atomically`. The step waits for the copy, and for the previous write only when the
+:func:`write_atomically`, without the zip records' checksums (torch's CRC-32 took 0.68 s of the
+0.75 s of processor time a 300 MB save cost, on processors the training shares). The step waits
+for the copy, and for the previous write only when the
 disk is slower than the saves. :meth:`BackgroundSaves.wait` waits for the write in flight and
 raises its error: ``dist.exit_preempted`` and the end of ``tfdist.torch.distributed()`` call
 it, so the final save at a signal, at the walltime or at the end is on the disk before the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from typing import Any
 
@@ -64,15 +67,17 @@ def host_copy(obj: Any, reuse: dict[tuple[Any, ...], torch.Tensor] | None = None
     return copied, made
 
 
-def write_atomically(obj: Any, target: str) -> None:
+def write_atomically(obj: Any, target: str, *, checksum: bool = True) -> None:
     """``torch.save(obj)`` to ``target``: a temporary file beside it, fsynced, renamed over it,
-    the folder fsynced. The target is the whole new file or the previous one."""
+    the folder fsynced. The target is the whole new file or the previous one. Without
+    ``checksum`` the zip records' CRC-32 is not computed (where torch has the setting): most of
+    the processor time of a save (0.68 s of 0.75 s for 300 MB here); the file loads the same."""
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
     # Beside the target, so the rename is atomic; open() keeps the umask's permissions.
     temporary = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}")
     try:
-        with open(temporary, "wb") as file:
+        with open(temporary, "wb") as file, _checksums(checksum):
             torch.save(obj, file)
             _durable(file)
         os.replace(temporary, target)
@@ -81,6 +86,29 @@ def write_atomically(obj: Any, target: str) -> None:
             os.unlink(temporary)
         raise
     background.fsync_dir(folder)
+
+
+_setting = threading.Lock()
+
+
+@contextlib.contextmanager
+def _checksums(on: bool) -> Any:
+    """torch's ``compute_crc32`` setting set to ``on`` while a save runs (it is the process's:
+    a ``torch.save`` another thread starts meanwhile is written without the checksum too)."""
+    settings: Any = None
+    with contextlib.suppress(ImportError):  # a torch without the setting: as it is
+        from torch.utils.serialization import config as settings
+    config = getattr(settings, "save", None)
+    if on or config is None or not hasattr(config, "compute_crc32"):
+        yield
+        return
+    with _setting:
+        before = config.compute_crc32
+        config.compute_crc32 = False
+        try:
+            yield
+        finally:
+            config.compute_crc32 = before
 
 
 def _durable(file: Any) -> None:
@@ -104,7 +132,7 @@ class BackgroundSaves:
 
         def job() -> None:
             started = time.monotonic()
-            write_atomically(copied, target)
+            write_atomically(copied, target, checksum=False)
             walltime.record_save(time.monotonic() - started)  # the margin follows the saves
 
         self.writer.submit(job)
