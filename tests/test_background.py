@@ -274,3 +274,19 @@ def test_a_torch_background_save_writes_the_state_of_its_step_and_raises_a_faile
     writer.save({"w": weights}, target)  # once: the next save goes on
     writer.wait()
     assert torch.load(target)["w"].tolist() == [5.0, 5.0, 5.0]
+
+
+def test_a_torch_save_made_in_memory_grows_its_buffer_and_writes_the_file_whole(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tfdist.torch import saves
+
+    memory = saves.Memory()  # one page: torch.save's file outgrows it
+    state = {"w": torch.arange(5000, dtype=torch.float32), "step": 3}
+    target = str(tmp_path / "state.pt")
+    saves.write_atomically(state, target, checksum=False, memory=memory)
+    assert len(memory.buffer) >= memory.size > 20000 and len(memory.aligned()) % 4096 == 0
+    assert os.path.getsize(target) == memory.size  # the direct write's last page cut off
+    loaded = torch.load(target)
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
+    saves.write_atomically({"step": 4}, target, memory=memory)  # the buffer reused, rewound
+    assert torch.load(target) == {"step": 4} and os.path.getsize(target) == memory.size
