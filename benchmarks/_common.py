@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +53,16 @@ def spread(values: list[float], fmt: str) -> str:
 
     return (f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}.."
             f"{format(max(values), fmt)})")
+
+
+def disk_mb_per_s(size: int) -> float:
+    """The write bandwidth of the folder the benchmarks save to (the checkout): ``size`` bytes
+    written and fsynced."""
+    block = os.urandom(1 << 20)
+    with tempfile.NamedTemporaryFile(dir=ROOT, prefix=".tfdist-disk-") as f:
+        started = time.monotonic()
+        for _ in range(max(1, size >> 20)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        return (size / 1e6) / (time.monotonic() - started)

@@ -24,6 +24,7 @@ size written and fsynced in the model_dir's folder).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -34,6 +35,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import disk_mb_per_s, spread
+
+_spread = functools.partial(spread, fmt=".3f")  # median (min..max), in seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 SAVE_LINE = re.compile(r"tfdist: safety save after step \d+ of epoch \d+.* \((\d+\.\d+) s;")
@@ -102,22 +107,6 @@ def excess(step_s: list[float]) -> float:
     the run, apart from the run-to-run noise a comparison with another run carries."""
     middle = statistics.median(step_s)
     return sum(max(0.0, s - middle) for s in step_s)
-
-
-def disk_mb_per_s(size: int) -> float:
-    """The write bandwidth of the folder the runs save to: ``size`` bytes written, fsynced."""
-    block = os.urandom(1 << 20)
-    with tempfile.NamedTemporaryFile(dir=ROOT, prefix=".tfdist-disk-") as f:
-        started = time.monotonic()
-        for _ in range(max(1, size >> 20)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-        return (size / 1e6) / (time.monotonic() - started)
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
 def main() -> None:

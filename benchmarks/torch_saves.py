@@ -22,6 +22,7 @@ their ratio background/sync (the target: under 0.05), the run's extra time per s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -30,6 +31,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import disk_mb_per_s, spread
+
+_spread = functools.partial(spread, fmt=".3f")  # median (min..max), in seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("none", "sync", "background")
@@ -84,22 +89,6 @@ def run_once(variant: str, layers: int, steps: int, every: int) -> dict:
             raise SystemExit(f"the {variant} run failed:\n{done.stdout[-3000:]}"
                              f"{done.stderr[-3000:]}")
         return json.loads(Path(out).read_text())
-
-
-def disk_mb_per_s(size: int) -> float:
-    """The write bandwidth of the folder the runs save to: ``size`` bytes written, fsynced."""
-    block = os.urandom(1 << 20)
-    with tempfile.NamedTemporaryFile(dir=ROOT, prefix=".tfdist-disk-") as f:
-        started = time.monotonic()
-        for _ in range(max(1, size >> 20)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-        return (size / 1e6) / (time.monotonic() - started)
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
 def main() -> None:

@@ -403,8 +403,7 @@ class PreemptionCallback:
             # Every weight exists (a GAN whose networks the script built), but a model without
             # call() is never marked built, and Keras loads nothing into one so marked.
             model.built = True
-        scope = getattr(getattr(model, "distribute_strategy", None), "scope", None)
-        with scope() if callable(scope) else contextlib.nullcontext():
+        with _scope(model):
             problems = optimizers.build_as_saved(model, state.get("optimizers"))
         if problems:
             raise StorageError(
@@ -473,8 +472,7 @@ class PreemptionCallback:
                 if f"v{i}" in saved and saved[f"v{i}"].shape == tuple(variable.shape):
                     variable.assign(saved[f"v{i}"])
             if _GLOBAL_SEED in saved:  # made here if the step has not made it yet
-                scope = getattr(getattr(self.model, "distribute_strategy", None), "scope", None)
-                with scope() if callable(scope) else contextlib.nullcontext():
+                with _scope(self.model):
                     found = random_draws.global_seed_generator(create=True)
                 if found is not None:
                     found.state.assign(saved[_GLOBAL_SEED])
@@ -517,6 +515,12 @@ def _built(model: Any) -> bool:
     if callable(layers):
         return all(getattr(layer, "built", True) for layer in layers())
     return bool(getattr(model, "built", True))
+
+
+def _scope(model: Any) -> Any:
+    """The scope of ``model``'s strategy (where its variables are made), else no scope."""
+    scope = getattr(getattr(model, "distribute_strategy", None), "scope", None)
+    return scope() if callable(scope) else contextlib.nullcontext()
 
 
 _GLOBAL_SEED = "global_seed"  # Keras 3's global seed generator's state, in rank-R.npz

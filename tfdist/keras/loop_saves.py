@@ -40,10 +40,6 @@ def _is_model(value: Any) -> bool:
     return hasattr(value, "weights") and hasattr(value, "layers")
 
 
-def _is_optimizer(value: Any) -> bool:
-    return callable(getattr(value, "apply_gradients", None)) and hasattr(value, "iterations")
-
-
 def _is_variable(value: Any) -> bool:
     return callable(getattr(value, "assign", None)) and hasattr(value, "shape") and hasattr(
         value, "dtype")
@@ -63,7 +59,7 @@ def variables(objects: dict[str, Any]) -> dict[str, Any]:
             found.update({f"{name}/w{i}": v for i, v in enumerate(value.weights)})
             found.update({f"{name}/r{i}": v for i, v in
                           enumerate(keras2.random_states(value))})
-        elif _is_optimizer(value):
+        elif optimizers.is_optimizer(value):
             found.update({f"{name}/o{i}": v for i, v in
                           enumerate(optimizers.variables(value))})
         elif _is_variable(value):
@@ -85,13 +81,8 @@ def record(objects: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each optimizer among ``objects``: whether it is built, over which of the models' weights
     (their places in :func:`_weights`)."""
     weights = _weights(objects)
-    found = {}
-    for name, value in objects.items():
-        if _is_optimizer(value):
-            built = optimizers.is_built(value)
-            found[name] = {"built": built,
-                           "variables": optimizers.trained(value, weights) if built else None}
-    return found
+    return {name: optimizers.entry(value, weights) for name, value in objects.items()
+            if optimizers.is_optimizer(value)}
 
 
 def restore(objects: dict[str, Any], folder: str, saved: dict[str, Any],
@@ -107,13 +98,9 @@ def restore(objects: dict[str, Any], folder: str, saved: dict[str, Any],
     with scope() if callable(scope) else contextlib.nullcontext():
         for name, was in saved.items():
             optimizer = objects.get(name)
-            if optimizer is None or not was.get("built") or optimizers.is_built(optimizer):
-                continue
-            positions = was.get("variables")
-            if positions is None or any(i >= len(weights) for i in positions):
+            if optimizer is not None and not optimizers.build_one(optimizer, was, weights):
                 raise ValueError(f"{name} ({type(optimizer).__name__}) trained variables the "
                                  "models given with it do not hold")
-            optimizer.build([weights[i] for i in positions])
     snapshot.restore_variables(variables(objects), os.path.join(folder, snapshot.FILE))
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["build_as_saved", "held", "is_built", "optimizers", "record", "trained",
-           "variables"]
+__all__ = ["build_as_saved", "build_one", "entry", "held", "is_built", "is_optimizer",
+           "optimizers", "record", "trained", "variables"]
 
 
 def optimizers(model: Any) -> list[Any]:
@@ -35,11 +35,14 @@ def held(model: Any) -> list[tuple[str, Any]]:
     attributes = sorted(vars(model).items(), key=lambda item: item[0]) if hasattr(
         model, "__dict__") else []
     for name, value in [("optimizer", getattr(model, "optimizer", None)), *attributes]:
-        is_optimizer = callable(getattr(value, "apply_gradients", None)) and hasattr(
-            value, "iterations")
-        if is_optimizer and all(value is not seen for _, seen in found):
+        if is_optimizer(value) and all(value is not seen for _, seen in found):
             found.append((name, value))
     return found
+
+
+def is_optimizer(value: Any) -> bool:
+    """Whether ``value`` is a Keras optimizer (3, or tf_keras's)."""
+    return callable(getattr(value, "apply_gradients", None)) and hasattr(value, "iterations")
 
 
 def variables(optimizer: Any) -> list[Any]:
@@ -83,16 +86,33 @@ def trained(optimizer: Any, weights: list[Any]) -> list[int] | None:
     return None
 
 
+def entry(optimizer: Any, weights: list[Any]) -> dict[str, Any]:
+    """What a save records of ``optimizer``: whether it is built, and over which of
+    ``weights`` (``variables``: their positions; None where not known)."""
+    built = is_built(optimizer)
+    return {"built": built, "variables": trained(optimizer, weights) if built else None}
+
+
 def record(model: Any) -> list[dict[str, Any]]:
-    """For a save's ``state.json``: each of :func:`optimizers`, whether it is built, and over
-    which of ``model.weights`` (``variables``: their positions; None where not known)."""
+    """For a save's ``state.json``: each of :func:`optimizers` (:func:`entry`, over
+    ``model.weights``), with the attribute that holds it and its class."""
     weights = list(getattr(model, "weights", []))
-    found = []
-    for name, optimizer in held(model):
-        built = is_built(optimizer)
-        found.append({"attribute": name, "class": type(optimizer).__name__, "built": built,
-                      "variables": trained(optimizer, weights) if built else None})
-    return found
+    return [{"attribute": name, "class": type(optimizer).__name__, **entry(optimizer, weights)}
+            for name, optimizer in held(model)]
+
+
+def build_one(optimizer: Any, was: dict[str, Any], weights: list[Any]) -> bool:
+    """Builds ``optimizer`` as :func:`entry` ``was`` says it was built, over ``weights``, where
+    it is not built yet. False where it cannot be (the variables it trained are not among
+    ``weights``)."""
+    if not was.get("built") or is_built(optimizer):
+        return True
+    positions = was.get("variables")
+    if positions is None or any(i >= len(weights) for i in positions) or not callable(
+            getattr(optimizer, "build", None)):
+        return False
+    optimizer.build([weights[i] for i in positions])
+    return True
 
 
 def build_as_saved(model: Any, saved: list[dict[str, Any]] | None) -> list[str]:
@@ -113,13 +133,7 @@ def build_as_saved(model: Any, saved: list[dict[str, Any]] | None) -> list[str]:
     if len(saved) != len(found):
         return [f"the saved state has {len(saved)} optimizer(s), this model {len(found)}"]
     for (attribute, optimizer), was in zip(found, saved, strict=True):
-        name = f"{attribute} ({type(optimizer).__name__})"
-        if not was.get("built") or is_built(optimizer):
-            continue
-        positions = was.get("variables")
-        if positions is None or any(i >= len(weights) for i in positions) or not callable(
-                getattr(optimizer, "build", None)):
-            problems.append(f"{name} trained variables the model does not hold")
-            continue
-        optimizer.build([weights[i] for i in positions])
+        if not build_one(optimizer, was, weights):
+            problems.append(f"{attribute} ({type(optimizer).__name__}) trained variables the "
+                            "model does not hold")
     return problems

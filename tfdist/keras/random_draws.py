@@ -65,6 +65,7 @@ _ranks: list[int] = []  # Horovod: [world size, rank]; empty under tf.distribute
 # Keras 3's global seed generator every replica's thread draws from, and whether the main
 # thread made it: [generator, bool], or empty.
 _shared: list[Any] = []
+_KEY = "global_seed_generator"  # Keras's global state's name for it (GLOBAL_SEED_GENERATOR)
 
 
 def install_global_draws(where: Where, dist: Any) -> None:
@@ -80,9 +81,8 @@ def install_global_draws(where: Where, dist: Any) -> None:
         patches.apply("keras3-global-draws", backend_random, name,
                       functools.partial(_global_draw, name=name))
     patches.apply("keras3-global-draws", backend_random, "dropout", _global_dropout)
-    from keras.src.random import seed_generator
-
-    patches.apply("keras3-global-draws", seed_generator, "global_seed_generator", _one_per_process)
+    patches.apply("keras3-global-draws", _seed_module(), "global_seed_generator",
+                  _one_per_process)
     import tensorflow as tf
 
     for name in ("normal", "uniform", "truncated_normal"):  # TensorFlow's own: told, kept
@@ -106,9 +106,8 @@ def _one_per_process(original: Any) -> Any:
             return _shared[0]
         from keras.src.backend.common import global_state
 
-        name = getattr(_seed_module(), "GLOBAL_SEED_GENERATOR", "global_seed_generator")
-        if global_state.get_global_attribute(name) is None and _shared and not _shared[1]:
-            global_state.set_global_attribute(name, _shared[0])  # the replicas' own
+        if global_state.get_global_attribute(_KEY) is None and _shared and not _shared[1]:
+            global_state.set_global_attribute(_KEY, _shared[0])  # the replicas' own
         found = original()
         if not _shared or found is not _shared[0]:
             _shared[:] = [found, True]
@@ -135,10 +134,8 @@ def global_seed_generator(create: bool = False) -> Any:
         return None
     from keras.src.backend.common import global_state
 
-    seed_generator = _seed_module()
-    name = getattr(seed_generator, "GLOBAL_SEED_GENERATOR", "global_seed_generator")
-    found = global_state.get_global_attribute(name)
-    return seed_generator.global_seed_generator() if found is None and create else found
+    found = global_state.get_global_attribute(_KEY)
+    return _seed_module().global_seed_generator() if found is None and create else found
 
 
 def _told_per_replica(original: Any) -> Any:
